@@ -1,0 +1,158 @@
+"""Page-aligned, pre-faulted, reusable host buffers.
+
+O_DIRECT needs aligned memory, and reading into never-touched pages costs a
+page fault per 4 KiB in the middle of the transfer (it halved read throughput on
+our test machine). So buffers are anonymous ``mmap`` regions (page aligned by
+construction), populated up front with ``MAP_POPULATE``, and kept in a pool for
+reuse. When CUDA is present they are also registered as pinned memory so that
+host-to-device copies from them are asynchronous.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def round_down(n: int, multiple: int) -> int:
+    return n // multiple * multiple
+
+
+def address_of(buf: memoryview) -> int:
+    """Address of the first byte of a writable or read-only buffer."""
+    if buf.nbytes == 0:
+        return 0
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    return int(arr.ctypes.data)
+
+
+class AlignedBuffer:
+    """One page-aligned host buffer, viewable without copies as memoryview/numpy/torch."""
+
+    def __init__(self, nbytes: int, *, pin: bool | None = None) -> None:
+        if nbytes < 0:
+            raise ValueError(f"buffer size must be >= 0, got {nbytes}")
+        self.nbytes = nbytes
+        self._capacity = max(round_up(nbytes, PAGE), PAGE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap = mmap.mmap(-1, self._capacity, flags=flags)
+        self._view = memoryview(self._mmap)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        self.pinned = False
+        if pin is None:
+            pin = _cuda_available()
+        if pin:
+            self.pinned = _cuda_host_register(self.address, self._capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def view(self, nbytes: int | None = None, offset: int = 0) -> memoryview:
+        """A memoryview of ``nbytes`` bytes from ``offset`` (whole buffer by default)."""
+        end = self.nbytes if nbytes is None else offset + nbytes
+        if offset < 0 or end > self._capacity:
+            raise ValueError(f"view [{offset}, {end}) outside buffer of {self._capacity} bytes")
+        return self._view[offset:end]
+
+    def numpy(self, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
+        return np.frombuffer(self.view(nbytes, offset), dtype=np.uint8)
+
+    def tensor(self, nbytes: int | None = None, offset: int = 0) -> "torch.Tensor":
+        import torch
+
+        view = self.view(nbytes, offset)
+        if view.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+    def resize(self, nbytes: int) -> None:
+        """Use the first ``nbytes`` bytes (must fit the capacity)."""
+        if nbytes > self._capacity:
+            raise ValueError(f"{nbytes} bytes do not fit a buffer of {self._capacity}")
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        return f"AlignedBuffer(nbytes={self.nbytes}, capacity={self._capacity}, pinned={self.pinned})"
+
+
+class BufferPool:
+    """A bounded pool of reusable aligned buffers of one size.
+
+    ``acquire`` blocks when ``max_buffers`` are out, which is how callers bound
+    their memory; ``release`` hands a buffer back for reuse.
+    """
+
+    def __init__(self, buffer_size: int, max_buffers: int, *, pin: bool | None = None) -> None:
+        if max_buffers < 1:
+            raise ValueError("a buffer pool needs at least one buffer")
+        self.buffer_size = round_up(buffer_size, PAGE)
+        self.max_buffers = max_buffers
+        self._pin = pin
+        self._free: list[AlignedBuffer] = []
+        self._created = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, timeout: float | None = None) -> AlignedBuffer:
+        with self._cond:
+            while not self._free and self._created >= self.max_buffers:
+                if not self._cond.wait(timeout):
+                    raise TimeoutError(f"no free buffer of {self.buffer_size} bytes within {timeout}s")
+            if self._free:
+                buf = self._free.pop()
+                buf.resize(self.buffer_size)
+                return buf
+            self._created += 1
+        return AlignedBuffer(self.buffer_size, pin=self._pin)
+
+    def release(self, buf: AlignedBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    @property
+    def created(self) -> int:
+        return self._created
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch missing or broken CUDA
+        return False
+
+
+def _cuda_host_register(address: int, nbytes: int) -> bool:
+    """Pin an existing host range for the CUDA driver (cudaHostRegister)."""
+    try:
+        import torch
+
+        rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        ok = int(rc) == 0
+        if not ok:
+            log.info("cudaHostRegister failed (%s); the buffer stays pageable", rc)
+        return ok
+    except Exception as exc:  # pragma: no cover - GPU only
+        log.info("pinning unavailable: %s", exc)
+        return False

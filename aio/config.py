@@ -1,0 +1,73 @@
+"""Configuration of the async I/O engines.
+
+The model accepts DeepSpeed's ``aio`` config section unchanged (``block_size``,
+``queue_depth``, ``intra_op_parallelism`` / ``thread_count``, ``single_submit``,
+``overlap_events``, ``use_gds``) so a DeepSpeed user's JSON works as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+EngineName = Literal["auto", "libaio", "threads"]
+
+
+class AioConfig(BaseModel):
+    """How bytes move between host memory and files."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    engine: EngineName = "auto"
+    block_size: int = Field(8 * MIB, description="bytes per request; a multiple of `alignment`")
+    queue_depth: int = Field(32, ge=1, le=4096, description="requests in flight per file stream")
+    thread_count: int = Field(
+        4,
+        ge=1,
+        le=256,
+        validation_alias=AliasChoices("thread_count", "intra_op_parallelism"),
+        description="worker threads of the `threads` engine",
+    )
+    single_submit: bool = Field(False, description="libaio: submit requests one by one")
+    overlap_events: bool = Field(True, description="libaio: reap completions while submitting")
+    use_direct: bool = Field(True, description="open files with O_DIRECT where the file system allows")
+    alignment: int = Field(4096, description="O_DIRECT alignment of offsets, lengths and buffers")
+    fsync: bool = Field(True, description="fdatasync written files before reporting success")
+    use_gds: bool = Field(False, description="accepted for DeepSpeed compatibility; see `gds`")
+
+    @field_validator("alignment")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 512 or v & (v - 1):
+            raise ValueError(f"alignment must be a power of two >= 512, got {v}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if v < 4096 or v % 4096:
+            raise ValueError(f"block_size must be a positive multiple of 4096, got {v}")
+        return v
+
+    @classmethod
+    def from_deepspeed(cls, section: dict[str, Any]) -> "AioConfig":
+        """Build from a DeepSpeed ``aio`` section (or a whole DeepSpeed config holding one)."""
+        if "aio" in section and isinstance(section["aio"], dict):
+            section = section["aio"]
+        return cls.model_validate(section)
+
+    def to_deepspeed(self) -> dict[str, Any]:
+        """The DeepSpeed ``aio`` section equivalent to this configuration."""
+        return {
+            "block_size": self.block_size,
+            "queue_depth": self.queue_depth,
+            "intra_op_parallelism": self.thread_count,
+            "single_submit": self.single_submit,
+            "overlap_events": self.overlap_events,
+            "use_gds": self.use_gds,
+        }

@@ -1,0 +1,314 @@
+"""The public face of the I/O core: whole files and byte ranges, at device speed.
+
+``AioHandle`` owns one engine and a pool of aligned staging blocks. It turns
+arbitrary requests (any length, any offset, any buffer address) into the
+aligned block requests O_DIRECT needs:
+
+* writes stream through staging blocks of ``block_size``; the unaligned tail is
+  written padded and the file truncated to its true size;
+* reads go straight into the caller's buffer where address, offset and length
+  allow, else through staging blocks, ``queue_depth`` of them in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+from concurrent.futures import Future
+from typing import Iterable
+
+import numpy as np
+
+from .buffers import AlignedBuffer, BufferPool, address_of, round_down, round_up
+from .config import AioConfig
+from .engines import Engine, create_engine
+from .errors import AioError
+from .files import OpenFile, open_file, preallocate, sync_file, truncate
+
+Bytes = memoryview | bytes | bytearray | np.ndarray
+
+
+def as_bytes_view(data: Bytes) -> memoryview:
+    """A flat byte view of any contiguous buffer (numpy arrays included)."""
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise ValueError("array must be C-contiguous")
+        data = data.reshape(-1).view(np.uint8)
+    view = memoryview(data)
+    if view.ndim != 1 or view.format not in ("B", "b", "c"):
+        view = view.cast("B") if view.c_contiguous else None  # type: ignore[assignment]
+        if view is None:
+            raise ValueError("buffer must be contiguous")
+    return view
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """memcpy that releases the GIL for large sizes (numpy does)."""
+    if src.nbytes < 65536:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+class AioHandle:
+    """Reads and writes files through one engine with bounded, reusable staging memory."""
+
+    def __init__(self, config: AioConfig | None = None, *, engine: Engine | None = None) -> None:
+        self.config = config or AioConfig()
+        self.engine = engine or create_engine(self.config)
+        self.pool = BufferPool(self.config.block_size, self.config.queue_depth + 2)
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "AioHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------
+    def writer(self, path: str | os.PathLike[str], *, size_hint: int | None = None, fsync: bool | None = None) -> "FileWriter":
+        """A sequential writer to a new file at ``path`` (created or truncated)."""
+        return FileWriter(self, path, size_hint=size_hint, fsync=self.config.fsync if fsync is None else fsync)
+
+    def write_file(self, path: str | os.PathLike[str], data: Bytes | Iterable[Bytes], *, fsync: bool | None = None) -> int:
+        """Write ``data`` (one buffer or an iterable of buffers) as the whole content of ``path``."""
+        parts = [data] if isinstance(data, (memoryview, bytes, bytearray, np.ndarray)) else list(data)
+        views = [as_bytes_view(p) for p in parts]
+        with self.writer(path, size_hint=sum(v.nbytes for v in views), fsync=fsync) as w:
+            for v in views:
+                w.write(v)
+        return w.size
+
+    # -- reading ----------------------------------------------------------------------
+    def read_file(self, path: str | os.PathLike[str], out: AlignedBuffer | None = None) -> AlignedBuffer:
+        """Read all of ``path`` into an aligned buffer (``out`` when given and large enough)."""
+        with open_file(path, "r", direct=self.config.use_direct) as f:
+            size = os.fstat(f.fd).st_size
+            if out is None or out.capacity < size:
+                out = AlignedBuffer(size)
+            out.resize(size)
+            self._read_into(f, 0, out.view())
+        return out
+
+    def read_into(self, path: str | os.PathLike[str], offset: int, dest: Bytes) -> int:
+        """Read ``len(dest)`` bytes of ``path`` from ``offset``; an error if the file is shorter."""
+        with open_file(path, "r", direct=self.config.use_direct) as f:
+            return self._read_into(f, offset, as_bytes_view(dest))
+
+    def read_ranges(self, path: str | os.PathLike[str], ranges: Iterable[tuple[int, Bytes]]) -> None:
+        """Read several ``(offset, dest)`` ranges of one file, all in flight together."""
+        with open_file(path, "r", direct=self.config.use_direct) as f:
+            futures = []
+            for offset, dest in ranges:
+                futures.extend(self._submit_reads(f, offset, as_bytes_view(dest)))
+            _wait_all(futures)
+
+    def _read_into(self, f: OpenFile, offset: int, dest: memoryview) -> int:
+        _wait_all(self._submit_reads(f, offset, dest))
+        return dest.nbytes
+
+    def _submit_reads(self, f: OpenFile, offset: int, dest: memoryview) -> list[Future]:
+        """Submit the reads for one range; returns futures that raise on short reads."""
+        n = dest.nbytes
+        if n == 0:
+            return []
+        bs, align = self.config.block_size, self.config.alignment
+        futures: list[Future] = []
+        if not f.direct or (offset % align == 0 and address_of(dest) % align == 0):
+            # Straight into the caller's memory; only an unaligned tail needs staging.
+            direct_len = n if not f.direct else round_down(n, align)
+            for start in range(0, direct_len, bs):
+                chunk = dest[start : min(start + bs, direct_len)]
+                futures.append(_expect(self.engine.submit_read(f, offset + start, chunk), chunk.nbytes, f, offset + start))
+            if direct_len < n:
+                futures.append(self._staged_read(f, offset + direct_len, dest[direct_len:]))
+            return futures
+        # Unaligned: read the covering aligned span block by block through staging.
+        first = round_down(offset, align)
+        end = round_up(offset + n, align)
+        for span in range(first, end, bs):
+            lo, hi = max(span, offset), min(span + bs, offset + n)
+            futures.append(self._staged_read(f, lo, dest[lo - offset : hi - offset]))
+        return futures
+
+    def _staged_read(self, f: OpenFile, offset: int, dest: memoryview) -> Future:
+        """Read ``dest`` (within one staging block's reach) via an aligned staging block."""
+        align = self.config.alignment
+        start = round_down(offset, align)
+        length = round_up(offset + dest.nbytes, align) - start
+        block = self.pool.acquire()
+        if length > block.capacity:  # only when a caller bypasses _submit_reads' splitting
+            self.pool.release(block)
+            block = AlignedBuffer(length)
+        result: Future = Future()
+        inner = self.engine.submit_read(f, start, block.view(length))
+
+        def done(fut: Future) -> None:
+            try:
+                got = fut.result()
+                need = offset - start + dest.nbytes
+                if got < need:
+                    raise AioError(errno.ENODATA, f.path, start + got, f"file ends before {offset + dest.nbytes}")
+                _copy(dest, block.view(dest.nbytes, offset - start))
+                result.set_result(dest.nbytes)
+            except BaseException as exc:
+                result.set_exception(exc)
+            finally:
+                self.pool.release(block)
+
+        inner.add_done_callback(done)
+        return result
+
+
+class FileWriter:
+    """Streams bytes into a new file through aligned staging blocks, ``queue_depth`` in flight."""
+
+    def __init__(self, handle: AioHandle, path: str | os.PathLike[str], *, size_hint: int | None, fsync: bool) -> None:
+        self._h = handle
+        self._cfg = handle.config
+        self.path = os.fspath(path)
+        self._fsync = fsync
+        self._file = open_file(self.path, "w", direct=self._cfg.use_direct)
+        self._inflight: collections.deque[Future] = collections.deque()
+        self._block: AlignedBuffer | None = None
+        self._fill = 0  # bytes in the current staging block
+        self._offset = 0  # file offset of the current staging block
+        self.size = 0
+        self._closed = False
+        try:
+            if size_hint:
+                preallocate(self._file, round_up(size_hint, self._cfg.alignment))
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def direct(self) -> bool:
+        return self._file.direct
+
+    def write(self, data: Bytes) -> None:
+        view = as_bytes_view(data)
+        bs, align = self._cfg.block_size, self._cfg.alignment
+        pos = 0
+        while pos < view.nbytes:
+            if self._fill == 0 and self._offset % align == 0 and view.nbytes - pos >= bs and address_of(view[pos:]) % align == 0:
+                # Zero copy: the caller's memory is aligned; write from it directly.
+                n = round_down(min(view.nbytes - pos, bs), align)
+                self._submit(view[pos : pos + n], None)
+                self._offset += n
+                pos += n
+                continue
+            if self._block is None:
+                self._block = self._h.pool.acquire()
+            n = min(bs - self._fill, view.nbytes - pos)
+            _copy(self._block.view(n, self._fill), view[pos : pos + n])
+            self._fill += n
+            pos += n
+            if self._fill == bs:
+                self._flush_block(bs)
+        self.size += view.nbytes
+
+    def _flush_block(self, length: int) -> None:
+        block, self._block = self._block, None
+        assert block is not None
+        self._submit(block.view(length), block)
+        self._offset += self._fill
+        self._fill = 0
+
+    def _submit(self, view: memoryview, block: AlignedBuffer | None) -> None:
+        while len(self._inflight) >= self._cfg.queue_depth:
+            self._inflight.popleft().result()
+        fut = self._h.engine.submit_write(self._file, self._offset, view)
+        if block is not None:
+            fut.add_done_callback(lambda _f, b=block: self._h.pool.release(b))
+        self._inflight.append(fut)
+
+    def close(self) -> int:
+        """Write the tail, wait for every request, trim padding, fsync. Returns the file size."""
+        if self._closed:
+            return self.size
+        try:
+            if self._fill:
+                tail = self._fill
+                padded = round_up(tail, self._cfg.alignment) if self.direct else tail
+                assert self._block is not None
+                self._block.view(padded - tail, tail)[:] = bytes(padded - tail)
+                self._flush_block(padded)
+            _wait_all(self._inflight)
+            self._inflight.clear()
+            if os.fstat(self._file.fd).st_size != self.size:
+                truncate(self._file, self.size)
+            if self._fsync:
+                sync_file(self._file)
+        except BaseException:
+            self.abort()
+            raise
+        self._file.close()
+        self._closed = True
+        return self.size
+
+    def abort(self) -> None:
+        """Stop, wait for in-flight requests, close and delete the partial file."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._inflight:
+            try:
+                fut.result()
+            except BaseException:
+                pass
+        self._inflight.clear()
+        if self._block is not None:
+            self._h.pool.release(self._block)
+            self._block = None
+        self._file.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "FileWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _expect(fut: Future, nbytes: int, f: OpenFile, offset: int) -> Future:
+    """Wrap a read future so that a short read (file too small) raises, naming file and offset."""
+    out: Future = Future()
+
+    def done(inner: Future) -> None:
+        try:
+            got = inner.result()
+            if got < nbytes:
+                raise AioError(errno.ENODATA, f.path, offset + got, f"file ends before {offset + nbytes}")
+            out.set_result(got)
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    fut.add_done_callback(done)
+    return out
+
+
+def _wait_all(futures: Iterable[Future]) -> None:
+    """Wait for all futures; raise the first error after all have settled."""
+    first: BaseException | None = None
+    for fut in list(futures):
+        try:
+            fut.result()
+        except BaseException as exc:
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first
