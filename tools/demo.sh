@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (tools/setup.sh) and run the main job. Extra arguments go to the command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh
+exec .venv/bin/ucp bench io "$@"
