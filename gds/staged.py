@@ -94,10 +94,6 @@ class StagedPath:
     def write(self, path: str | os.PathLike[str], src: torch.Tensor, *, fsync: bool | None) -> int:
         """Write the flat uint8 tensor ``src`` (any device) as the whole file ``path``."""
         nbytes = src.numel()
-        # FileWriter copies slices shorter than its block size into its own aligned
-        # blocks before returning; longer aligned slices may be written straight from
-        # our memory *after* write() returns, while we already refill that buffer.
-        piece = self.io.config.block_size // 2
         with self._lock, self._device_ctx(src.device):
             copier = self._copier(src.device)
             stage = self._staging(nbytes)
@@ -112,9 +108,9 @@ class StagedPath:
                             nstart, nn = chunks[i + 1]
                             copier.copy(stage[(i + 1) % 2][:nn], src[nstart : nstart + nn], (i + 1) % 2)
                         copier.wait(i % 2)
-                        host = self._buffers[i % 2]
-                        for off in range(0, n, piece):
-                            w.write(host.view(min(piece, n - off), off))
+                        # write() returns only once it no longer reads our buffer, so the
+                        # buffer may be refilled two chunks from now.
+                        w.write(self._buffers[i % 2].view(n))
                 finally:
                     copier.finish()
             return w.size
