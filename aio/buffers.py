@@ -129,6 +129,12 @@ class BufferPool:
             self._free.append(buf)
             self._cond.notify()
 
+    def reserve(self, n: int) -> None:
+        """Raise the bound by ``n`` buffers (lower it with a negative ``n``) for a holder that keeps one."""
+        with self._cond:
+            self.max_buffers += n
+            self._cond.notify_all()
+
     @property
     def created(self) -> int:
         return self._created

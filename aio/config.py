@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -53,6 +53,13 @@ class AioConfig(BaseModel):
         if v < 4096 or v % 4096:
             raise ValueError(f"block_size must be a positive multiple of 4096, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _block_size_aligned(self) -> "AioConfig":
+        # A block smaller than the alignment would make the zero-copy write path spin forever.
+        if self.block_size % self.alignment:
+            raise ValueError(f"block_size ({self.block_size}) must be a multiple of alignment ({self.alignment})")
+        return self
 
     @classmethod
     def from_deepspeed(cls, section: dict[str, Any]) -> "AioConfig":

@@ -26,11 +26,16 @@ from .engines import Engine, create_engine
 from .errors import AioError
 from .files import OpenFile, open_file, preallocate, sync_file, truncate
 
-Bytes = memoryview | bytes | bytearray | np.ndarray
+Bytes = memoryview | bytes | bytearray | np.ndarray | AlignedBuffer  # and contiguous CPU torch tensors
+_SINGLE = (memoryview, bytes, bytearray, np.ndarray, AlignedBuffer)
 
 
 def as_bytes_view(data: Bytes) -> memoryview:
-    """A flat byte view of any contiguous buffer (numpy arrays included)."""
+    """A flat byte view, without copying, of any contiguous buffer: numpy arrays, AlignedBuffers, CPU tensors."""
+    if isinstance(data, AlignedBuffer):
+        return data.view()
+    if _is_tensor(data):
+        data = _tensor_bytes(data)
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise ValueError("array must be C-contiguous")
@@ -41,6 +46,16 @@ def as_bytes_view(data: Bytes) -> memoryview:
         if view is None:
             raise ValueError("buffer must be contiguous")
     return view
+
+
+def _is_tensor(obj: object) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage")
+
+
+def _tensor_bytes(t: "torch.Tensor") -> np.ndarray:  # noqa: F821 - torch is optional here
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"tensor must be contiguous and on the CPU (got {t.device}, contiguous={t.is_contiguous()})")
+    return t.detach().reshape(-1).view(__import__("torch").uint8).numpy()
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -79,7 +94,7 @@ class AioHandle:
 
     def write_file(self, path: str | os.PathLike[str], data: Bytes | Iterable[Bytes], *, fsync: bool | None = None) -> int:
         """Write ``data`` (one buffer or an iterable of buffers) as the whole content of ``path``."""
-        parts = [data] if isinstance(data, (memoryview, bytes, bytearray, np.ndarray)) else list(data)
+        parts = [data] if isinstance(data, _SINGLE) or _is_tensor(data) else list(data)
         views = [as_bytes_view(p) for p in parts]
         with self.writer(path, size_hint=sum(v.nbytes for v in views), fsync=fsync) as w:
             for v in views:
@@ -176,6 +191,10 @@ class FileWriter:
         self.path = os.fspath(path)
         self._fsync = fsync
         self._file = open_file(self.path, "w", direct=self._cfg.use_direct)
+        # An open writer keeps one partly filled staging block between writes; widen the
+        # pool by one for it, so that several writers open in one thread cannot starve it.
+        handle.pool.reserve(1)
+        self._reserved = True
         self._inflight: collections.deque[Future] = collections.deque()
         self._block: AlignedBuffer | None = None
         self._fill = 0  # bytes in the current staging block
@@ -197,11 +216,18 @@ class FileWriter:
         view = as_bytes_view(data)
         bs, align = self._cfg.block_size, self._cfg.alignment
         pos = 0
+        borrowed: list[Future] = []  # requests that read the caller's memory
         while pos < view.nbytes:
-            if self._fill == 0 and self._offset % align == 0 and view.nbytes - pos >= bs and address_of(view[pos:]) % align == 0:
+            if (
+                self._fill == 0
+                and self._offset % align == 0
+                and view.nbytes - pos >= bs
+                and not view.readonly  # libaio can only submit writable buffers
+                and address_of(view[pos:]) % align == 0
+            ):
                 # Zero copy: the caller's memory is aligned; write from it directly.
                 n = round_down(min(view.nbytes - pos, bs), align)
-                self._submit(view[pos : pos + n], None)
+                borrowed.append(self._submit(view[pos : pos + n], None))
                 self._offset += n
                 pos += n
                 continue
@@ -213,6 +239,7 @@ class FileWriter:
             pos += n
             if self._fill == bs:
                 self._flush_block(bs)
+        _wait_all(borrowed)  # the caller may reuse its memory as soon as write() returns
         self.size += view.nbytes
 
     def _flush_block(self, length: int) -> None:
@@ -222,13 +249,19 @@ class FileWriter:
         self._offset += self._fill
         self._fill = 0
 
-    def _submit(self, view: memoryview, block: AlignedBuffer | None) -> None:
-        while len(self._inflight) >= self._cfg.queue_depth:
-            self._inflight.popleft().result()
-        fut = self._h.engine.submit_write(self._file, self._offset, view)
+    def _submit(self, view: memoryview, block: AlignedBuffer | None) -> Future:
+        try:
+            while len(self._inflight) >= self._cfg.queue_depth:
+                self._inflight.popleft().result()
+            fut = self._h.engine.submit_write(self._file, self._offset, view)
+        except BaseException:
+            if block is not None:  # never submitted: hand it back, or the pool shrinks for good
+                self._h.pool.release(block)
+            raise
         if block is not None:
             fut.add_done_callback(lambda _f, b=block: self._h.pool.release(b))
         self._inflight.append(fut)
+        return fut
 
     def close(self) -> int:
         """Write the tail, wait for every request, trim padding, fsync. Returns the file size."""
@@ -252,6 +285,7 @@ class FileWriter:
             raise
         self._file.close()
         self._closed = True
+        self._unreserve()
         return self.size
 
     def abort(self) -> None:
@@ -268,11 +302,17 @@ class FileWriter:
         if self._block is not None:
             self._h.pool.release(self._block)
             self._block = None
+        self._unreserve()
         self._file.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def _unreserve(self) -> None:
+        if self._reserved:
+            self._reserved = False
+            self._h.pool.reserve(-1)
 
     def __enter__(self) -> "FileWriter":
         return self

@@ -55,6 +55,7 @@ class LibaioEngine(Engine):
         self._inflight: dict[int, _Request] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._broken: OSError | None = None
         self._reaper = threading.Thread(target=self._reap, name="ucp-libaio-reaper", daemon=True)
         self._reaper.start()
 
@@ -66,6 +67,8 @@ class LibaioEngine(Engine):
         return self._start(_Request(f, offset, buf, True, Future()))
 
     def _start(self, req: _Request) -> "Future[int]":
+        if self._broken is not None:
+            raise AioError(self._broken.errno or errno.EIO, req.f.path, req.offset, "libaio context failed earlier")
         if req.buf.nbytes == 0:
             req.future.set_result(0)
             return req.future
@@ -113,7 +116,8 @@ class LibaioEngine(Engine):
             except OSError as exc:
                 if exc.errno == errno.EINTR:
                     continue
-                raise
+                self._fail_all(exc)  # nobody would ever complete the waiting futures
+                return
             for i in range(n):
                 ev = events[i]
                 key = addressof(ev.obj.contents)
@@ -148,6 +152,14 @@ class LibaioEngine(Engine):
             req.future.set_result(req.done)
         else:
             req.future.set_exception(exc)
+
+    def _fail_all(self, exc: OSError) -> None:
+        """The context is unusable: fail every in-flight request and refuse new ones."""
+        self._broken = exc
+        with self._lock:
+            pending, self._inflight = list(self._inflight.values()), {}
+        for req in pending:
+            self._finish(req, AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_getevents"))
 
     def close(self) -> None:
         if self._closing:
