@@ -51,7 +51,7 @@ class LibaioEngine(Engine):
         self._max_events = max(queue_depth * 4, 64)
         self._ctx = _raw.io_context_t()
         _raw.io_setup(self._max_events, byref(self._ctx))
-        self._slots = threading.BoundedSemaphore(self._max_events)
+        self._slots = threading.BoundedSemaphore(queue_depth)  # requests in flight, as configured
         self._inflight: dict[int, _Request] = {}
         self._lock = threading.Lock()
         self._closing = False

@@ -1,0 +1,296 @@
+"""Find the fastest ``AioConfig`` for one directory, by measuring it.
+
+The best block size, queue depth and thread count depend on the device, the
+file system and the CPU, so they are searched rather than guessed (the idea of
+DeepSpeed's ``ds_nvme_tune``): every candidate writes a file of ``size`` bytes
+(fsync included) and reads it back cold into a reused buffer, and the candidate
+with the least total time wins. The result is printed in both config formats,
+UCP's ``AioConfig`` and DeepSpeed's ``aio`` section.
+
+This module also holds the small measuring helpers the benchmarks share
+(dropping the page cache, filling a buffer with incompressible bytes, checking
+sampled byte ranges), because it is the lowest layer that needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from .buffers import AlignedBuffer
+from .config import GIB, KIB, MIB, AioConfig, EngineName
+from .engines import libaio_status
+from .handle import AioHandle
+
+# -- shared measuring helpers -----------------------------------------------------------
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_page_cache() -> tuple[bool, str]:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches`` so the next read comes from the device.
+
+    Returns whether it worked and, when not, why (it needs root, and a container
+    may mount /proc/sys read-only).
+    """
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+    except OSError as exc:
+        return False, f"cannot write {DROP_CACHES}: {exc.strerror or exc}"
+    return True, "page cache dropped before every read"
+
+
+def fill_random(dest: np.ndarray, seed: int = 0) -> None:
+    """Fill a uint8 array with incompressible, non-repeating bytes, fast.
+
+    One random 8 MiB block is generated; every 8 MiB chunk of ``dest`` is that block
+    XOR a constant derived from the chunk index, so no two chunks are equal (nothing
+    for a deduplicating or compressing device to exploit) at memory speed.
+    """
+    if dest.dtype != np.uint8 or dest.ndim != 1:
+        raise ValueError("fill_random needs a flat uint8 array")
+    chunk = 8 * MIB
+    rng = np.random.default_rng(seed)
+    base = np.frombuffer(rng.bytes(chunk), dtype=np.uint64)
+    for i, start in enumerate(range(0, dest.nbytes, chunk)):
+        n = min(chunk, dest.nbytes - start)
+        key = np.uint64((0x9E3779B97F4A7C15 * (i + 1)) & 0xFFFFFFFFFFFFFFFF)
+        mixed = np.bitwise_xor(base, key)
+        dest[start : start + n] = mixed.view(np.uint8)[:n]
+
+
+def sample_ranges(nbytes: int, rng: np.random.Generator, count: int = 16, length: int = 4096) -> list[tuple[int, int]]:
+    """``count`` random ``(offset, length)`` ranges inside ``nbytes``, plus the first and last bytes."""
+    if nbytes == 0:
+        return []
+    length = min(length, nbytes)
+    ranges = [(0, length), (nbytes - length, length)]
+    for _ in range(count):
+        ranges.append((int(rng.integers(0, nbytes - length + 1)), length))
+    return ranges
+
+
+def poison(dest: np.ndarray, ranges: Iterable[tuple[int, int]]) -> None:
+    """Overwrite the ranges about to be checked, so stale data from an earlier read cannot pass."""
+    for off, n in ranges:
+        np.bitwise_not(dest[off : off + n], out=dest[off : off + n])
+
+
+def first_mismatch(expected: np.ndarray, got: np.ndarray, ranges: Iterable[tuple[int, int]]) -> int | None:
+    """The offset of the first sampled byte that differs (or of a size mismatch), else ``None``."""
+    if got.nbytes != expected.nbytes:
+        return min(got.nbytes, expected.nbytes)
+    for off, n in ranges:
+        a, b = expected[off : off + n], got[off : off + n]
+        if not np.array_equal(a, b):
+            return off + int(np.flatnonzero(a != b)[0])
+    return None
+
+
+def parse_size(text: str) -> int:
+    """``"512K"``, ``"8M"``, ``"1G"`` or a plain byte count -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512K, 8M, 1G)")
+    return int(m.group(1)) * {"": 1, "k": KIB, "m": MIB, "g": GIB}[m.group(2).lower()]
+
+
+def config_from_json(data: dict[str, Any]) -> AioConfig:
+    """An ``AioConfig`` from any of the shapes configs come in: ``ucp tune`` output
+    (``{"ucp": {"aio": ...}}``), a DeepSpeed config or its ``aio`` section, or a flat AioConfig."""
+    if isinstance(data.get("ucp"), dict) and isinstance(data["ucp"].get("aio"), dict):
+        return AioConfig.model_validate(data["ucp"]["aio"])
+    return AioConfig.from_deepspeed(data)
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("G", GIB), ("M", MIB), ("K", KIB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+# -- the search -----------------------------------------------------------------------------
+
+
+class TuneGrid(BaseModel):
+    """The candidate values; every combination that makes sense is measured."""
+
+    engines: list[EngineName] = Field(default_factory=lambda: ["libaio", "threads"])
+    block_sizes: list[int] = Field(default_factory=lambda: [1 * MIB, 4 * MIB, 8 * MIB, 16 * MIB])
+    queue_depths: list[int] = Field(default_factory=lambda: [8, 32])
+    thread_counts: list[int] = Field(default_factory=lambda: [4, 8])
+
+    @classmethod
+    def quick(cls) -> "TuneGrid":
+        return cls(block_sizes=[1 * MIB, 8 * MIB], queue_depths=[8, 32], thread_counts=[4])
+
+    def candidates(self, base: AioConfig | None = None) -> Iterator[AioConfig]:
+        """Configs to try. ``thread_count`` only matters to the threads engine, and a thread
+        count above the queue depth would leave threads idle, so those are skipped."""
+        base = base or AioConfig()
+        for engine in self.engines:
+            for bs in self.block_sizes:
+                for qd in self.queue_depths:
+                    threads = self.thread_counts if engine == "threads" else [base.thread_count]
+                    for tc in threads:
+                        if engine == "threads" and tc > qd:
+                            continue
+                        fields = {"engine": engine, "block_size": bs, "queue_depth": qd, "thread_count": tc}
+                        yield AioConfig.model_validate({**base.model_dump(), **fields})  # validates bs, qd
+
+
+class Trial(BaseModel):
+    """One candidate's measurements (medians over the repeats)."""
+
+    config: AioConfig
+    write_gbps: float = Field(description="10^9 bytes/s, fsync included")
+    read_gbps: float = Field(description="10^9 bytes/s, cold")
+    seconds: float = Field(description="median write + read time; the ranking key")
+
+
+class TuneResult(BaseModel):
+    """What ``ucp tune`` found."""
+
+    directory: str
+    size_bytes: int
+    repeats: int
+    direct_io: bool = Field(description="whether the file system accepted O_DIRECT")
+    cold_reads: bool
+    cold_note: str
+    skipped_engines: dict[str, str] = Field(default_factory=dict, description="engine -> why it was not measured")
+    trials: list[Trial]
+    best: AioConfig = Field(description="least write + read time")
+    best_write: AioConfig
+    best_read: AioConfig
+
+    def config_sections(self) -> dict[str, Any]:
+        """The winner in both formats: UCP's ``aio`` config and DeepSpeed's ``aio`` section."""
+        return {"ucp": {"aio": self.best.model_dump(mode="json")}, "deepspeed": {"aio": self.best.to_deepspeed()}}
+
+
+ProgressFn = Callable[[str], None]
+
+
+def run_tune(
+    directory: str | os.PathLike[str] | None = None,
+    *,
+    size: int = 1 * GIB,
+    grid: TuneGrid | None = None,
+    repeats: int = 1,
+    base: AioConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> TuneResult:
+    """Measure every candidate of ``grid`` on ``directory`` and return the ranking.
+
+    ``directory`` defaults to a temporary directory under the current working
+    directory (so the disk under test is the one the user is on, not /dev/shm).
+    Needs ``size`` bytes free; the test file is deleted after every candidate.
+    """
+    if size < 4096:
+        raise ValueError(f"tune size must be at least 4096 bytes, got {size}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    grid = grid or TuneGrid()
+    engines, skipped = _usable_engines(grid.engines)
+    if not engines:
+        raise RuntimeError(f"no usable aio engine among {grid.engines}: {skipped}")
+    grid = grid.model_copy(update={"engines": engines})
+    candidates = list(grid.candidates(base))
+
+    made_dir = directory is None
+    workdir = Path(tempfile.mkdtemp(prefix=".ucp-tune-", dir=os.getcwd())) if made_dir else Path(directory)  # type: ignore[arg-type]
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "ucp-tune.bin"
+    source = AlignedBuffer(size, pin=False)
+    fill_random(source.numpy())
+    out = AlignedBuffer(size, pin=False)
+    rng = np.random.default_rng(1)
+    times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(candidates))}
+    cold, cold_note, direct = True, "", True
+    try:
+        # Repeats are interleaved (every candidate once, then again) so slow drifts of the
+        # device (a flush in the background, thermal limits) spread over all candidates.
+        for rep in range(repeats):
+            for i, cfg in enumerate(candidates):
+                if progress:
+                    progress(f"[{rep + 1}/{repeats}] {describe(cfg)}")
+                w, r, d, (cold, cold_note) = _measure(cfg, path, source, out, rng)
+                direct = direct and d
+                times[i].append((w, r))
+    finally:
+        path.unlink(missing_ok=True)
+        if made_dir:
+            workdir.rmdir()
+
+    trials = []
+    for i, cfg in enumerate(candidates):
+        w = statistics.median(t[0] for t in times[i])
+        r = statistics.median(t[1] for t in times[i])
+        trials.append(Trial(config=cfg, write_gbps=size / w / 1e9, read_gbps=size / r / 1e9, seconds=w + r))
+    trials.sort(key=lambda t: t.seconds)
+    return TuneResult(
+        directory=str(workdir),
+        size_bytes=size,
+        repeats=repeats,
+        direct_io=direct,
+        cold_reads=cold,
+        cold_note=cold_note,
+        skipped_engines=skipped,
+        trials=trials,
+        best=trials[0].config,
+        best_write=max(trials, key=lambda t: t.write_gbps).config,
+        best_read=max(trials, key=lambda t: t.read_gbps).config,
+    )
+
+
+def describe(cfg: AioConfig) -> str:
+    """A one-line label of the tuned fields, e.g. ``libaio bs=8M qd=32``."""
+    label = f"{cfg.engine} bs={format_size(cfg.block_size)} qd={cfg.queue_depth}"
+    return label + (f" threads={cfg.thread_count}" if cfg.engine == "threads" else "")
+
+
+def _usable_engines(wanted: list[EngineName]) -> tuple[list[EngineName], dict[str, str]]:
+    usable: list[EngineName] = []
+    skipped: dict[str, str] = {}
+    for engine in dict.fromkeys(wanted):
+        if engine == "libaio":
+            ok, why = libaio_status()
+            if not ok:
+                skipped[engine] = why
+                continue
+        usable.append(engine)
+    return usable, skipped
+
+
+def _measure(
+    cfg: AioConfig, path: Path, source: AlignedBuffer, out: AlignedBuffer, rng: np.random.Generator
+) -> tuple[float, float, bool, tuple[bool, str]]:
+    """Write then cold-read ``path`` once with ``cfg``; returns (write s, read s, direct, cold)."""
+    with AioHandle(cfg) as io:
+        t0 = time.perf_counter()
+        with io.writer(path, size_hint=source.nbytes, fsync=True) as w:
+            direct = w.direct
+            w.write(source.view())
+        write_s = time.perf_counter() - t0
+        cold = drop_page_cache()
+        ranges = sample_ranges(source.nbytes, rng)
+        poison(out.numpy(), ranges)
+        t0 = time.perf_counter()
+        io.read_file(path, out=out)
+        read_s = time.perf_counter() - t0
+    bad = first_mismatch(source.numpy(), out.numpy(), ranges)
+    path.unlink()
+    if bad is not None:
+        raise RuntimeError(f"tune read back wrong data from {path} at offset {bad} with {describe(cfg)}")
+    return write_s, read_s, direct, cold

@@ -1,0 +1,5 @@
+"""``python -m ucp.cli`` runs the same app as the ``ucp`` console script."""
+
+from .main import app
+
+app(prog_name="ucp")

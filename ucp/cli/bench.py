@@ -1,0 +1,107 @@
+"""``ucp bench ...``: throughput measurements. ``ucp bench io`` lives here; more benches
+(``ucp bench save``) are added as further ``@bench_app.command`` functions."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import command_line, err, fail, load_aio_config, out, progress_bar, split_csv
+
+bench_app = typer.Typer(
+    help="Measure storage and checkpoint throughput on this machine.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+)
+
+
+class RawChoice(str, Enum):
+    auto = "auto"
+    fio = "fio"
+    dd = "dd"
+    none = "none"
+
+
+@bench_app.command("io")
+def bench_io(
+    size_gib: Annotated[float, typer.Option("--size-gib", min=0.001, help="GiB written and read per method per round.")] = 2.0,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")] = 3,
+    directory: Annotated[
+        Optional[Path], typer.Option("--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")] = False,
+    raw: Annotated[
+        RawChoice, typer.Option("--raw", help="Device-limit tool: fio if installed (auto), the dd fallback, or none.")
+    ] = RawChoice.auto,
+    methods: Annotated[
+        Optional[str], typer.Option("--methods", help="Comma list of: raw, libaio, threads, torch, safetensors (default all).")
+    ] = None,
+    aio_config: Annotated[
+        Optional[Path], typer.Option("--aio-config", help="JSON aio config (e.g. `ucp tune --output` or a DeepSpeed config).")
+    ] = None,
+    block_size: Annotated[Optional[str], typer.Option("--block-size", help="Override the aio block size, e.g. 8M.")] = None,
+    queue_depth: Annotated[Optional[int], typer.Option("--queue-depth", min=1, help="Override the aio queue depth.")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="Override the threads engine's thread count.")] = None,
+    fio_iomem: Annotated[
+        str,
+        typer.Option(
+            "--fio-iomem",
+            help="fio's buffer memory (--iomem): malloc, or shmhuge once huge pages are reserved "
+            "(echo N > /proc/sys/vm/nr_hugepages), so that fio's requests are not split by scattered 4 KiB pages.",
+        ),
+    ] = "malloc",
+    drop_caches: Annotated[
+        bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every read (needs root).")
+    ] = True,
+) -> None:
+    """Write then read N GiB with fio/dd, UCP's aio engines, torch.save/load and safetensors.
+
+    Methods run interleaved round by round; reads are cold; the data read back is checked.
+    """
+    from aio.tune import parse_size
+    from ucp.bench.io import METHOD_CHOICES, BenchError, BenchIoOptions, run_bench_io
+    from ucp.bench.raw import RawToolError
+    from ucp.bench.report import print_table
+
+    cfg = load_aio_config(aio_config)
+    overrides: dict[str, object] = {}
+    try:
+        if block_size is not None:
+            overrides["block_size"] = parse_size(block_size)
+        if queue_depth is not None:
+            overrides["queue_depth"] = queue_depth
+        if threads is not None:
+            overrides["thread_count"] = threads
+        cfg = cfg.model_validate({**cfg.model_dump(), **overrides})
+        options = BenchIoOptions(
+            size_gib=size_gib,
+            rounds=rounds,
+            directory=directory,
+            raw=raw.value,
+            methods=split_csv(methods) or list(METHOD_CHOICES),
+            aio=cfg,
+            drop_caches=drop_caches,
+            fio_iomem=fio_iomem,
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+
+    try:
+        with progress_bar("bench io") as update:
+            result = run_bench_io(options, command=command_line(), progress=update)
+    except (BenchError, RawToolError, OSError) as exc:
+        raise fail(str(exc)) from exc
+
+    if json_output:
+        typer.echo(result.model_dump_json(indent=2))
+    else:
+        print_table(result, out)
+        if rounds < 3:
+            err.print("[yellow]note:[/yellow] fewer than 3 rounds; medians are not robust")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

@@ -1,0 +1,77 @@
+"""Helpers shared by the CLI modules: consoles, progress bars, option parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+# Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.
+# Piped or captured output gets a wide console so tables do not wrap into unreadable columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> "typer.Exit":
+    """Print an error to stderr and return the Exit to raise."""
+    err.print(f"[bold red]error:[/bold red] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def command_line() -> str:
+    """The command as the user typed it, for reports that must say how numbers were made."""
+    prog = Path(sys.argv[0]).name
+    if prog == "__main__.py":
+        prog = "python -m ucp.cli"
+    elif prog.endswith(".py"):
+        prog = "python " + os.path.relpath(sys.argv[0])
+    return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
+
+
+def split_csv(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def load_aio_config(path: Path | None):  # -> aio.AioConfig (imported lazily)
+    """Read an aio config file: ``ucp tune`` output, a DeepSpeed config, or a flat AioConfig."""
+    from aio import AioConfig
+    from aio.tune import config_from_json
+
+    if path is None:
+        return AioConfig()
+    try:
+        return config_from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise fail(f"cannot use {path} as an aio config: {exc}") from exc
+
+
+@contextmanager
+def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar on stderr; yields ``update(done, total, what)``. Hidden when not a terminal."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[what]}"),
+        console=err,
+        transient=True,
+        disable=not (enabled and err.is_terminal),
+    )
+    with progress:
+        task = progress.add_task(description, total=None, what="")
+
+        def update(done: int, total: int, what: str) -> None:
+            progress.update(task, completed=done, total=total, what=what)
+
+        yield update

@@ -1,0 +1,43 @@
+"""The ``ucp`` command: a small registry of sub-commands, one module each.
+
+How to add a command (e.g. ``ucp inspect``):
+
+1. create ``ucp/cli/inspect.py`` defining ``register(app: typer.Typer) -> None``,
+   which adds either a command (``app.command("inspect")(inspect_cmd)``) or a
+   group (``app.add_typer(inspect_app, name="inspect")``);
+2. add ``"inspect"`` to ``COMMAND_MODULES`` below.
+
+Keep module top levels light (typer, rich, pydantic): import torch and other heavy
+packages inside the command functions, so that ``ucp --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+# Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
+# Planned: "inspect", "verify", "ls", "reshape", "demo".
+COMMAND_MODULES: list[str] = ["bench", "tune"]
+
+app = typer.Typer(
+    name="ucp",
+    help="[bold]UCP[/bold]: universal checkpointing and storage I/O for large-model training.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"ucp.cli.{_name}").register(app)
+
+
+def main() -> None:
+    """Entry point for ``python -m ucp.cli.main``."""
+    app(prog_name="ucp")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""``ucp tune``: search block size x queue depth x threads (x engine) for this disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import fail, load_aio_config, out, progress_bar, split_csv
+
+
+def tune(
+    directory: Annotated[
+        Optional[Path], typer.Option("--dir", help="Directory on the disk to tune for. Default: a temp dir under the current directory.")
+    ] = None,
+    size_gib: Annotated[float, typer.Option("--size-gib", min=0.0001, help="GiB written and read per candidate.")] = 1.0,
+    quick: Annotated[bool, typer.Option("--quick", help="A smaller grid: block 1M/8M, queue depth 8/32, 4 threads.")] = False,
+    engines: Annotated[Optional[str], typer.Option("--engines", help="Comma list: libaio, threads.")] = None,
+    block_sizes: Annotated[Optional[str], typer.Option("--block-sizes", help="Comma list, e.g. 1M,4M,8M,16M.")] = None,
+    queue_depths: Annotated[Optional[str], typer.Option("--queue-depths", help="Comma list, e.g. 8,32.")] = None,
+    thread_counts: Annotated[Optional[str], typer.Option("--threads", help="Comma list for the threads engine, e.g. 4,8.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measurements per candidate (median).")] = 1,
+    base_config: Annotated[
+        Optional[Path], typer.Option("--aio-config", help="JSON aio config whose other fields (alignment, use_direct...) are kept.")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the best config (JSON) to this file.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: the best config and every trial.")] = False,
+) -> None:
+    """Find the fastest aio configuration for a directory; print it as UCP and DeepSpeed config.
+
+    Every candidate writes the file (fsync included) and reads it back cold; the least
+    total time wins. The output's [bold]deepspeed.aio[/bold] section drops into a DeepSpeed config.
+    """
+    from aio.config import GIB
+    from aio.tune import TuneGrid, parse_size, run_tune
+
+    base = load_aio_config(base_config)
+    try:
+        grid = TuneGrid.quick() if quick else TuneGrid()
+        update: dict[str, object] = {}
+        if engines:
+            update["engines"] = split_csv(engines)
+        if block_sizes:
+            update["block_sizes"] = [parse_size(s) for s in split_csv(block_sizes) or []]
+        if queue_depths:
+            update["queue_depths"] = [int(s) for s in split_csv(queue_depths) or []]
+        if thread_counts:
+            update["thread_counts"] = [int(s) for s in split_csv(thread_counts) or []]
+        grid = TuneGrid.model_validate({**grid.model_dump(), **update})
+        total = len(list(grid.candidates(base))) * repeats  # also validates every candidate
+        size = max(4096, round(size_gib * GIB) // 4096 * 4096)
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+
+    try:
+        with progress_bar("tune") as bar:
+            done = [0]
+
+            def step(what: str) -> None:
+                bar(done[0], total, what)
+                done[0] += 1
+
+            result = run_tune(directory, size=size, grid=grid, repeats=repeats, base=base, progress=step)
+    except (OSError, RuntimeError) as exc:
+        raise fail(str(exc)) from exc
+
+    best = result.config_sections()
+    if output is not None:
+        output.write_text(json.dumps(best, indent=2) + "\n")
+    if json_output:
+        typer.echo(json.dumps({**best, "tune": result.model_dump(mode="json")}, indent=2))
+        return
+    _print_trials(result)
+    out.print_json(json.dumps(best))
+
+
+def _print_trials(result) -> None:  # result: aio.tune.TuneResult
+    from rich.table import Table
+
+    from aio.tune import describe
+
+    table = Table(title=f"ucp tune: {result.size_bytes / 2**30:g} GiB on {result.directory}", title_justify="left")
+    for col in ("rank", "config", "write GB/s", "read GB/s", "write+read s"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for i, t in enumerate(result.trials, 1):
+        table.add_row(str(i), describe(t.config), f"{t.write_gbps:.2f}", f"{t.read_gbps:.2f}", f"{t.seconds:.2f}")
+    out.print(table)
+    if not result.cold_reads:
+        out.print(f"[yellow]reads may be warm:[/yellow] {result.cold_note}")
+    if not result.direct_io:
+        out.print("[yellow]O_DIRECT refused here; buffered I/O was measured[/yellow]")
+    for engine, why in result.skipped_engines.items():
+        out.print(f"[yellow]skipped {engine}:[/yellow] {why}")
+    out.print(f"best write: {describe(result.best_write)}; best read: {describe(result.best_read)}")
+    out.print("[bold]best overall:[/bold]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("tune")(tune)
