@@ -1,0 +1,284 @@
+"""N-d box and flat-range arithmetic for moving pieces of tensors between layouts.
+
+A saved tensor is stored as pieces, each either an N-d *box* (a sub-array
+``[offsets, offsets + shape)``) or a *flat range* ``[start, stop)`` of the
+row-major flattened tensor (ZeRO-style partitions). Loading into another
+layout means intersecting regions. To treat both kinds alike, a flat range is
+decomposed into at most ``2·ndim - 1`` boxes that are each contiguous in
+row-major order (:func:`flat_range_to_boxes`); then everything is box ∩ box.
+
+Pure integer math: no tensors, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class Box:
+    """The sub-array ``[offsets, offsets + shape)`` of an N-d array."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.shape):
+            raise ValueError(f"box offsets {self.offsets} and shape {self.shape} differ in rank")
+
+    @classmethod
+    def of(cls, offsets: Sequence[int], shape: Sequence[int]) -> "Box":
+        return cls(tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> "Box":
+        """The box covering a whole array of ``shape``."""
+        return cls((0,) * len(shape), tuple(int(s) for s in shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def stop(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def empty(self) -> bool:
+        return self.numel == 0
+
+    def intersect(self, other: "Box") -> "Box | None":
+        """The common part of two boxes of the same array, or None when it is empty."""
+        if self.ndim != other.ndim:
+            raise ValueError(f"cannot intersect boxes of rank {self.ndim} and {other.ndim}")
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
+        if any(h <= l for l, h in zip(lo, hi)) or self.empty or other.empty:
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def contains(self, other: "Box") -> bool:
+        return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
+            a >= b for a, b in zip(self.stop, other.stop)
+        )
+
+    def within(self, shape: Sequence[int]) -> bool:
+        """Whether the box lies inside an array of ``shape`` (non-negative, not past the end)."""
+        return (
+            len(shape) == self.ndim
+            and all(o >= 0 and s >= 0 for o, s in zip(self.offsets, self.shape))
+            and all(e <= d for e, d in zip(self.stop, shape))
+        )
+
+    def relative_to(self, outer: "Box") -> "Box":
+        """This box in the coordinates of ``outer`` (whose origin becomes zero)."""
+        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index that selects this box from an array (``array[box.slices()]``)."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+
+def flat_index(shape: Sequence[int], index: Sequence[int]) -> int:
+    """Row-major position of ``index`` in an array of ``shape``."""
+    pos = 0
+    for dim, i in zip(shape, index):
+        pos = pos * dim + i
+    return pos
+
+
+def unflatten_index(shape: Sequence[int], pos: int) -> tuple[int, ...]:
+    """Inverse of :func:`flat_index`."""
+    out = []
+    for dim in reversed(shape):
+        if dim == 0:
+            out.append(0)
+            continue
+        pos, r = divmod(pos, dim)
+        out.append(r)
+    return tuple(reversed(out))
+
+
+def flat_span(shape: Sequence[int], box: Box) -> tuple[int, int]:
+    """The smallest row-major element range ``[first, last + 1)`` of an array of ``shape`` holding ``box``.
+
+    Reading this span is how a reader fetches just the bytes of a sub-box of a stored piece.
+    Empty boxes give ``(0, 0)``.
+    """
+    if box.empty:
+        return (0, 0)
+    first = flat_index(shape, box.offsets)
+    last = flat_index(shape, tuple(s - 1 for s in box.stop))
+    return (first, last + 1)
+
+
+def flat_range_to_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[int, Box]]:
+    """Split elements ``[start, stop)`` of a row-major array into boxes, each contiguous in memory.
+
+    Returns ``(first element, box)`` pairs in order; their boxes together hold exactly the range.
+    Each box has the form (1, ..., 1, k, full, ..., full), which is why it is contiguous.
+    """
+    shape = tuple(int(d) for d in shape)
+    if start >= stop:
+        return []
+    if not shape:  # a 0-d array has the single element 0
+        return [(0, Box((), ()))]
+    out: list[tuple[int, Box]] = []
+    _split(start, stop, shape, 0, (), out, 0)
+    return out
+
+
+def _split(start: int, stop: int, shape: tuple[int, ...], dim: int, prefix: tuple[int, ...], out: list, base: int) -> None:
+    """Recursive helper: cover [start, stop) of the sub-array ``shape[dim:]`` selected by ``prefix``."""
+    inner = math.prod(shape[dim + 1 :])  # elements per index of this dimension
+    rest = len(shape) - dim - 1
+    if inner == 0:
+        return
+    lo_i, lo_r = divmod(start, inner)
+    hi_i, hi_r = divmod(stop, inner)
+    if lo_r:  # a partial first slab: recurse into it
+        end = stop - lo_i * inner if hi_i == lo_i else inner
+        _split(lo_r, end, shape, dim + 1, prefix + (lo_i,), out, base + lo_i * inner)
+        if hi_i == lo_i:
+            return
+        lo_i += 1
+    if hi_i > lo_i:  # whole slabs in the middle: one box
+        box = Box(prefix + (lo_i,) + (0,) * rest, (1,) * len(prefix) + (hi_i - lo_i,) + shape[dim + 1 :])
+        out.append((base + lo_i * inner, box))
+    if hi_r:  # a partial last slab
+        _split(0, hi_r, shape, dim + 1, prefix + (hi_i,), out, base + hi_i * inner)
+
+
+def intersect_ranges(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """Intersection of two half-open ranges, or None when empty."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+# -- regions: what a piece (stored or wanted) occupies --------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements ``[start, stop)`` of the row-major flattened array."""
+
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+Region = Box | FlatRange
+
+
+def region_numel(region: Region) -> int:
+    return region.numel
+
+
+def region_blocks(region: Region, shape: Sequence[int]) -> list[tuple[int, Box]]:
+    """The region as ``(element offset within the region's own buffer, box)`` blocks.
+
+    A box region is one block whose buffer is the box itself in row-major order; a flat
+    range is its contiguous boxes, each at its offset in the 1-d buffer.
+    """
+    if isinstance(region, Box):
+        return [] if region.empty else [(0, region)]
+    return [(first - region.start, box) for first, box in flat_range_to_boxes(region.start, region.stop, shape)]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy ``box`` (global coordinates) from one region's buffer to another's.
+
+    ``src_block``/``dst_block`` are the blocks (offset into the region's buffer, block box) that hold
+    ``box``; the data is ``buffer[offset : offset + block.numel].reshape(block.shape)[box relative to block]``.
+    """
+
+    box: Box
+    src_block: tuple[int, Box]
+    dst_block: tuple[int, Box]
+
+
+def transfers(src: Region, dst: Region, shape: Sequence[int]) -> list[Transfer]:
+    """Every box of the global array that ``src`` holds and ``dst`` wants, with where it lives in each."""
+    out = []
+    dst_blocks = region_blocks(dst, shape)
+    for sb in region_blocks(src, shape):
+        for db in dst_blocks:
+            inter = sb[1].intersect(db[1])
+            if inter is not None:
+                out.append(Transfer(inter, sb, db))
+    return out
+
+
+def element_span(region: Region, shape: Sequence[int], box: Box) -> tuple[int, int]:
+    """Elements ``[first, stop)`` of ``region``'s own buffer holding all of ``box`` (inside the region)."""
+    first, stop = None, None
+    for off, block in region_blocks(region, shape):
+        inter = block.intersect(box)
+        if inter is None:
+            continue
+        lo, hi = flat_span(block.shape, inter.relative_to(block))
+        lo, hi = lo + off, hi + off
+        first = lo if first is None else min(first, lo)
+        stop = hi if stop is None else max(stop, hi)
+    return (0, 0) if first is None else (first, stop)  # type: ignore[return-value]
+
+
+def region_boxes(region: Region, shape: Sequence[int]) -> list[Box]:
+    return [b for _, b in region_blocks(region, shape)]
+
+
+def check_exact_cover(regions: Sequence[Region], shape: Sequence[int]) -> str | None:
+    """Why ``regions`` do not tile an array of ``shape`` exactly once, or None when they do.
+
+    Every region must lie inside the array, no two may share an element, and together they
+    must hold every element. Runs a sweep over the first dimension, so grid and row layouts
+    cost about O(n log n) rather than O(n²).
+    """
+    shape = tuple(shape)
+    total = math.prod(shape)
+    covered = 0
+    boxes: list[tuple[Box, int]] = []
+    for i, region in enumerate(regions):
+        if isinstance(region, Box):
+            if not region.within(shape):
+                return f"piece {i} box {list(region.offsets)}+{list(region.shape)} lies outside shape {list(shape)}"
+        elif not (0 <= region.start <= region.stop <= total):
+            return f"piece {i} flat range [{region.start}, {region.stop}) lies outside [0, {total})"
+        covered += region.numel
+        boxes.extend((b, i) for b in region_boxes(region, shape))
+    overlap = _find_overlap(boxes)
+    if overlap is not None:
+        return f"pieces {overlap[0]} and {overlap[1]} overlap"
+    if covered != total:
+        return f"pieces cover {covered} of {total} elements"
+    return None
+
+
+def _find_overlap(boxes: Iterable[tuple[Box, int]]) -> tuple[int, int] | None:
+    """Indices of two overlapping boxes, or None: a sweep along the most finely split dimension."""
+    items = [b for b in boxes if not b[0].empty]
+    if not items:
+        return None
+    if items[0][0].ndim == 0:
+        return (items[0][1], items[1][1]) if len(items) > 1 else None
+    ndim = items[0][0].ndim
+    dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b, _ in items}))
+    items.sort(key=lambda t: t[0].offsets[dim])
+    active: list[tuple[Box, int]] = []
+    for box, idx in items:
+        active = [a for a in active if a[0].stop[dim] > box.offsets[dim]]
+        for other, oidx in active:
+            if other.intersect(box) is not None:
+                return (min(oidx, idx), max(oidx, idx))
+        active.append((box, idx))
+    return None
