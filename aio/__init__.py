@@ -13,7 +13,7 @@ from .config import AioConfig
 from .engines import Engine, LibaioEngine, ThreadEngine, create_engine, libaio_status
 from .errors import AioError
 from .files import OpenFile, fsync_dir, open_file
-from .handle import AioHandle, FileWriter, as_bytes_view
+from .handle import AioHandle, FileWriter, as_bytes_view, shared_handle
 
 __all__ = [
     "AioConfig",
@@ -31,4 +31,5 @@ __all__ = [
     "fsync_dir",
     "libaio_status",
     "open_file",
+    "shared_handle",
 ]

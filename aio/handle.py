@@ -12,9 +12,11 @@ aligned block requests O_DIRECT needs:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import os
+import threading
 from concurrent.futures import Future
 from typing import Iterable
 
@@ -212,35 +214,64 @@ class FileWriter:
     def direct(self) -> bool:
         return self._file.direct
 
-    def write(self, data: Bytes) -> None:
+    def write(self, data: Bytes, *, borrow: bool = False) -> None:
+        """Append ``data`` to the file.
+
+        Bytes are copied into aligned staging blocks, except where the caller's memory
+        lines up with the file: when ``address ≡ file position (mod alignment)`` the
+        aligned middle of ``data`` is written straight from the caller's memory and only
+        its unaligned head and tail are staged. Such writes read the caller's memory
+        after they are submitted; by default ``write`` waits for them before returning.
+        With ``borrow=True`` the caller promises the memory stays valid and unchanged
+        until ``close()``, and ``write`` returns without waiting.
+        """
         view = as_bytes_view(data)
         bs, align = self._cfg.block_size, self._cfg.alignment
         pos = 0
         borrowed: list[Future] = []  # requests that read the caller's memory
         while pos < view.nbytes:
-            if (
-                self._fill == 0
-                and self._offset % align == 0
-                and view.nbytes - pos >= bs
-                and not view.readonly  # libaio can only submit writable buffers
-                and address_of(view[pos:]) % align == 0
-            ):
-                # Zero copy: the caller's memory is aligned; write from it directly.
-                n = round_down(min(view.nbytes - pos, bs), align)
-                borrowed.append(self._submit(view[pos : pos + n], None))
-                self._offset += n
-                pos += n
+            direct = self._direct_span(view, pos)
+            if direct:
+                head = direct[0]
+                if head:
+                    self._stage(view[pos : pos + head])
+                    pos += head
+                if self._fill:  # ends at an aligned file offset now: flush it as it is
+                    self._flush_block(self._fill)
+                for start in range(0, direct[1], bs):  # zero copy from the caller's memory
+                    n = min(bs, direct[1] - start)
+                    borrowed.append(self._submit(view[pos + start : pos + start + n], None))
+                    self._offset += n
+                pos += direct[1]
                 continue
-            if self._block is None:
-                self._block = self._h.pool.acquire()
-            n = min(bs - self._fill, view.nbytes - pos)
-            _copy(self._block.view(n, self._fill), view[pos : pos + n])
-            self._fill += n
-            pos += n
-            if self._fill == bs:
-                self._flush_block(bs)
-        _wait_all(borrowed)  # the caller may reuse its memory as soon as write() returns
+            pos += self._stage(view[pos : pos + bs - self._fill])
+        if not borrow:
+            _wait_all(borrowed)  # the caller may reuse its memory as soon as write() returns
         self.size += view.nbytes
+
+    def _direct_span(self, view: memoryview, pos: int) -> tuple[int, int] | None:
+        """(head bytes to stage, aligned bytes to write directly) from ``pos``, or None to stage all."""
+        align = self._cfg.alignment
+        remaining = view.nbytes - pos
+        if remaining < _MIN_DIRECT + align or view.readonly:  # libaio submits writable buffers only
+            return None
+        file_pos = self._offset + self._fill
+        addr = address_of(view[pos:])
+        if (addr - file_pos) % align:
+            return None
+        head = -file_pos % align
+        return head, round_down(remaining - head, align)
+
+    def _stage(self, src: memoryview) -> int:
+        """Copy as much of ``src`` as fits into the current staging block; flush it when full."""
+        if self._block is None:
+            self._block = self._h.pool.acquire()
+        n = min(self._cfg.block_size - self._fill, src.nbytes)
+        _copy(self._block.view(n, self._fill), src[:n])
+        self._fill += n
+        if self._fill == self._cfg.block_size:
+            self._flush_block(self._fill)
+        return n
 
     def _flush_block(self, length: int) -> None:
         block, self._block = self._block, None
@@ -324,6 +355,9 @@ class FileWriter:
             self.abort()
 
 
+_MIN_DIRECT = 256 * 1024  # below this, staging costs less than an extra request
+
+
 def _expect(fut: Future, nbytes: int, f: OpenFile, offset: int) -> Future:
     """Wrap a read future so that a short read (file too small) raises, naming file and offset."""
     out: Future = Future()
@@ -352,3 +386,33 @@ def _wait_all(futures: Iterable[Future]) -> None:
                 first = exc
     if first is not None:
         raise first
+
+
+_shared: dict[tuple[int, AioConfig], AioHandle] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_handle(config: AioConfig | None = None) -> AioHandle:
+    """One long-lived handle per configuration and process.
+
+    Starting an engine and faulting in its staging pool costs ~0.3 s; a checkpoint
+    library that saves every few minutes should pay it once, not per save. Keyed by
+    process id too, so a forked child never inherits its parent's engine threads.
+    Closed at interpreter exit.
+    """
+    key = (os.getpid(), config or AioConfig())
+    with _shared_lock:
+        handle = _shared.get(key)
+        if handle is None:
+            if not _shared:
+                atexit.register(_close_shared)
+            handle = _shared[key] = AioHandle(key[1])
+        return handle
+
+
+def _close_shared() -> None:
+    with _shared_lock:
+        handles = [h for (pid, _), h in _shared.items() if pid == os.getpid()]
+        _shared.clear()
+    for h in handles:
+        h.close()
