@@ -179,10 +179,6 @@ class FlatRange:
 Region = Box | FlatRange
 
 
-def region_numel(region: Region) -> int:
-    return region.numel
-
-
 def region_blocks(region: Region, shape: Sequence[int]) -> list[tuple[int, Box]]:
     """The region as ``(element offset within the region's own buffer, box)`` blocks.
 

@@ -35,7 +35,13 @@ fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "$VENV/bin/python" -c 'import torch' 2>/dev/null || "${PIP[@]}" torch==2.13.0
 stamp="$VENV/.ucp-installed${extras:+-test}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
   "${PIP[@]}" -e ".$extras"
+  if [ -n "$extras" ]; then
+    # The peer the tests compare against. DeepSpeed ships as an sdist whose build must see the
+    # installed torch (no isolation) and must not compile its C++ ops (CPU-only machine).
+    DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed==0.19.8 huggingface_hub \
+      || echo "setup: DeepSpeed could not be installed; the peer tests will be skipped"
+  fi
   touch "$stamp"
 fi

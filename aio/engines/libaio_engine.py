@@ -124,6 +124,7 @@ class LibaioEngine(Engine):
                 with self._lock:
                     req = self._inflight.pop(key)
                 self._complete(req, int(ev.res))
+            req = None  # don't pin the last request's buffer while idle
 
     def _complete(self, req: _Request, res: int) -> None:
         where = req.offset + req.done

@@ -1,5 +1,5 @@
-"""``ucp bench ...``: throughput measurements. ``ucp bench io`` lives here; more benches
-(``ucp bench save``) are added as further ``@bench_app.command`` functions."""
+"""``ucp bench ...``: throughput measurements, one ``@bench_app.command`` each:
+``ucp bench io`` (storage I/O) and ``ucp bench save`` (checkpoint save/load)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,69 @@ def bench_io(
     try:
         with progress_bar("bench io") as update:
             result = run_bench_io(options, command=command_line(), progress=update)
+    except (BenchError, RawToolError, OSError) as exc:
+        raise fail(str(exc)) from exc
+
+    if json_output:
+        typer.echo(result.model_dump_json(indent=2))
+    else:
+        print_table(result, out)
+        if rounds < 3:
+            err.print("[yellow]note:[/yellow] fewer than 3 rounds; medians are not robust")
+
+
+@bench_app.command("save")
+def bench_save(
+    size_gib: Annotated[
+        float, typer.Option("--size-gib", min=0.001, help="Training state size in GiB (bf16 weights + fp32 master + Adam).")
+    ] = 2.0,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")] = 3,
+    ranks: Annotated[str, typer.Option("--ranks", help="Comma list of world sizes, each run as real processes (gloo).")] = "1,2",
+    directory: Annotated[
+        Optional[Path], typer.Option("--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")] = False,
+    methods: Annotated[
+        Optional[str], typer.Option("--methods", help="Comma list of: raw, ucp, torch, safetensors, dcp, async (default all).")
+    ] = None,
+    raw: Annotated[
+        RawChoice, typer.Option("--raw", help="Device-limit tool: fio if installed (auto), the dd fallback, or none.")
+    ] = RawChoice.auto,
+    fio_iomem: Annotated[str, typer.Option("--fio-iomem", help="fio's buffer memory (--iomem), e.g. shmhuge; see `ucp bench io --help`.")] = "malloc",
+    aio_config: Annotated[
+        Optional[Path], typer.Option("--aio-config", help="JSON aio config for UCP (e.g. `ucp tune --output`); also fio's block size and depth.")
+    ] = None,
+    drop_caches: Annotated[
+        bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every load (needs root).")
+    ] = True,
+) -> None:
+    """Save and load a GPT-like training state with UCP, torch.save, safetensors and DCP, at 1 and N ranks.
+
+    Also times ucp.async_save's stall and runs fio (the device limit), interleaved round by round; loads are cold and bit-exact checked.
+    """
+    from ucp.bench.io import BenchError
+    from ucp.bench.raw import RawToolError
+    from ucp.bench.save import METHOD_CHOICES, BenchSaveOptions, print_table, run_bench_save
+
+    try:
+        world_sizes = [int(x) for x in split_csv(ranks) or []]
+        options = BenchSaveOptions(
+            size_gib=size_gib,
+            rounds=rounds,
+            ranks=world_sizes,
+            directory=directory,
+            methods=split_csv(methods) or list(METHOD_CHOICES),
+            raw=raw.value,
+            fio_iomem=fio_iomem,
+            aio=load_aio_config(aio_config),
+            drop_caches=drop_caches,
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+
+    try:
+        with progress_bar("bench save") as update:
+            result = run_bench_save(options, command=command_line(), progress=update)
     except (BenchError, RawToolError, OSError) as exc:
         raise fail(str(exc)) from exc
 

@@ -19,7 +19,7 @@ import typer
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
 # Planned: "inspect", "verify", "ls", "reshape", "demo".
-COMMAND_MODULES: list[str] = ["bench", "tune"]
+COMMAND_MODULES: list[str] = ["bench", "tune", "inspect", "verify", "ls"]
 
 app = typer.Typer(
     name="ucp",

@@ -1,0 +1,1 @@
+"""Peer harnesses: drive other checkpointing systems (DeepSpeed, ...) to produce real files."""

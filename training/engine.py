@@ -1,0 +1,235 @@
+"""The training engine: the reference GPT under TP × PP × DP with ZeRO, one call per optimizer step.
+
+::
+
+    engine = Engine("tiny", mesh={"tp": 2, "pp": 1, "dp": 2}, zero_stage=2, dtype="bf16", lr=1e-3)
+    for step in range(100):
+        loss = engine.train_step(step)          # same value on every rank
+
+Data: ``training.models.gpt.batch_for_step`` — the global batch of a step has
+``micro_batch · dp · grad_accum`` rows; dp rank d's micro-step m takes its contiguous block, so any
+mesh (and a resumed run) sees the same stream. Weights start as ``GPT(cfg, seed)``'s, sliced
+through the layout, so every mesh starts from the single-process model.
+
+Checkpointing (the seam for ucp): :meth:`Engine.checkpoint_targets` / :meth:`Engine.state_dict_for_checkpoint`
+give this rank's weights and optimizer states as ucp pieces of the global tensors, viewing live
+storage; after filling them (``ucp.load(path, into=sd)``), :meth:`Engine.finish_load` restores the
+scalars and re-derives the compute weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from reshard import Mesh, Resolver
+from reshard.pipeline import stage_layers
+
+from .adam import AdamConfig
+from .checkpoint import CheckpointTargets, build_targets, fill_from_full
+from .layout import gpt_layout, gpt_shapes
+from .mesh import ParallelMesh, build_mesh
+from .models.gpt import PRESETS, GPTConfig, batch_for_step
+from .parallel.gpt import build_stage
+from .parallel.pipeline import SCHEDULES
+from .zero import DynamicLossScaler, LossScaleConfig, ZeroOptimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """Everything a run depends on (with the mesh): model, parallelism, precision, optimizer, data."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: GPTConfig
+    mesh: Mesh = Mesh()
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    micro_batch: int = Field(2, ge=1, description="rows per micro-batch per dp rank")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (per dp rank); the pipeline's micro-batches")
+    seq_len: int | None = Field(None, ge=1, description="tokens per row; default model.max_seq")
+    lr: float = Field(1e-3, ge=0)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = Field(0.0, ge=0, description="for weights; biases and layernorms get none")
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    clip: float | None = Field(None, gt=0, description="clip gradients to this global L2 norm")
+    seed: int = 0
+    data_seed: int = 0
+    zero_alignment: int = Field(1, ge=1, description="ZeRO partition sizes are multiples of this (elements)")
+    pad_vocab_to: int = Field(128, ge=1, description="vocabulary padded to a multiple of this × tp")
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    prefetch: bool = True
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    device: str = Field("cpu", description='"cpu", "cuda" (this process\'s current CUDA device) or "cuda:N"')
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        seq = self.seq_len or self.model.max_seq
+        if seq > self.model.max_seq:
+            raise ValueError(f"seq_len {seq} exceeds the model's max_seq {self.model.max_seq}")
+        if self.mesh.pp > 1 and self.zero_stage > 1:
+            raise ValueError("pipeline parallelism (pp > 1) supports ZeRO stages 0 and 1 only")
+        if self.mesh.pp > self.model.n_layer:
+            raise ValueError(f"pp={self.mesh.pp} exceeds the number of layers ({self.model.n_layer})")
+        return self
+
+    @property
+    def seq(self) -> int:
+        return self.seq_len or self.model.max_seq
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.mesh.dp * self.grad_accum
+
+
+class Engine:
+    """One rank's part of a run. Call every method on every rank (they communicate)."""
+
+    def __init__(self, model: GPTConfig | str | EngineConfig, mesh: dict[str, Any] | Mesh | None = None,
+                 lr_schedule: Callable[[int], float] | None = None, **options: Any) -> None:
+        if isinstance(model, EngineConfig):
+            if mesh is not None or options:
+                raise TypeError("give either an EngineConfig or a model with options, not both")
+            cfg = model
+        else:
+            gpt = PRESETS[model] if isinstance(model, str) else model
+            mesh_obj = Mesh(**mesh) if isinstance(mesh, dict) else (mesh or Mesh())
+            cfg = EngineConfig(model=gpt, mesh=mesh_obj, **options)
+        self.cfg = cfg
+        self.lr_schedule = lr_schedule
+        self.mesh: ParallelMesh = build_mesh(cfg.mesh)
+        self.shapes = gpt_shapes(cfg.model)
+        self.layout = gpt_layout(cfg.model, cfg.mesh, zero_stage=cfg.zero_stage, zero_alignment=cfg.zero_alignment,
+                                 pad_vocab_to=cfg.pad_vocab_to)
+        self.view = Resolver(self.layout, self.shapes).view(self.mesh.coord)
+        stage = self.mesh.coord.pp
+        layers = stage_layers(self.layout.pipeline, set(range(cfg.model.n_layer)), cfg.mesh.pp)[stage]
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model = build_stage(cfg.model, self.view, self.mesh.tp_comm, layers, self.mesh.first_stage,
+                                 self.mesh.last_stage, cfg.seed).to(self.device)
+        self.dtype = DTYPES[cfg.dtype]
+        adam = AdamConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                          decoupled=cfg.optimizer == "adamw")
+        tied = ["embed.weight"] if cfg.model.tied_embeddings and cfg.mesh.pp > 1 else []
+        self.optimizer = ZeroOptimizer(
+            self.model, self.layout, self.view, dp=self.mesh.dp_comm, world=self.mesh.world, adam=adam,
+            dtype=self.dtype, clip=cfg.clip, group_weight_decay=[0.0, None],
+            loss_scaler=DynamicLossScaler(cfg.loss_scale) if cfg.dtype == "fp16" else None,
+            tied=tied, tied_comm=self.mesh.embed_comm, prefetch=cfg.prefetch)
+        self.step = 0  # optimizer steps completed (the next train_step's step number)
+        self.last_stats: dict[str, Any] = {}
+
+    # -- training ------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        return self.lr_schedule(step) if self.lr_schedule is not None else self.cfg.lr
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        tokens, targets = batch_for_step(step, c.micro_batch, c.seq, c.model.vocab_size, c.data_seed,
+                                         rank=self.mesh.coord.dp, world_size=c.mesh.dp, micro_step=micro,
+                                         grad_accum=c.grad_accum)
+        return tokens.to(self.device), targets.to(self.device)
+
+    def train_step(self, step: int | None = None) -> float:
+        """Forward and backward over this step's micro-batches, then the optimizer step; returns the mean loss."""
+        step = self.step if step is None else step
+        self.model.train()
+        losses: list[torch.Tensor] = []
+        batches = [self.batch(step, m) for m in range(self.cfg.grad_accum)]
+        if self.cfg.mesh.pp == 1:
+            for tokens, targets in batches:
+                with self.optimizer.forward_context():
+                    loss = self.model(tokens, targets)
+                self.optimizer.backward(loss)
+                losses.append(loss.detach())
+        else:
+            act = (self.cfg.micro_batch, self.cfg.seq, self.cfg.model.d_model)
+            schedule = SCHEDULES[self.cfg.pipeline_schedule]
+            schedule(self.model, self.optimizer, self.mesh, batches, act, self.dtype, losses.append, self.device)
+        self.last_stats = self.optimizer.step(lr=self.lr_at(step))
+        self.step = step + 1
+        return self._report(losses)
+
+    def _report(self, losses: list[torch.Tensor]) -> float:
+        """The step's loss on every rank: mean over micro-batches and dp, sent from the last stage."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.mesh.last_stage:
+            value += torch.stack([x.double() for x in losses]).mean()
+            self.mesh.dp_comm.all_reduce(value)
+            value /= self.mesh.dp_comm.size
+        self.mesh.pp_comm.broadcast(value, self.cfg.mesh.pp - 1)
+        return float(value.item())
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Loss of one batch without training (pp = 1 only)."""
+        if self.cfg.mesh.pp != 1:
+            raise NotImplementedError("eval_loss runs pp = 1 models only")
+        with self.optimizer.forward_context():
+            loss = self.model(tokens, targets)
+        if self.optimizer.gatherer is not None:
+            self.optimizer.gatherer.release_all()
+        return float(loss)
+
+    # -- the checkpoint seam -------------------------------------------------------------------
+    def checkpoint_targets(self) -> CheckpointTargets:
+        """This rank's pieces of every global tensor: section ``model`` (weights, compute dtype) and
+        ``fp32_master`` / ``exp_avg`` / ``exp_avg_sq``; views of live storage."""
+        return build_targets(self.optimizer.buffers(), self.shapes)
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """The nested dict to save with ucp (and to fill with ``ucp.load(path, into=...)``).
+
+        ``{"model": {name: piece}, "optimizer": {"fp32_master"|"exp_avg"|"exp_avg_sq": {name: piece},
+        "adam_step", "loss_scale", "hparams"}, "step", "scheduler", "rng"}``; a name maps to a list of
+        pieces where this rank holds several regions of the tensor (tp > 1), and is absent where it
+        holds none (another pipeline stage, or a ZeRO partition that misses it).
+        """
+        nested = self.checkpoint_targets().nested()
+        c = self.cfg
+        optim: dict[str, Any] = {k: nested.get(k, {}) for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
+        optim |= self.optimizer.scalars()
+        optim["hparams"] = {"kind": c.optimizer, "lr": c.lr, "betas": [c.beta1, c.beta2], "eps": c.eps,
+                            "weight_decay": self.optimizer.weight_decay}
+        return {
+            "model": nested.get("model", {}),
+            "optimizer": optim,
+            "step": self.step,
+            "scheduler": {"kind": "constant" if self.lr_schedule is None else "callable", "last_step": self.step},
+            "rng": {"seed": c.seed, "data_seed": c.data_seed},  # no dropout: the data stream is (data_seed, step)
+        }
+
+    def load_from_full(self, get: Callable[[str, str], torch.Tensor | None], *, step: int,
+                       adam_step: int | None = None, from_masters: bool = True) -> None:
+        """Load from full global tensors in memory: ``get(section, name)`` (sections as in
+        :meth:`checkpoint_targets`; None skips a tensor), then :meth:`finish_load`.
+
+        For importers that produce whole tensors (a peer's checkpoint, a single-process state dict).
+        """
+        fill_from_full(self.checkpoint_targets(), get)
+        optim = {} if adam_step is None else {"adam_step": adam_step, "loss_scale": None}
+        self.finish_load({"step": step, "optimizer": optim}, from_masters=from_masters)
+
+    def finish_load(self, state: dict[str, Any], *, from_masters: bool = True) -> None:
+        """After the pieces of ``state`` (from :meth:`state_dict_for_checkpoint`) were filled: restore the
+        step counters and loss scale, and make the compute weights consistent.
+
+        ``from_masters``: weights are re-derived from the loaded fp32 masters (cast, all-gathered);
+        otherwise the masters are taken from the loaded weights (a weights-only checkpoint; Adam's
+        moments are whatever was loaded, zeros for a fresh engine).
+        """
+        self.step = int(state["step"])
+        optim = state.get("optimizer", {})
+        if "adam_step" in optim:
+            self.optimizer.load_scalars(optim)
+        if from_masters:
+            self.optimizer.publish()
+        else:
+            self.optimizer.masters_from_weights()

@@ -1,0 +1,84 @@
+"""Train the reference GPT from the command line; one JSON line per step on rank 0.
+
+    python -m training.run --steps 20 --model tiny                          # one process
+    torchrun --nproc-per-node 4 -m training.run --steps 20 --tp 2 --dp 2 --zero 2 --precision bf16
+
+The world size must equal tp × pp × dp (``--dp`` defaults to what is left). Output lines look like
+``{"step": 3, "loss": 4.61, "grad_norm": 0.8, "skipped": false, "seconds": 0.12}``, then a final
+``{"done": true, ...}``. Option names avoid prefixes of torchrun's own (no ``--log...``/``--d...``
+beyond ``--dp``), so they are never swallowed when placed before the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.run", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
+    p.add_argument("--start-step", type=int, default=0, help="number of the first step (data stream position)")
+    p.add_argument("--model", default="tiny", help="a preset of training.models.gpt.PRESETS")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="default: world size / (tp × pp)")
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="compute dtype")
+    p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch per dp rank")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=None, help="global gradient-norm clip")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("--batch-seed", type=int, default=0, help="synthetic data seed")
+    p.add_argument("--zero-alignment", type=int, default=1)
+    p.add_argument("--pad-vocab-to", type=int, default=128)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dp = args.dp if args.dp is not None else world // (args.tp * args.pp)
+    from training.engine import Engine  # after init: building the engine creates process groups
+
+    engine = Engine(args.model, mesh={"tp": args.tp, "pp": args.pp, "dp": dp}, zero_stage=args.zero,
+                    dtype=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                    seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay, clip=args.clip,
+                    seed=args.seed, data_seed=args.batch_seed, zero_alignment=args.zero_alignment,
+                    pad_vocab_to=args.pad_vocab_to, device="cuda" if torch.cuda.is_available() else "cpu")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    start = time.perf_counter()
+    for step in range(args.start_step, args.start_step + args.steps):
+        t0 = time.perf_counter()
+        loss = engine.train_step(step)
+        if rank == 0:
+            stats = engine.last_stats
+            norm = stats["grad_norm"]
+            print(json.dumps({"step": step, "loss": loss, "grad_norm": norm if math.isfinite(norm) else None,
+                              "skipped": stats["skipped"], "seconds": round(time.perf_counter() - t0, 4)}),
+                  flush=True)
+    if rank == 0:
+        print(json.dumps({"done": True, "steps": args.steps, "seconds": round(time.perf_counter() - start, 3),
+                          "mesh": engine.mesh.as_dict(), "zero": args.zero, "precision": args.precision}), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

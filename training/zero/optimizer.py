@@ -1,0 +1,455 @@
+"""ZeRO stages 0-3 with Adam/AdamW over flat fp32 partitions, on torch.distributed.
+
+What each stage keeps per rank (D = data-parallel ranks, Ψ = parameters of the TP-local model):
+
+=========  ==========================  ==========================  ===================================
+stage      compute weights             gradients (fp32)            fp32 master, exp_avg, exp_avg_sq
+=========  ==========================  ==========================  ===================================
+0          all (flat, per group)       all; all-reduced per step   all (no partitioning; DDP-like)
+1          all                         all; all-reduced per step   1/D partition
+2          all                         1/D: reduced to their owner 1/D partition
+                                       per micro-batch, in buckets
+3          1/D, gathered per module    1/D: reduce-scattered per   1/D partition
+           (training.zero.stage3)      parameter as it is ready
+=========  ==========================  ==========================  ===================================
+
+Gradients are averaged over dp and micro-batches (``1/(D·M)``, with the fp16 loss scale divided out
+in the same multiply) in fp32, clipped by the global norm (each global element counted once, on
+the rank whose slot of it has replica 0), then every rank runs Adam on its partition and the
+updated weights are cast to the compute dtype and all-gathered (stages 1/2) or kept as the
+partition (stage 3).
+
+The partition layout is the checkpoint layout's (training.zero.groups); :meth:`ZeroOptimizer.buffers`
+pairs every buffer the resolved layout describes with the tensor that holds it, which is what the
+checkpoint seam (training.checkpoint) turns into ucp pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reshard import Layout, LocalBuffer, RankView
+
+from ..adam import AdamConfig, adam_update
+from ..comm import Comm
+from .groups import GroupPlan
+from .loss_scale import DynamicLossScaler
+from .stage3 import ParamGatherer
+
+STATE_KEYS = ("fp32_master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Pending:
+    """A gradient reduction in flight: stage 2 (``key`` = owner rank of a bucket) or 3 (``key`` = member index)."""
+
+    group: int
+    key: int
+    out: torch.Tensor  # the bucket (stage 2) / this rank's reduced partition (stage 3)
+    work: Any
+    keep: torch.Tensor | None = None  # the send buffer, alive until the collective completes
+
+
+class ZeroOptimizer:
+    """Owns a module's parameters' optimizer state (and at stage 3 the parameters) as flat partitions.
+
+    ``module``: the TP-local module; its ``named_parameters()`` must list exactly the tensors
+    ``view`` (this rank's resolved layout) holds, in the same order. ``dp``: the data-parallel group,
+    ``world``: the group a global reduction (gradient norm, overflow) spans, ``tied``: names whose
+    gradients are summed over ``tied_comm`` first (a tied embedding on the first and last pipeline
+    stage). ``group_weight_decay[g]`` overrides the config's weight decay for layout group ``g``.
+    """
+
+    def __init__(self, module: nn.Module, layout: Layout, view: RankView, *, dp: Comm, world: Comm,
+                 adam: AdamConfig, dtype: torch.dtype = torch.float32, clip: float | None = None,
+                 group_weight_decay: Sequence[float | None] | None = None, loss_scaler: DynamicLossScaler | None = None,
+                 tied: Iterable[str] = (), tied_comm: Comm | None = None, prefetch: bool = True) -> None:
+        self.module, self.layout, self.view = module, layout, view
+        self.stage = layout.zero.stage
+        self.dp, self.world, self.adam, self.dtype, self.clip = dp, world, adam, dtype, clip
+        self.scaler = loss_scaler
+        self.tied = [n for n in tied if n in view.tensors]  # middle pipeline stages hold none of them
+        self.tied_comm = tied_comm or Comm.solo()
+        if self.tied and self.tied_comm.active and self.stage >= 2:
+            raise ValueError("a tied tensor shared between pipeline stages needs ZeRO stage 0 or 1")
+        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        held = list(view.tensors)
+        if list(self.params) != held:
+            raise ValueError(f"the module's parameters {_preview(self.params)} differ from what the layout puts "
+                             f"on rank {view.rank} {_preview(held)} (names and order must match)")
+        for n, p in self.params.items():
+            if not p.requires_grad:
+                raise ValueError(f"parameter {n!r} does not require grad: frozen parameters are not supported")
+            if tuple(p.shape) != view.tensors[n].shape:
+                raise ValueError(f"parameter {n!r}: the module holds {list(p.shape)}, the layout "
+                                 f"{list(view.tensors[n].shape)} on rank {view.rank}")
+        zero = layout.zero
+        groups: list[list[str]] = [[] for _ in zero.groups]
+        for n in self.params:
+            g = zero.group_of(n)
+            if g is None:
+                raise ValueError(f"parameter {n!r} is in no ZeRO group of the layout {zero.groups}: "
+                                 "frozen parameters are not supported")
+            groups[g].append(n)
+        parts, index = (dp.size, dp.index) if self.stage else (1, 0)
+        self.plans = [GroupPlan(g, self.stage, tuple(ns), tuple(tuple(self.params[n].shape) for n in ns),
+                                parts, index, zero.alignment) for g, ns in enumerate(groups)]
+        wd = list(group_weight_decay) if group_weight_decay is not None else [None] * len(self.plans)
+        if len(wd) != len(self.plans):
+            raise ValueError(f"group_weight_decay has {len(wd)} entries for {len(self.plans)} groups")
+        self.weight_decay = [adam.weight_decay if w is None else float(w) for w in wd]
+        self._where = {n: (g, i) for g, plan in enumerate(self.plans) for i, n in enumerate(plan.names)}
+        self._name_by_id = {id(p): n for n, p in self.params.items()}
+        self._check_against_view()
+        self.adam_step = 0  # Adam updates applied (skipped fp16 steps do not count)
+        self._micro = 0  # backward passes accumulated since the last step
+        self._build_buffers()
+        self._counted = self._norm_ranges()
+        self._inflight: list[_Pending] = []
+        self._reset_buckets()
+        self.gatherer: ParamGatherer | None = None
+        if self.stage == 3:
+            spec = {}
+            for g, plan in enumerate(self.plans):
+                for i, n in enumerate(plan.names):
+                    p = plan.param_part_size(i)
+                    part = self.param_part[g][plan.offsets[i]:plan.offsets[i] + p]
+                    spec[self.params[n]] = (plan.shapes[i], part, p * plan.parts)
+            self.gatherer = ParamGatherer(module, spec, dp, prefetch=prefetch)
+        for n, p in self.params.items():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @classmethod
+    def for_module(cls, module: nn.Module, *, stage: int, adam: AdamConfig | None = None, dp: Comm | None = None,
+                   groups: Sequence[Sequence[str]] = (("*",),), group_weight_decay: Sequence[float | None] | None = None,
+                   alignment: int = 1, dtype: torch.dtype = torch.float32, clip: float | None = None,
+                   loss_scaler: DynamicLossScaler | None = None, broadcast: bool = True,
+                   prefetch: bool = True) -> "ZeroOptimizer":
+        """ZeRO over plain data parallelism for any module (every parameter replicated over ``dp``, default: the world).
+
+        ``groups``: name patterns per parameter group (first match wins, as in reshard.Zero);
+        ``broadcast``: start every rank from dp rank 0's weights.
+        """
+        from reshard import RankCoord, Resolver
+
+        from ..layout import module_layout
+
+        dp = dp or Comm.world()
+        if broadcast and dp.active:
+            with torch.no_grad():
+                for p in module.parameters():
+                    dp.broadcast(p.data, 0)
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        layout = module_layout(dp.size, zero_stage=stage, zero_alignment=alignment, groups=groups)
+        view = Resolver(layout, shapes).view(RankCoord(0, 0, dp.index))
+        return cls(module, layout, view, dp=dp, world=dp, adam=adam or AdamConfig(), dtype=dtype, clip=clip,
+                   group_weight_decay=group_weight_decay, loss_scaler=loss_scaler, prefetch=prefetch)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _check_against_view(self) -> None:
+        """The partitions computed here must be the layout's, element for element."""
+        if self.stage == 0:
+            return
+        for plan, buf in zip(self.plans, self.view.zero_groups):
+            if buf.shape != (plan.size,):
+                raise AssertionError(f"ZeRO group {plan.index}: partition of {plan.size} elements here, "
+                                     f"{buf.shape[0]} in the layout")
+
+    @torch.no_grad()
+    def _build_buffers(self) -> None:
+        """Flat compute-dtype weights, fp32 masters and states, gradient accumulators; params become views."""
+        self.flat_param: list[torch.Tensor] = []  # stages 0-2: D·P compute-dtype buffer per group
+        self.param_part: list[torch.Tensor] = []  # stage 3: this rank's partitions, compute dtype
+        self.master: list[torch.Tensor] = []
+        self.exp_avg: list[torch.Tensor] = []
+        self.exp_avg_sq: list[torch.Tensor] = []
+        self.grad_acc: list[torch.Tensor] = []  # stages 0/1: D·P; stages 2/3: the partition
+        for g, plan in enumerate(self.plans):
+            dev = next((self.params[n].device for n in plan.names), torch.device("cpu"))
+            master = torch.zeros(plan.size, dtype=torch.float32, device=dev)
+            if self.stage == 3:
+                part = torch.zeros(plan.size, dtype=self.dtype, device=dev)
+                for s in plan.slices:
+                    src = self.params[plan.names[s.param]].detach().reshape(-1)[s.start:s.stop]
+                    master[s.offset:s.offset + s.numel].copy_(src)
+                part.copy_(master)
+                self.param_part.append(part)
+                self.flat_param.append(torch.empty(0, dtype=self.dtype))
+            else:
+                flat32 = torch.zeros(plan.padded_total, dtype=torch.float32, device=dev)
+                for i, n in enumerate(plan.names):
+                    flat32[plan.offsets[i]:plan.offsets[i] + plan.numels[i]].copy_(self.params[n].detach().reshape(-1))
+                lo = plan.rank * plan.size if self.stage else 0
+                master.copy_(flat32[lo:lo + plan.size])
+                flat = flat32.to(self.dtype) if self.dtype != torch.float32 else flat32
+                for i, n in enumerate(plan.names):
+                    self.params[n].data = flat[plan.offsets[i]:plan.offsets[i] + plan.numels[i]].view(plan.shapes[i])
+                self.flat_param.append(flat)
+                self.param_part.append(torch.empty(0, dtype=self.dtype))
+            self.master.append(master)
+            self.exp_avg.append(torch.zeros_like(master))
+            self.exp_avg_sq.append(torch.zeros_like(master))
+            acc = plan.size if self.stage >= 2 else plan.padded_total
+            self.grad_acc.append(torch.zeros(acc, dtype=torch.float32, device=dev))
+
+    def _norm_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per group, the ranges of this rank's gradient partition that count towards the global norm.
+
+        A parameter's elements count on the rank whose copy is replica 0 over pipeline stages and tp
+        (stage 0: over dp too, since every dp rank holds all of it); ZeRO partitions are disjoint over dp.
+        """
+        counted: dict[str, bool] = {}
+        for n, buf in self.view.tensors.items():
+            counted[n] = bool(buf.slots) and all(s.replica == 0 for s in buf.slots)
+        if self.stage >= 1:
+            for buf in self.view.zero_groups:
+                for s in buf.slots:
+                    counted[s.tensor] = s.replica == 0
+        out: list[list[tuple[int, int]]] = []
+        for plan in self.plans:
+            out.append([(s.offset, s.offset + s.numel) for s in plan.slices if counted[plan.names[s.param]]])
+        return out
+
+    def _reset_buckets(self) -> None:
+        self._pending: list[list[int]] = []
+        self._buckets: list[list[torch.Tensor | None]] = []
+        if self.stage != 2:
+            return
+        for plan in self.plans:
+            pending = [0] * plan.parts
+            for i in range(len(plan.names)):
+                for k, _, _, _ in plan.owner_slices(i):
+                    pending[k] += 1
+            self._pending.append(pending)
+            self._buckets.append([None] * plan.parts)
+
+    # -- gradients -----------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: move the gradient into ZeRO's fp32 buffers and drop ``p.grad``."""
+        grad = p.grad
+        if grad is None:
+            return
+        p.grad = None
+        g, i = self._where[self._name_by_id[id(p)]]
+        plan = self.plans[g]
+        flat = grad.detach().reshape(-1)
+        with torch.no_grad():
+            if self.stage <= 1:
+                off = plan.offsets[i]
+                self.grad_acc[g][off:off + plan.numels[i]].add_(flat)
+            elif self.stage == 2:
+                for k, a, b, dst in plan.owner_slices(i):
+                    if self._buckets[g][k] is None:
+                        self._buckets[g][k] = torch.zeros(plan.size, dtype=torch.float32, device=flat.device)
+                    self._buckets[g][k][dst:dst + b - a].copy_(flat[a:b])
+                    self._pending[g][k] -= 1
+                    if self._pending[g][k] == 0:
+                        self._launch_bucket(g, k)
+            else:
+                psize = plan.param_part_size(i)
+                inp = torch.zeros(psize * plan.parts, dtype=torch.float32, device=flat.device)
+                inp[:flat.numel()].copy_(flat)
+                out = torch.empty(psize, dtype=torch.float32, device=flat.device)
+                work = self.dp.reduce_scatter(out, inp, async_op=True)
+                self._inflight.append(_Pending(g, i, out, work, keep=inp))
+                assert self.gatherer is not None
+                self.gatherer.release(p)  # type: ignore[arg-type]
+
+    def _launch_bucket(self, g: int, k: int) -> None:
+        buf = self._buckets[g][k]
+        assert buf is not None
+        self._buckets[g][k] = None
+        work = self.dp.reduce(buf, k, async_op=True)
+        self._inflight.append(_Pending(g, k, buf, work))
+
+    def finish_backward(self) -> None:
+        """After each backward pass (micro-batch): complete this pass's gradient reductions."""
+        if self.stage == 2:
+            for g, plan in enumerate(self.plans):  # parts some parameter got no gradient for: deterministic order
+                for k in range(plan.parts):
+                    if self._pending[g][k] > 0 and self._buckets[g][k] is not None:
+                        self._launch_bucket(g, k)
+        for job in self._inflight:
+            job.work.wait()
+            if self.stage == 2:
+                if job.key == self.plans[job.group].rank:  # the bucket this rank owns
+                    self.grad_acc[job.group].add_(job.out)
+            else:
+                off = self.plans[job.group].offsets[job.key]
+                self.grad_acc[job.group][off:off + job.out.numel()].add_(job.out)
+        self._inflight.clear()
+        if self.stage == 2:
+            self._reset_buckets()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        self._micro += 1
+
+    def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """``loss.backward()`` (times the fp16 loss scale), then :meth:`finish_backward`.
+
+        With ``grad`` given, ``loss`` is an intermediate output (pipeline stage) and ``grad`` its gradient.
+        """
+        if self.gatherer is not None:
+            self.gatherer.begin_backward()
+        if grad is None:
+            if self.scaler is not None:
+                loss = loss * self.scaler.scale
+            loss.backward()
+        else:
+            torch.autograd.backward(loss, grad)
+        self.finish_backward()
+
+    def forward_context(self) -> Any:
+        """Wrap each forward pass: stage 3 swaps saved parameter views for references (see stage3)."""
+        if self.gatherer is None:
+            return _Null()
+        self.gatherer.begin_forward()
+        return self.gatherer.saved_tensors()
+
+    # -- the step ------------------------------------------------------------------------------
+    def _grad_partition(self, g: int) -> torch.Tensor:
+        plan = self.plans[g]
+        if self.stage == 1:
+            return self.grad_acc[g][plan.rank * plan.size:(plan.rank + 1) * plan.size]
+        return self.grad_acc[g]
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> dict[str, float | bool]:
+        """Reduce, unscale, clip and apply the accumulated gradients; returns ``{grad_norm, skipped}``."""
+        if self._micro == 0:
+            raise RuntimeError("step() without a backward pass since the last step")
+        if self.stage <= 1:
+            for name in self.tied:
+                g, i = self._where[name]
+                off = self.plans[g].offsets[i]
+                self.tied_comm.all_reduce(self.grad_acc[g][off:off + self.plans[g].numels[i]])
+            for acc in self.grad_acc:
+                self.dp.all_reduce(acc)
+        scale = 1.0 / (self.dp.size * self._micro * (self.scaler.scale if self.scaler else 1.0))
+        grads = [self._grad_partition(g) for g in range(len(self.plans))]
+        for gr in grads:
+            gr.mul_(scale)
+        skipped = False
+        if self.scaler is not None:
+            bad = torch.zeros(1, device=self.device)
+            for gr in grads:
+                if gr.numel() and not bool(torch.isfinite(gr).all()):
+                    bad.fill_(1)
+            self.world.all_reduce(bad, op=dist.ReduceOp.MAX)
+            skipped = bool(bad.item())
+            self.scaler.update(skipped)
+        norm = float("nan") if skipped else self._global_norm(grads)
+        if not skipped:
+            if self.clip is not None and self.clip > 0:
+                coef = min(self.clip / (norm + 1e-6), 1.0)
+                if coef < 1.0:
+                    for gr in grads:
+                        gr.mul_(coef)
+            self.adam_step += 1
+            for g, gr in enumerate(grads):
+                if self.master[g].numel():
+                    adam_update(self.master[g], gr, self.exp_avg[g], self.exp_avg_sq[g], self.adam_step, self.adam,
+                                lr=lr, weight_decay=self.weight_decay[g])
+            self.publish()
+        for acc in self.grad_acc:
+            acc.zero_()
+        self._micro = 0
+        return {"grad_norm": norm, "skipped": skipped}
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for gr, ranges in zip(grads, self._counted):
+            for a, b in ranges:
+                total += gr[a:b].double().pow(2).sum()
+        self.world.all_reduce(total)
+        return math.sqrt(float(total.item()))
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Compute-dtype weights from the fp32 masters: cast, and all-gather over dp (stages 1/2)."""
+        for g, plan in enumerate(self.plans):
+            if self.stage == 3:
+                self.param_part[g].copy_(self.master[g])
+            elif self.stage == 0:
+                self.flat_param[g].copy_(self.master[g])
+            elif plan.size:
+                mine = self.master[g].to(self.dtype)
+                self.dp.all_gather(self.flat_param[g], mine)
+
+    @torch.no_grad()
+    def masters_from_weights(self) -> None:
+        """fp32 masters from the compute-dtype weights (after loading weights only)."""
+        for g, plan in enumerate(self.plans):
+            if self.stage == 3:
+                self.master[g].copy_(self.param_part[g])
+            else:
+                lo = plan.rank * plan.size if self.stage else 0
+                self.master[g].copy_(self.flat_param[g][lo:lo + plan.size])
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients (e.g. after an aborted step)."""
+        for acc in self.grad_acc:
+            acc.zero_()
+        self._micro = 0
+
+    # -- the checkpoint seam -------------------------------------------------------------------
+    def buffers(self) -> list[tuple[str, LocalBuffer, torch.Tensor]]:
+        """``(section, layout buffer, tensor holding it)`` for every buffer of this rank.
+
+        Sections: ``"model"`` (compute-dtype weights; stage 3: the partitions) and each of
+        :data:`STATE_KEYS`. Slots of each buffer name the *parameter* (global name); the tensor is a
+        view of the live storage, so filling it in place loads the engine.
+        """
+        out: list[tuple[str, LocalBuffer, torch.Tensor]] = []
+        for buf in self.view.weights():
+            n = buf.name
+            g, i = self._where[n]
+            plan = self.plans[g]
+            if self.stage == 3:
+                off = plan.offsets[i]
+                out.append(("model", buf, self.param_part[g][off:off + plan.param_part_size(i)]))
+            else:
+                off = plan.offsets[i]
+                out.append(("model", buf, self.flat_param[g][off:off + plan.numels[i]].view(plan.shapes[i])))
+        states = {"fp32_master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        for key, tensors in states.items():
+            bufs = self.view.optimizer_state(key, lambda p, k: p)
+            if self.stage == 0:
+                for buf in bufs:
+                    g, i = self._where[buf.name]
+                    plan = self.plans[g]
+                    off = plan.offsets[i]
+                    out.append((key, buf, tensors[g][off:off + plan.numels[i]].view(plan.shapes[i])))
+            else:
+                for g, buf in enumerate(bufs):
+                    out.append((key, buf, tensors[g]))
+        return out
+
+    def scalars(self) -> dict[str, Any]:
+        return {"adam_step": self.adam_step,
+                "loss_scale": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_scalars(self, state: dict[str, Any]) -> None:
+        self.adam_step = int(state["adam_step"])
+        if self.scaler is not None and state.get("loss_scale") is not None:
+            self.scaler.load_state_dict(state["loss_scale"])
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _preview(names: Iterable[str]) -> str:
+    names = list(names)
+    return "[" + ", ".join(names[:4]) + (f", ... ({len(names)} in all)]" if len(names) > 4 else "]")

@@ -1,0 +1,728 @@
+"""``ucp bench save``: checkpoint save/load throughput of UCP against torch.save, safetensors, DCP and fio.
+
+A GPT-like training state (bf16 weights, fp32 master weights, Adam moments: 14
+bytes per parameter) is saved and loaded back by every method, with 1 rank and
+with N ranks (real processes, gloo; see :mod:`ucp.bench.save_workers` for the
+layout). Each round runs fio once (the device limit) and every method at every
+rank count once, in a rotating order; loads are cold (page cache dropped first)
+and checked bit-exact on sampled tensors; each method's files are deleted after
+its loads, so the disk holds one checkpoint at a time. Figures are medians over
+the rounds, and every ratio compares numbers from the same run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from aio import AioConfig
+from aio.config import GIB, MIB
+from aio.tune import drop_page_cache
+
+from .io import NO_FIO_ENV, BenchError, _environment
+from .raw import Dd, Fio, RawTool, direct_io_supported, fio_available
+from .save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
+
+METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
+MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp"]
+ProgressFn = Callable[[int, int, str], None]
+
+LABELS = {
+    ("ucp", "full"): "ucp.save / ucp.load",
+    ("ucp", "into"): "ucp.save / ucp.load(into=)",
+    ("torch", "full"): "torch.save+fsync / torch.load",
+    ("safetensors", "full"): "safetensors save_file+fsync / load_file",
+    ("dcp", "in-place"): "DCP save / load (in place)",
+}
+DETAILS = {
+    "ucp": "ucp.save (O_DIRECT aio, CRC-32C, atomic commit); load verifies every CRC",
+    "torch": "one file per rank; torch.save + fsync, torch.load(weights_only=True, mmap=False)",
+    "safetensors": "one file per rank, flat names; save_file + fsync, load_file + touching every page (it maps lazily)",
+    "dcp": "torch.distributed.checkpoint FileSystemWriter/Reader defaults (thread_count=1, sync_files=True); "
+           "1 rank: no_dist=True; N ranks: gloo, rank-prefixed keys",
+}
+
+
+class BenchSaveOptions(BaseModel):
+    size_gib: float = Field(2.0, gt=0, description="training state size (all ranks together), GiB")
+    rounds: int = Field(3, ge=1)
+    ranks: list[int] = Field(default_factory=lambda: [1, 2], description="world sizes to measure")
+    directory: Path | None = Field(None, description="default: a temporary directory under the current one")
+    methods: list[str] = Field(default_factory=lambda: list(METHOD_CHOICES))
+    raw: Literal["auto", "fio", "dd", "none"] = "auto"
+    fio_iomem: str = "malloc"
+    drop_caches: bool = True
+    aio: AioConfig = Field(default_factory=AioConfig, description="UCP's aio config; also fio's block size and depth")
+    seed: int = 0
+    op_timeout_s: int = Field(3600, description="a rank silent for this long during one operation fails the bench")
+
+
+class OpSample(BaseModel):
+    round: int
+    seconds: float
+    cpu_s: float = Field(description="user+sys of all ranks (fio: its own report)")
+
+
+class Phase(BaseModel):
+    """Medians of one direction (save or load) of one method over the rounds."""
+
+    gbps: float = Field(description="state bytes / seconds, 10^9 bytes/s")
+    min_gbps: float
+    max_gbps: float
+    seconds: float
+    cpu_s_per_gib: float
+    samples: list[OpSample]
+
+
+class MethodResult(BaseModel):
+    name: str
+    label: str
+    kind: MethodKind
+    ranks: int | None = Field(description="world size; None for the device tool")
+    detail: str
+    save: Phase
+    load: Phase
+    bytes_on_disk: int | None = None
+    verified: bool | None = Field(description="sampled tensors bit-exact after every load; None: not checked (fio)")
+    save_vs_raw: float | None = None
+    load_vs_raw: float | None = None
+    save_vs_torch: float | None = None
+    load_vs_torch: float | None = None
+    save_vs_dcp: float | None = None
+    load_vs_dcp: float | None = None
+
+
+class AsyncSample(BaseModel):
+    round: int
+    stall_s: float = Field(description="until ucp.async_save returned (slowest rank)")
+    total_s: float = Field(description="until its result was in on every rank")
+
+
+class AsyncResult(BaseModel):
+    ranks: int
+    available: bool
+    note: str
+    stall_s: float | None = None
+    total_s: float | None = None
+    sync_save_s: float | None = Field(None, description="median ucp.save time at the same ranks, same run")
+    stall_vs_sync: float | None = None
+    verified: bool | None = None
+    samples: list[AsyncSample] = []
+
+
+class Check(BaseModel):
+    """A ratio UCP must hold; informational (the bench exits 0 either way)."""
+
+    name: str
+    description: str
+    ranks: int
+    method: str | None
+    ratio: float | None
+    threshold: float
+    at_most: bool = Field(False, description="the ratio must be <= threshold (else >=)")
+    passed: bool | None
+
+
+class StateInfo(BaseModel):
+    bytes: int
+    gib: float
+    params: int
+    bytes_per_param: int = BYTES_PER_PARAM
+    model: GptSpec
+    tensors: int
+    layout: str
+
+
+class BenchSaveResult(BaseModel):
+    command: str | None
+    started_at: str
+    directory: str
+    state: StateInfo
+    ranks: list[int]
+    rounds: int
+    raw_tool: RawTool | None
+    raw_note: str
+    direct_io: bool
+    cold_reads: bool
+    cold_note: str
+    aio_config: AioConfig
+    skipped: dict[str, str] = Field(default_factory=dict)
+    methods: list[MethodResult]
+    async_save: list[AsyncResult]
+    verification_passed: bool
+    checks: list[Check]
+    all_checks_passed: bool | None
+    environment: dict[str, Any]
+    units: dict[str, str] = Field(default_factory=lambda: {
+        "gbps": "state bytes (all ranks, each byte once) / seconds, 10^9 bytes/s, median over rounds",
+        "seconds": "wall clock of the whole world: barrier, operation on every rank, barrier (fsync included)",
+        "cpu_s_per_gib": "CPU seconds (user+sys) of all ranks per GiB of state",
+    })
+
+    def method(self, name: str, ranks: int | None) -> MethodResult | None:
+        return next((m for m in self.methods if m.name == name and m.ranks == ranks), None)
+
+
+# -- the ranks ------------------------------------------------------------------------------------
+
+
+class World:
+    """``size`` worker processes holding one state between them; commands go to all, replies come back."""
+
+    def __init__(self, size: int, spec: GptSpec, options: BenchSaveOptions, workdir: Path) -> None:
+        self.size = size
+        self.timeout = options.op_timeout_s
+        self.logs = [workdir / f"worker-{size}r-rank{r}.log" for r in range(size)]
+        init = workdir / f".init-{size}r"
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        self._replies: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        self.procs: list[subprocess.Popen[str]] = []
+        for r in range(size):
+            cfg = WorkerConfig(rank=r, world=size, init_file=str(init) if size > 1 else None, spec=spec,
+                               seed=options.seed, aio_config=options.aio.model_dump())
+            with open(self.logs[r], "w") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "ucp.bench.save_workers", cfg.model_dump_json()],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            self.procs.append(proc)
+            threading.Thread(target=self._read, args=(r, proc), daemon=True).start()
+
+    def _read(self, rank: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._replies.put((rank, line))
+        self._replies.put((rank, None))
+
+    def collect(self, what: str) -> list[dict[str, Any]]:
+        """One reply from every rank; BenchError (with the rank's log) if one fails or dies."""
+        import json
+
+        replies: list[dict[str, Any] | None] = [None] * self.size
+        deadline = time.monotonic() + self.timeout
+        while any(r is None for r in replies):
+            try:
+                rank, line = self._replies.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BenchError(f"{self.size}-rank world: no reply to {what} within {self.timeout} s") from None
+            if line is None:
+                raise BenchError(f"{self.size}-rank world: rank {rank} exited during {what}{self._tail(rank)}")
+            reply = json.loads(line)
+            if not reply.get("ok"):
+                raise BenchError(f"{self.size}-rank world: rank {rank} failed during {what}:\n{reply.get('error')}")
+            replies[rank] = reply
+        return replies  # type: ignore[return-value]
+
+    def call(self, cmd: dict[str, Any], what: str) -> list[dict[str, Any]]:
+        import json
+
+        for r, proc in enumerate(self.procs):
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(cmd) + "\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                raise BenchError(f"{self.size}-rank world: rank {r} is gone before {what}{self._tail(r)}") from None
+        return self.collect(what)
+
+    def _tail(self, rank: int) -> str:
+        try:
+            text = self.logs[rank].read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+        return f"; its log ({self.logs[rank]}) ends:\n{text}" if text else ""
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                if proc.poll() is None and proc.stdin is not None:
+                    proc.stdin.write('{"op": "quit"}\n')
+                    proc.stdin.flush()
+                    proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 30
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def load_variants(method: str, ranks: int) -> list[str]:
+    """How each method's checkpoint is read back: UCP full loads only make sense for one rank."""
+    if method == "ucp":
+        return ["full", "into"] if ranks == 1 else ["into"]
+    return ["in-place"] if method == "dcp" else ["full"]
+
+
+def _raw_tool(options: BenchSaveOptions, size: int, direct: bool) -> tuple[Fio | Dd | None, str]:
+    """fio (or dd where fio is missing or switched off), configured as ``ucp bench io`` does."""
+    if "raw" not in options.methods or options.raw == "none":
+        return None, "not run"
+    cfg = options.aio
+    no_fio = os.environ.get(NO_FIO_ENV, "") not in ("", "0")
+    if options.raw == "fio" or (options.raw == "auto" and fio_available() and not no_fio):
+        if not fio_available():
+            raise BenchError("fio requested but not installed (apt-get install fio)")
+        tool: Fio | Dd = Fio(size, cfg.block_size, cfg.queue_depth, direct=direct, iomem=options.fio_iomem)
+        note = f"fio, libaio engine, O_DIRECT, bs={tool.block_size}, iodepth={cfg.queue_depth}, iomem={options.fio_iomem}"
+    else:
+        tool = Dd(size, cfg.block_size, direct=direct)
+        why = "dd requested" if options.raw == "dd" else (f"{NO_FIO_ENV} set" if no_fio else "fio not installed")
+        note = f"dd fallback ({why}): one request in flight, bs={tool.block_size}; a lower bound of the device limit"
+    note += f"; {size / GIB:.3f} GiB per run"
+    if not direct:
+        note += "; O_DIRECT refused here, buffered"
+    return tool, note
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Run:
+    """Mutable state of one bench run: samples per (method, variant, ranks), cold-read status."""
+
+    def __init__(self, options: BenchSaveOptions, state_bytes: int, progress: ProgressFn | None, total: int) -> None:
+        self.options = options
+        self.state_bytes = state_bytes
+        self.progress = progress
+        self.total = total
+        self.step = 0
+        self.save: dict[tuple[str, int], list[OpSample]] = {}
+        self.load: dict[tuple[str, str, int], list[OpSample]] = {}
+        self.disk: dict[tuple[str, int], int] = {}
+        self.asyncs: dict[int, list[AsyncSample]] = {}
+        self.cold = options.drop_caches
+        self.cold_note = "page cache dropped before every load" if options.drop_caches else "page cache not dropped (--no-drop-caches)"
+
+    def tick(self, what: str) -> None:
+        if self.progress:
+            self.progress(self.step, self.total, what)
+        self.step += 1
+
+    def drop(self) -> None:
+        if not self.options.drop_caches:
+            return
+        ok, why = drop_page_cache()
+        if self.cold and not ok:
+            self.cold, self.cold_note = False, f"reads may be warm: {why}"
+
+
+def _steps(options: BenchSaveOptions, has_raw: bool, has_async: bool) -> int:
+    per_round = 2 if has_raw else 0
+    for n in options.ranks:
+        for m in options.methods:
+            if m in ("ucp", "torch", "safetensors", "dcp"):
+                per_round += 1 + len(load_variants(m, n))
+            elif m == "async" and has_async:
+                per_round += 1
+    return per_round * options.rounds
+
+
+def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
+                   progress: ProgressFn | None = None) -> BenchSaveResult:
+    """Run the bench; raises BenchError if a rank fails or a method loads back wrong bytes."""
+    unknown = sorted(set(options.methods) - set(METHOD_CHOICES))
+    if unknown:
+        raise BenchError(f"unknown method(s) {unknown}; choose from {list(METHOD_CHOICES)}")
+    if not options.ranks or any(n < 1 for n in options.ranks) or len(set(options.ranks)) != len(options.ranks):
+        raise BenchError(f"--ranks must list distinct world sizes >= 1, got {options.ranks}")
+    spec = gpt_spec(round(options.size_gib * GIB))
+    state_bytes = spec.state_bytes
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    made_dir = options.directory is None
+    workdir = Path(tempfile.mkdtemp(prefix=".ucp-bench-save-", dir=os.getcwd())) if made_dir else Path(options.directory)  # type: ignore[arg-type]
+    workdir.mkdir(parents=True, exist_ok=True)
+    worlds: dict[int, World] = {}
+    try:
+        _check_resources(workdir, state_bytes, options.ranks, "async" in options.methods)
+        direct = direct_io_supported(workdir)
+        # fio/dd move whole blocks: the state size rounded down to UCP's block size (< 0.5 % less
+        # at 2 GiB), so that fio runs with the same request size as UCP's engine.
+        bs = options.aio.block_size
+        raw_size = max(bs, state_bytes // bs * bs) if state_bytes >= 8 * bs else max(MIB, state_bytes // MIB * MIB)
+        tool, raw_note = _raw_tool(options, raw_size, direct)
+        for n in options.ranks:  # start every world first: they build their states in parallel
+            worlds[n] = World(n, spec, options, workdir)
+        for n, w in worlds.items():
+            w.collect(f"start-up (building the {n}-rank state)")
+        skipped: dict[str, str] = {}
+        has_async, async_where = False, "not run"
+        if "async" in options.methods:
+            found = worlds[options.ranks[0]].call({"op": "has_async"}, "has_async")[0]
+            has_async, async_where = bool(found["available"]), str(found["where"])
+            if not has_async:
+                skipped["async"] = f"{async_where} (stall not measured)"
+        run = _Run(options, state_bytes, progress, _steps(options, tool is not None, has_async))
+        raw_samples: tuple[list[OpSample], list[OpSample]] = ([], [])
+        for rnd in range(1, options.rounds + 1):
+            if tool is not None:
+                _round_raw(run, tool, workdir, rnd, raw_samples)
+            for n in options.ranks:
+                methods = [m for m in options.methods if m in ("ucp", "torch", "safetensors", "dcp")]
+                k = (rnd - 1) % len(methods) if methods else 0
+                for m in methods[k:] + methods[:k]:  # rotate: no method always runs first
+                    _round_method(run, worlds[n], m, n, workdir, rnd)
+                if has_async:
+                    _round_async(run, worlds[n], n, workdir, rnd)
+        if progress:
+            progress(run.total, run.total, "done")
+    finally:
+        for w in worlds.values():
+            w.close()
+        if made_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            for child in workdir.iterdir():  # only what the bench made: method dirs, logs, rendezvous, fio file
+                if not child.name.startswith(("m-", "worker-", ".init-", "fio-")):
+                    continue
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+    return _result(options, run, spec, raw_samples, tool, raw_note, direct, skipped, (has_async, async_where), workdir,
+                   started, command)
+
+
+def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], with_async: bool) -> None:
+    free = shutil.disk_usage(workdir).free
+    need = state_bytes + state_bytes // 8 + 256 * MIB
+    if free < need:
+        raise BenchError(f"{workdir} has {free / GIB:.2f} GiB free; the bench needs about {need / GIB:.2f} GiB")
+    # Resident: every world's state (bf16 weights replicated per rank), async_save's staging copy of
+    # it (kept for reuse), plus one full load at a time.
+    bf16 = state_bytes * 2 // BYTES_PER_PARAM
+    per_world = [state_bytes + (n - 1) * bf16 for n in ranks]
+    resident = sum(per_world) * (2 if with_async else 1) + state_bytes + 512 * MIB
+    avail = _mem_available()
+    if avail is not None and resident > avail:
+        raise BenchError(f"the bench needs about {resident / GIB:.1f} GiB of memory, {avail / GIB:.1f} GiB is available; "
+                         "use a smaller --size-gib or fewer --ranks")
+
+
+def _round_raw(run: _Run, tool: Fio | Dd, workdir: Path, rnd: int, samples: tuple[list[OpSample], list[OpSample]]) -> None:
+    path = str(workdir / "fio-bench.bin")
+    try:
+        run.tick(f"round {rnd}/{run.options.rounds}: {tool.name} write")
+        t0 = time.perf_counter()
+        w = tool.write(path)
+        wall = time.perf_counter() - t0
+        samples[0].append(OpSample(round=rnd, seconds=w.seconds or wall, cpu_s=w.cpu_s or 0.0))
+        run.drop()
+        run.tick(f"round {rnd}/{run.options.rounds}: {tool.name} read")
+        t0 = time.perf_counter()
+        r = tool.read(path)
+        wall = time.perf_counter() - t0
+        samples[1].append(OpSample(round=rnd, seconds=r.seconds or wall, cpu_s=r.cpu_s or 0.0))
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+def _round_method(run: _Run, world: World, method: str, n: int, workdir: Path, rnd: int) -> None:
+    directory = workdir / f"m-{method}-{n}r"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    head = f"round {rnd}/{run.options.rounds}, {n} rank{'s' if n > 1 else ''}: {method}"
+    try:
+        run.tick(f"{head} save")
+        replies = world.call({"op": "save", "method": method, "dir": str(directory)}, f"{method} save")
+        run.save.setdefault((method, n), []).append(_sample(rnd, replies))
+        run.disk[(method, n)] = _du(directory)
+        for variant in load_variants(method, n):
+            run.drop()
+            run.tick(f"{head} load ({variant})")
+            seed = run.options.seed * 1000 + rnd
+            replies = world.call({"op": "load", "method": method, "variant": variant, "dir": str(directory), "seed": seed},
+                                 f"{method} load ({variant})")
+            bad = [r["mismatch"] for r in replies if r.get("mismatch")]
+            if bad:
+                raise BenchError(f"{LABELS[(method, variant)]} with {n} rank(s) loaded wrong data (round {rnd}): {bad[0]}")
+            run.load.setdefault((method, variant, n), []).append(_sample(rnd, replies))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _round_async(run: _Run, world: World, n: int, workdir: Path, rnd: int) -> None:
+    directory = workdir / f"m-async-{n}r"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    try:
+        run.tick(f"round {rnd}/{run.options.rounds}, {n} rank{'s' if n > 1 else ''}: ucp.async_save")
+        replies = world.call({"op": "async_save", "dir": str(directory)}, "ucp.async_save")
+        bad = [r["mismatch"] for r in replies if r.get("mismatch")]
+        if bad:
+            raise BenchError(f"ucp.async_save with {n} rank(s) wrote wrong data (round {rnd}): {bad[0]}")
+        run.asyncs.setdefault(n, []).append(
+            AsyncSample(round=rnd, stall_s=max(r["stall_s"] for r in replies), total_s=replies[0]["seconds"]))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _sample(rnd: int, replies: list[dict[str, Any]]) -> OpSample:
+    return OpSample(round=rnd, seconds=replies[0]["seconds"], cpu_s=sum(r["cpu_s"] for r in replies))
+
+
+# -- summarising ----------------------------------------------------------------------------------
+
+
+def _phase(samples: list[OpSample], nbytes: int) -> Phase:
+    rates = [nbytes / s.seconds / 1e9 for s in samples]
+    return Phase(gbps=statistics.median(rates), min_gbps=min(rates), max_gbps=max(rates),
+                 seconds=statistics.median(s.seconds for s in samples),
+                 cpu_s_per_gib=statistics.median(s.cpu_s for s in samples) / (nbytes / GIB), samples=samples)
+
+
+def _ratio(a: Phase | None, b: Phase | None) -> float | None:
+    return None if a is None or b is None else a.gbps / b.gbps
+
+
+def _result(options: BenchSaveOptions, run: _Run, spec: GptSpec, raw_samples: tuple[list[OpSample], list[OpSample]],
+            tool: Fio | Dd | None, raw_note: str, direct: bool, skipped: dict[str, str], found_async: tuple[bool, str],
+            workdir: Path, started: str, command: str | None) -> BenchSaveResult:
+    nbytes = spec.state_bytes
+    methods: list[MethodResult] = []
+    raw: MethodResult | None = None
+    if tool is not None and raw_samples[0]:
+        detail = tool.describe()
+        raw = MethodResult(name=tool.name, label=f"{tool.name} (device limit)", kind="raw", ranks=None, detail=detail,
+                           save=_phase(raw_samples[0], tool.size), load=_phase(raw_samples[1], tool.size), verified=None)
+        methods.append(raw)
+    for n in options.ranks:
+        rows: list[MethodResult] = []
+        for m in ("ucp", "torch", "safetensors", "dcp"):
+            if (m, n) not in run.save:
+                continue
+            for variant in load_variants(m, n):
+                name = m if variant in ("full", "in-place") else f"{m}-{variant}"
+                rows.append(MethodResult(
+                    name=name, label=LABELS[(m, variant)], kind=m, ranks=n, detail=DETAILS[m],  # type: ignore[arg-type]
+                    save=_phase(run.save[(m, n)], nbytes), load=_phase(run.load[(m, variant, n)], nbytes),
+                    bytes_on_disk=run.disk.get((m, n)), verified=True,
+                ))
+        torch_ = next((r for r in rows if r.kind == "torch"), None)
+        dcp = next((r for r in rows if r.kind == "dcp"), None)
+        for r in rows:
+            r.save_vs_raw, r.load_vs_raw = _ratio(r.save, raw and raw.save), _ratio(r.load, raw and raw.load)
+            r.save_vs_torch, r.load_vs_torch = _ratio(r.save, torch_ and torch_.save), _ratio(r.load, torch_ and torch_.load)
+            r.save_vs_dcp, r.load_vs_dcp = _ratio(r.save, dcp and dcp.save), _ratio(r.load, dcp and dcp.load)
+        methods += rows
+    asyncs = _async_results(options, run, *found_async)
+    checks = _checks(methods, asyncs, options.ranks, tool.name if tool is not None else "fio")
+    decided = [c.passed for c in checks if c.passed is not None]
+    tensors = len(spec.param_shapes()) * 4
+    return BenchSaveResult(
+        command=command, started_at=started, directory=str(workdir),
+        state=StateInfo(
+            bytes=nbytes, gib=nbytes / GIB, params=spec.params, model=spec, tensors=tensors,
+            layout="per parameter: bf16 weight (replicated on every rank, written once), fp32 master weight, "
+                   "Adam exp_avg and exp_avg_sq (each split in equal flat halves across ranks, ZeRO-1 style)",
+        ),
+        ranks=options.ranks, rounds=options.rounds, raw_tool=tool.name if tool is not None else None, raw_note=raw_note,
+        direct_io=direct, cold_reads=run.cold, cold_note=run.cold_note, aio_config=options.aio, skipped=skipped,
+        methods=methods, async_save=asyncs, verification_passed=True, checks=checks,
+        all_checks_passed=all(decided) if decided and len(decided) == len(checks) else None,
+        environment=_environment(workdir),
+    )
+
+
+def _async_results(options: BenchSaveOptions, run: _Run, has_async: bool, where: str) -> list[AsyncResult]:
+    if "async" not in options.methods:
+        return []
+    out = []
+    for n in options.ranks:
+        sync = run.save.get(("ucp", n))
+        sync_s = statistics.median(s.seconds for s in sync) if sync else None
+        samples = run.asyncs.get(n, [])
+        if not has_async or not samples:
+            out.append(AsyncResult(ranks=n, available=False, note=f"n/a: {where}", sync_save_s=sync_s))
+            continue
+        stall = statistics.median(s.stall_s for s in samples)
+        out.append(AsyncResult(
+            ranks=n, available=True,
+            note=f"{where}; stall = until it returned (slowest rank), total = until result() on every rank",
+            stall_s=stall, total_s=statistics.median(s.total_s for s in samples), sync_save_s=sync_s,
+            stall_vs_sync=stall / sync_s if sync_s else None, verified=True, samples=samples,
+        ))
+    return out
+
+
+def _checks(methods: list[MethodResult], asyncs: list[AsyncResult], ranks: list[int], raw_name: str) -> list[Check]:
+    """The issue's must-hold ratios, per world size; loads use UCP's best load variant."""
+    checks = []
+    for n in ranks:
+        ucp_rows = [m for m in methods if m.kind == "ucp" and m.ranks == n]
+        save_row = ucp_rows[0] if ucp_rows else None
+        load_row = max(ucp_rows, key=lambda m: m.load.gbps, default=None)
+        specs = [
+            ("save_vs_raw", save_row, f"ucp.save >= 0.85x {raw_name} write", 0.85),
+            ("load_vs_raw", load_row, f"ucp.load >= 0.85x {raw_name} read", 0.85),
+            ("save_vs_torch", save_row, "ucp.save >= 2x torch.save + fsync", 2.0),
+            ("save_vs_dcp", save_row, "ucp.save >= 1.5x DCP save", 1.5),
+            ("load_vs_torch", load_row, "ucp.load >= 1.5x torch.load", 1.5),
+            ("load_vs_dcp", load_row, "ucp.load >= 1.5x DCP load", 1.5),
+        ]
+        for attr, row, text, threshold in specs:
+            ratio = getattr(row, attr) if row is not None else None
+            who = None if row is None else ("ucp" if attr.startswith("save") else row.name)
+            checks.append(Check(name=f"ucp_{attr}_{n}r", description=f"{text} ({n} rank{'s' if n > 1 else ''})", ranks=n,
+                                method=who, ratio=ratio, threshold=threshold,
+                                passed=None if ratio is None else ratio >= threshold))
+        a = next((x for x in asyncs if x.ranks == n), None)
+        if a is not None:
+            ratio = a.stall_vs_sync
+            checks.append(Check(name=f"ucp_async_stall_{n}r",
+                                description=f"ucp.async_save stall <= 0.1x ucp.save ({n} rank{'s' if n > 1 else ''})",
+                                ranks=n, method="ucp-async" if a.available else None, ratio=ratio, threshold=0.1,
+                                at_most=True, passed=None if ratio is None else ratio <= 0.1))
+    return checks
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _x(x: float | None) -> str:
+    return _num(x, "{:.2f}x")
+
+
+def _gbps(p: Phase, rounds: int) -> str:
+    return f"{p.gbps:.2f} ({p.min_gbps:.2f}-{p.max_gbps:.2f})" if rounds > 1 else f"{p.gbps:.2f}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / MIB:.1f} MiB"
+
+
+def _headers(result: BenchSaveResult) -> list[str]:
+    raw = result.raw_tool or "fio"
+    spread = " (min-max)" if result.rounds > 1 else ""
+    return ["method", "ranks", f"save GB/s{spread}", f"load GB/s{spread}", "save CPU s/GiB", "load CPU s/GiB",
+            f"save vs {raw}", f"load vs {raw}", "save vs torch", "load vs torch", "save vs DCP", "load vs DCP",
+            "on disk", "data"]
+
+
+def _row(m: MethodResult, rounds: int) -> list[str]:
+    return [m.label, "-" if m.ranks is None else str(m.ranks), _gbps(m.save, rounds), _gbps(m.load, rounds),
+            _num(m.save.cpu_s_per_gib), _num(m.load.cpu_s_per_gib), _x(m.save_vs_raw), _x(m.load_vs_raw),
+            _x(m.save_vs_torch), _x(m.load_vs_torch), _x(m.save_vs_dcp), _x(m.load_vs_dcp), _size(m.bytes_on_disk),
+            {True: "ok", False: "WRONG", None: "n/a"}[m.verified]]
+
+
+def _async_line(a: AsyncResult) -> str:
+    who = f"{a.ranks} rank{'s' if a.ranks > 1 else ''}"
+    if not a.available:
+        sync = f" (ucp.save took {a.sync_save_s:.2f} s)" if a.sync_save_s else ""
+        return f"async save, {who}: {a.note}{sync}"
+    return (f"async save, {who}: stall {a.stall_s:.3f} s, result after {a.total_s:.2f} s; ucp.save {_num(a.sync_save_s)} s; "
+            f"stall/sync {_num(a.stall_vs_sync, '{:.3f}')}")
+
+
+def _check_line(c: Check) -> str:
+    mark = {True: "PASS", False: "FAIL", None: "n/a "}[c.passed]
+    got = "not measured" if c.ratio is None else f"{c.ratio:.2f}x ({c.method})"
+    return f"{mark}  {c.description}: {got}"
+
+
+def notes(result: BenchSaveResult) -> list[str]:
+    s = result.state
+    m = s.model
+    lines = [
+        f"state: {s.gib:.2f} GiB = {s.params / 1e6:.1f} M params x {s.bytes_per_param} B (GPT d_model={m.d_model}, "
+        f"{m.n_layer} layers, vocab {m.vocab}, ctx {m.n_ctx}; {s.tensors} tensors); {s.layout}",
+        f"{result.rounds} round(s), methods interleaved (rotating order), medians; dir {result.directory} "
+        f"({result.environment.get('filesystem', '?')})",
+        f"device limit: {result.raw_note}",
+        f"cold loads: {'yes' if result.cold_reads else 'NO'} ({result.cold_note})",
+        "loads: sampled tensors (the largest + 4 random per rank) compared bit-exact after every load",
+    ]
+    if not result.direct_io:
+        lines.append("O_DIRECT is refused on this file system: every method went through the page cache")
+    for name, why in result.skipped.items():
+        lines.append(f"skipped {name}: {why}")
+    return lines
+
+
+def render_table(result: BenchSaveResult) -> Any:
+    """Two rich tables (throughput; ratios), the async stall, notes and the must-hold checks."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    headers, rows = _headers(result), [_row(m, result.rounds) for m in result.methods]
+    parts: list[Any] = []
+    for title, cols in (("ucp bench save", [0, 1, 2, 3, 4, 5, 12, 13]), ("ratios (same run)", [0, 1, 6, 7, 8, 9, 10, 11])):
+        table = Table(title=title, title_justify="left")
+        for i in cols:
+            table.add_column(headers[i], justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in rows:
+            table.add_row(*(row[i] for i in cols))
+        parts.append(table)
+    parts += [Text(_async_line(a)) for a in result.async_save]
+    parts += [Text(line, style="dim") for line in notes(result)]
+    parts.append(Text("must hold (informational):", style="bold"))
+    for c in result.checks:
+        parts.append(Text("  " + _check_line(c), style={True: "green", False: "red", None: "yellow"}[c.passed]))
+    return Group(*parts)
+
+
+def print_table(result: BenchSaveResult, console: Any = None) -> None:
+    from rich.console import Console
+
+    (console or Console()).print(render_table(result))
+
+
+def to_markdown(result: BenchSaveResult) -> str:
+    """A markdown table, notes, checks and the exact command, for docs/benchmarks.md."""
+    headers = _headers(result)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
+    lines += ["| " + " | ".join(_row(m, result.rounds)) + " |" for m in result.methods]
+    lines.append("")
+    lines += [f"- {_async_line(a)}" for a in result.async_save]
+    lines += [f"- {line}" for line in notes(result)]
+    env = result.environment
+    lines.append(f"- machine: {env.get('cpus')} CPUs, {env.get('memory_gib')} GiB RAM, Linux {env.get('kernel')}; "
+                 f"python {env.get('python')}, torch {env.get('torch')}, safetensors {env.get('safetensors')}")
+    lines.append("- must hold (informational):")
+    lines += [f"  - {_check_line(c)}" for c in result.checks]
+    if result.command:
+        lines += ["", "Command:", "", "```", result.command, "```"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,162 @@
+"""``ucp verify PATH``: check a checkpoint end to end — manifest, every file's size and header,
+every piece's CRC-32C — and say exactly what is wrong.
+
+Exit codes: 0 clean, 1 problems found in the data, 2 the input is not a readable
+checkpoint (no manifest, invalid manifest, unreachable storage).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import time
+from contextlib import contextmanager
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import typer
+from pydantic import BaseModel, Field
+
+from .common import err, out
+from .inspect import EXIT_BAD_INPUT, _one_line, bad_input, human_bytes, parse_storage_options
+
+EXIT_OK, EXIT_PROBLEMS = 0, 1
+# Problems that mean "this is not a readable checkpoint" rather than "its data is damaged".
+MANIFEST_KINDS = frozenset({"NotACheckpointError", "ManifestError", "UnsupportedFormatError"})
+
+# The location part of UCP's messages (ucp.errors.where): "tensor 'x', file 'f', offset 4096".
+_TENSOR = re.compile(r"tensor ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")")
+_OFFSET = re.compile(r"\boffset (\d+)")
+
+
+class ProblemOut(BaseModel):
+    kind: str
+    message: str
+    file: str | None = None
+    tensor: str | None = Field(None, description="the tensor the message names, if any")
+    offset: int | None = Field(None, description="the byte offset in the file the message names, if any")
+
+
+class VerifyOutput(BaseModel):
+    """What ``ucp verify --json`` prints."""
+
+    path: str
+    ok: bool
+    exit_code: int
+    format_version: int | None = None
+    step: int | None = None
+    files_checked: int = 0
+    tensors: int = 0
+    pieces_checked: int = 0
+    bytes_checked: int = 0
+    bytes_total: int = Field(0, description="bytes of all data files the manifest lists")
+    seconds: float
+    problems: list[ProblemOut] = []
+
+
+def _locate(message: str) -> tuple[str | None, int | None]:
+    """(tensor, offset) named in a UCP error message, when it names them."""
+    tensor = None
+    m = _TENSOR.search(message)
+    if m:
+        try:
+            tensor = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):
+            tensor = None
+    o = _OFFSET.search(message)
+    return tensor, int(o.group(1)) if o else None
+
+
+def to_output(report: Any, seconds: float) -> VerifyOutput:
+    """A ``ucp.VerifyReport`` as the CLI's output; each problem's tensor/offset taken from the report,
+    or from its message where the report does not carry them."""
+    problems = []
+    for p in report.problems:
+        tensor, offset = getattr(p, "tensor", None), getattr(p, "offset", None)
+        if tensor is None or offset is None:
+            t, o = _locate(p.message)
+            tensor, offset = tensor if tensor is not None else t, offset if offset is not None else o
+        problems.append(ProblemOut(kind=p.kind, message=p.message, file=p.file, tensor=tensor, offset=offset))
+    unreadable = any(p.kind in MANIFEST_KINDS or p.file is None for p in problems)
+    code = EXIT_OK if report.ok else (EXIT_BAD_INPUT if unreadable else EXIT_PROBLEMS)
+    return VerifyOutput(
+        path=report.path, ok=report.ok, exit_code=code, format_version=report.format_version, step=report.step,
+        files_checked=report.files_checked, tensors=report.tensors, pieces_checked=report.pieces_checked,
+        bytes_checked=report.bytes_checked, bytes_total=getattr(report, "bytes_total", report.bytes_checked),
+        seconds=round(seconds, 3), problems=problems,
+    )
+
+
+@contextmanager
+def _byte_progress(description: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar over bytes on stderr (hidden when stderr is not a terminal); yields its callback."""
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _print(result: VerifyOutput) -> None:
+    if result.ok:
+        rate = result.bytes_checked / result.seconds / 1e9 if result.seconds > 0 else 0.0
+        out.print(
+            f"[bold green]OK[/bold green] {result.path}: {result.files_checked} files, {result.tensors} tensors, "
+            f"{result.pieces_checked} pieces, {human_bytes(result.bytes_checked)} checked in {result.seconds:.2f} s "
+            f"({rate:.2f} GB/s)",
+            highlight=False,
+        )
+        return
+    if result.exit_code == EXIT_BAD_INPUT:
+        for p in result.problems:
+            err.print(f"[bold red]error:[/bold red] {p.message}", highlight=False, soft_wrap=True)
+        return
+    out.print(f"[bold red]PROBLEMS[/bold red] {result.path}: {len(result.problems)} file(s) failed the check "
+              f"({result.files_checked} files passed)", highlight=False)
+    for p in result.problems:
+        # UCP's messages start with their location (tensor, file, offset); add the file when one does not.
+        text = p.message if p.file is None or repr(p.file) in p.message else f"file {p.file!r}: {p.message}"
+        out.print(f"  [red]{p.kind}[/red]: {text}", highlight=False, soft_wrap=True)
+
+
+def verify_cmd(
+    path: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL.")],
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+    storage_options: Annotated[
+        Optional[str], typer.Option("--storage-options", help="fsspec options as JSON, e.g. '{\"anon\": true}'.")
+    ] = None,
+) -> None:
+    """Check every piece's CRC-32C, every data file's size and header, and the manifest.
+
+    Exit code 0: clean; 1: problems found (each named by tensor, file and offset); 2: not a readable checkpoint.
+    """
+    options = parse_storage_options(storage_options)
+    import ucp
+
+    t0 = time.perf_counter()
+    try:
+        with _byte_progress("verify") as progress:
+            if progress is not None and "progress" in inspect.signature(ucp.verify).parameters:
+                report = ucp.verify(path, storage_options=options, progress=progress)
+            else:
+                report = ucp.verify(path, storage_options=options)
+    except (ucp.CheckpointError, OSError, ValueError, ImportError) as exc:
+        raise bad_input(_one_line(exc)) from None
+    result = to_output(report, time.perf_counter() - t0)
+    if json_output:
+        typer.echo(result.model_dump_json(indent=2))
+        if result.exit_code == EXIT_BAD_INPUT:  # say it on stderr too: scripts often show only that
+            for p in result.problems:
+                err.print(f"[bold red]error:[/bold red] {p.message}", highlight=False, soft_wrap=True)
+    else:
+        _print(result)
+    raise typer.Exit(result.exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify_cmd)

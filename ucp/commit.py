@@ -1,0 +1,155 @@
+"""Step (d) of a save: gather the ranks' piece records, write manifest.json, move the directory in.
+
+Sequence (rank 0 does the file-system work; see docs/format.md for crash windows):
+
+1. :func:`make_temp_dir` creates ``.<name>.tmp-<random>`` next to the final path;
+   its name is broadcast so that every rank writes its data file there.
+2. Each rank sends a :class:`RankReport` (its piece records, tensor list, state
+   tree, or its error) to rank 0.
+3. :func:`build_manifest` merges them and checks the result with the same checks
+   a reader applies, so a save whose ranks' pieces do not fit together fails here
+   instead of producing an unloadable checkpoint.
+4. :func:`commit` writes and fsyncs manifest.json, fsyncs the directory, swaps it
+   in for any previous checkpoint, fsyncs the parent and deletes the old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import defaultdict
+from datetime import datetime
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from .errors import CheckpointError, CommitError, ManifestError
+from .manifest import MANIFEST_NAME, FileInfo, Manifest, Piece, TensorEntry, Topology, check_manifest
+from .storage import Storage
+from .tree import merge_trees
+
+log = logging.getLogger(__name__)
+
+
+def creator() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"ucp {version('ucp')}"
+    except Exception:  # not installed (running from a source tree)
+        return "ucp"
+
+
+class RankReport(BaseModel):
+    """What one rank tells rank 0 at commit time."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int
+    error: str | None = None
+    file: str | None = None
+    file_size: int = 0
+    tensors: list[tuple[str, str, list[int]]] = []  # (name, dtype, global shape) of every tensor it holds
+    pieces: list[tuple[str, Piece]] = []
+    state: Any = None
+
+
+def make_temp_dir(storage: Storage, name: str) -> str:
+    """Create and return the temporary sibling directory of checkpoint ``name``."""
+    temp = f".{name}.tmp-{secrets.token_hex(6)}"
+    storage.makedirs(temp)
+    return temp
+
+
+def build_manifest(reports: list[RankReport], *, world_size: int, step: int | None, metadata: dict[str, Any],
+                   mesh: dict[str, int] | None, created: datetime) -> Manifest:
+    """Merge the ranks' reports into a checked manifest; CommitError when they do not fit together."""
+    failed = [r for r in reports if r.error is not None]
+    if failed:
+        detail = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+        raise CommitError(f"save failed on {len(failed)} rank(s): {detail}")
+    declared: dict[str, tuple[str, list[int], int]] = {}
+    for r in reports:
+        for name, dtype, shape in r.tensors:
+            if name in declared and declared[name][:2] != (dtype, list(shape)):
+                d, s, other = declared[name]
+                raise CommitError(
+                    f"tensor {name!r}: rank {other} holds it as {d} {s}, rank {r.rank} as {dtype} {list(shape)}"
+                )
+            declared.setdefault(name, (dtype, list(shape), r.rank))
+    pieces: dict[str, list[Piece]] = defaultdict(list)
+    for r in reports:
+        for name, piece in r.pieces:
+            pieces[name].append(piece)
+    tensors = {  # values already typed (this process's plan, or validated RankReports): no re-validation
+        name: TensorEntry.model_construct(dtype=dtype, shape=list(shape), pieces=pieces.get(name, []))
+        for name, (dtype, shape, _) in declared.items()
+    }
+    files = {r.file: FileInfo(rank=r.rank, size=r.file_size) for r in reports if r.file is not None}
+    manifest = Manifest(
+        format_version=1, creator=creator(), created=created, step=step,
+        topology=Topology(world_size=world_size, mesh=mesh), files=files, tensors=tensors,
+        state=merge_trees([r.state for r in reports]), metadata=metadata,
+    )
+    try:
+        check_manifest(manifest, source="new manifest")
+    except ManifestError as exc:
+        hint = ""
+        if "cover" in str(exc):
+            hint = (" (plain tensors must be present on every rank; wrap rank-local tensors in "
+                    "ShardedTensor/FlatShard, and give exactly one replica of each shard replica_id 0)")
+        raise CommitError(f"the ranks' pieces do not form a valid checkpoint: {exc}{hint}") from None
+    return manifest
+
+
+def commit(storage: Storage, temp: str, name: str, manifest: Manifest, *,
+           before_swap: Callable[[], None] | None = None) -> bytes:
+    """Write the manifest into ``temp`` and make ``temp`` the checkpoint ``name``, replacing any old one.
+
+    Returns the manifest bytes written. ``before_swap`` is a test hook called after the
+    manifest is durable, just before the rename.
+    """
+    data = manifest.to_json()
+    storage.write_small(f"{temp}/{MANIFEST_NAME}", data)
+    storage.sync_dir(temp)
+    if before_swap is not None:
+        before_swap()
+    if not storage.exists(name):
+        storage.rename(temp, name)
+        storage.sync_dir("")
+        return data
+    check_replaceable(storage, name)
+    if storage.exchange(temp, name):  # atomic: ``name`` holds the old or the new, never nothing
+        storage.sync_dir("")
+        storage.discard(temp)  # now holds the old checkpoint
+        return data
+    old = f".{name}.old-{secrets.token_hex(6)}"
+    storage.rename(name, old)
+    storage.rename(temp, name)
+    storage.sync_dir("")
+    storage.discard(old)
+    return data
+
+
+def check_replaceable(storage: Storage, name: str) -> None:
+    """Refuse to replace anything but a checkpoint or an empty directory (never delete a user's data)."""
+    if storage.exists(f"{name}/{MANIFEST_NAME}"):
+        return
+    try:
+        entries: list[str] | None = storage.listdir(name)
+    except OSError:
+        entries = None
+    if entries == []:
+        return
+    raise CheckpointError(
+        f"{storage.describe(name)} exists and is not a checkpoint (no {MANIFEST_NAME}); refusing to replace it"
+    )
+
+
+def abort(storage: Storage, temp: str | None) -> None:
+    """Remove a failed save's temporary directory (best effort: never masks the original error)."""
+    if temp is None:
+        return
+    try:
+        storage.remove_tree(temp)
+    except Exception as exc:  # pragma: no cover - depends on the file system
+        log.warning("could not remove %s: %s", storage.describe(temp), exc)
