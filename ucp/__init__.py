@@ -10,6 +10,7 @@
 The format is specified in docs/format.md.
 """
 
+from .async_saving import AsyncSaver, SaveHandle, aload, asave, async_save
 from .errors import (
     CheckpointError,
     CommitError,
@@ -22,12 +23,20 @@ from .errors import (
     UnsupportedStateError,
 )
 from .loading import load, read_checkpoint_manifest as read_manifest
+from .manager import CheckpointInfo, CheckpointManager
 from .manifest import FORMAT_VERSION, Manifest, parse_manifest
 from .saving import save
 from .sharding import FlatShard, ShardedTensor
 from .verification import Problem, VerifyReport, verify
 
 __all__ = [
+    "AsyncSaver",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "SaveHandle",
+    "aload",
+    "asave",
+    "async_save",
     "FORMAT_VERSION",
     "CheckpointError",
     "CommitError",

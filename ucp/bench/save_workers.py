@@ -502,23 +502,11 @@ class Worker:
 
 
 def find_async_save() -> tuple[Callable[..., Any] | None, str]:
-    """``ucp.async_save``, or the function of that name in the ``ucp.async_save`` module while the
-    package does not export it yet; (None, why) when neither exists."""
-    import importlib
-
+    """``ucp.async_save``, or (None, why) in a build without it."""
     import ucp
 
     fn = getattr(ucp, "async_save", None)
-    if callable(fn):
-        return fn, "ucp.async_save"
-    try:
-        module = importlib.import_module("ucp.async_save")
-    except ImportError:
-        return None, "ucp.async_save does not exist in this build"
-    fn = getattr(module, "async_save", None)
-    if callable(fn):
-        return fn, "ucp.async_save.async_save (the module's function; the package does not export it yet)"
-    return None, "ucp.async_save does not exist in this build"
+    return (fn, "ucp.async_save") if callable(fn) else (None, "ucp.async_save does not exist in this build")
 
 
 def cpu_seconds() -> float:

@@ -1,0 +1,376 @@
+"""``ucp.CheckpointManager``: a directory of step checkpoints with a ``latest`` pointer and retention.
+
+Layout of a manager root (a local or mounted shared directory)::
+
+    root/
+      step-00000100/            # complete checkpoints (ucp.save's atomic directories)
+      step-00000200/
+      latest                    # {"step": 200, "name": "step-00000200"}
+      .step-00000300.tmp-1a2b3c # a save in flight, or the leftover of a killed one
+
+Order of a save (rank 0 does the file-system work):
+
+1. remove leftovers of earlier, interrupted saves (``.tmp-``/``.old-`` directories
+   that no save in flight holds: see :func:`ucp.background.dir_in_use`);
+2. save ``root/step-{step:08d}`` with :func:`ucp.save` or an asynchronous save (atomic);
+3. after the commit, replace ``latest`` atomically (temp file, fsync, rename, fsync of root);
+4. keep ``keep_last`` complete checkpoints — always the one ``latest`` names, then the highest
+   steps — and delete the other complete ones.
+
+A kill at any point leaves ``latest`` naming a complete checkpoint (the previous
+one, or the new one if the kill came after step 3); leftovers are never listed as
+complete nor loaded, and the next save removes them. :meth:`CheckpointManager.load`
+resumes from ``latest`` and falls back to the newest complete checkpoint if
+``latest`` is missing or names a checkpoint that no longer loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from aio import AioConfig, fsync_dir
+
+from .async_saving import AsyncSaver, Mode, SaveHandle
+from .background import PostCommit, dir_in_use
+from .dist import resolve_group
+from .errors import CheckpointError, NotACheckpointError
+from .loading import load as _load
+from .manifest import MANIFEST_NAME, Manifest, parse_manifest
+from .saving import save as _save
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+STEP_RE = re.compile(r"^step-(\d+)$")
+LEFTOVER_RE = re.compile(r"^\.(step-(\d+))\.(tmp|old)-[0-9a-f]+$")
+LATEST_TMP_RE = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
+
+Status = Literal["complete", "incomplete", "corrupt", "saving", "temp", "old"]
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class CheckpointInfo(BaseModel):
+    """One entry of a manager root.
+
+    ``status``: ``complete`` (loadable manifest, data files of the right sizes),
+    ``incomplete`` (a step directory without manifest.json), ``corrupt`` (its
+    manifest or data files are bad), ``saving`` (the temporary directory of a save
+    in flight), ``temp`` (the leftover of an interrupted save), ``old`` (a replaced
+    or retired checkpoint not yet deleted).
+    """
+
+    step: int
+    name: str
+    path: str
+    size: int
+    status: Status
+    latest: bool = False
+    created: datetime | None = None
+    detail: str | None = None
+
+
+# -- the latest pointer ---------------------------------------------------------------------------
+
+
+def read_latest(root: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(step, name) from ``root/latest``; None when it is missing or unreadable."""
+    try:
+        with open(os.path.join(root, LATEST), "rb") as f:
+            data = json.loads(f.read())
+        step, name = data["step"], data["name"]
+        if isinstance(step, int) and not isinstance(step, bool) and isinstance(name, str) and STEP_RE.match(name):
+            return step, name
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def write_latest(root: str | os.PathLike[str], step: int, name: str) -> None:
+    """Point ``root/latest`` at ``name`` atomically and durably."""
+    root = os.fspath(root)
+    tmp = os.path.join(root, f".latest.tmp-{secrets.token_hex(6)}")
+    data = (json.dumps({"step": step, "name": name}) + "\n").encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(root, LATEST))
+    fsync_dir(root)
+
+
+# -- looking at a root ---------------------------------------------------------------------------
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    if e.is_file(follow_symlinks=False):
+                        total += e.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return total
+
+
+def check_complete(path: str) -> tuple[Status, Manifest | None, str | None]:
+    """Cheap completeness check of one checkpoint directory: manifest parses, data files have their sizes."""
+    try:
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return "incomplete", None, f"no {MANIFEST_NAME}"
+    except OSError as exc:
+        return "corrupt", None, str(exc)
+    try:
+        manifest = parse_manifest(data, source=os.path.join(path, MANIFEST_NAME))
+    except CheckpointError as exc:
+        return "corrupt", None, str(exc)
+    for file, info in manifest.files.items():
+        try:
+            size = os.stat(os.path.join(path, file)).st_size
+        except OSError:
+            return "corrupt", manifest, f"data file {file!r} is missing"
+        if size != info.size:
+            return "corrupt", manifest, f"data file {file!r} has {size} bytes, the manifest says {info.size}"
+    return "complete", manifest, None
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Every checkpoint, save in flight and leftover under ``root``, by step (leftovers after their step)."""
+    root = os.fspath(root)
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    pointer = read_latest(root)
+    out: list[CheckpointInfo] = []
+    for name in names:
+        path = os.path.join(root, name)
+        m = STEP_RE.match(name)
+        if m is not None and os.path.isdir(path):
+            status, manifest, detail = check_complete(path)
+            out.append(CheckpointInfo(
+                step=int(m.group(1)), name=name, path=path, size=_dir_size(path), status=status,
+                latest=pointer is not None and pointer[1] == name and status == "complete",
+                created=manifest.created if manifest is not None else None, detail=detail,
+            ))
+            continue
+        m = LEFTOVER_RE.match(name)
+        if m is not None and os.path.isdir(path):
+            status = "old" if m.group(3) == "old" else ("saving" if dir_in_use(path) else "temp")
+            out.append(CheckpointInfo(step=int(m.group(2)), name=name, path=path, size=_dir_size(path),
+                                      status=status))
+    order = {"complete": 0, "corrupt": 0, "incomplete": 0, "saving": 1, "temp": 2, "old": 3}
+    out.sort(key=lambda i: (i.step, order[i.status], i.name))
+    return out
+
+
+def clean_leftovers(root: str | os.PathLike[str], *, keep: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """Delete ``.tmp-``/``.old-`` directories of interrupted saves and stray pointer temp files.
+
+    Skips the temporary directories of saves in flight: those in ``keep`` (absolute
+    paths) and those some process holds a lock on. Returns what was removed.
+    """
+    root = os.fspath(root)
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = os.path.join(root, name)
+        if LEFTOVER_RE.match(name) and os.path.isdir(path):
+            if path in keep or dir_in_use(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+        elif LATEST_TMP_RE.match(name):
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def apply_retention(root: str | os.PathLike[str], keep_last: int, *, protect: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """Keep ``keep_last`` complete checkpoints — ``latest``'s (and ``protect``) first, then the highest steps —
+    and delete the other complete ones. Incomplete, corrupt and in-flight entries are left alone."""
+    root = os.fspath(root)
+    pointer = read_latest(root)
+    complete = sorted((i for i in list_checkpoints(root) if i.status == "complete"), key=lambda i: -i.step)
+    keep = {i.name for i in complete if i.name in protect or (pointer is not None and i.name == pointer[1])}
+    for info in complete:
+        if len(keep) >= keep_last:
+            break
+        keep.add(info.name)
+    doomed = [i for i in complete if i.name not in keep]
+    removed = []
+    for info in doomed:
+        aside = os.path.join(root, f".{info.name}.old-{secrets.token_hex(6)}")
+        try:
+            os.rename(info.path, aside)  # atomic: a kill mid-delete leaves an ``old`` leftover, not a broken step
+        except OSError as exc:
+            log.warning("could not retire %s: %s", info.path, exc)
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+        removed.append(info.name)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+def after_commit(root: str, step: int, name: str, keep_last: int | None) -> None:
+    """What follows a committed save: move ``latest``, apply retention (rank 0; the async writer calls it too)."""
+    write_latest(root, step, name)
+    if keep_last is not None:
+        apply_retention(root, keep_last, protect={name})
+
+
+# -- the manager ---------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves ``root/step-{step:08d}`` checkpoints, keeps a ``latest`` pointer, retires old ones.
+
+    ``async_save=True`` saves through an :class:`~ucp.AsyncSaver` (``mode``,
+    ``max_in_flight``): :meth:`save` returns a :class:`~ucp.SaveHandle` and the
+    pointer moves once the save has committed (on rank 0's background writer —
+    in ``mode="process"`` even when the training process died meanwhile).
+    ``saver`` shares an existing AsyncSaver (its staging and writer) instead of
+    making one; it implies asynchronous saves and is not closed by :meth:`close`.
+    ``process_group`` is used for saves and loads; rank 0 does all file-system
+    housekeeping. The root must be a local or mounted shared directory.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, async_save: bool = False,
+                 mode: Mode = "thread", max_in_flight: int = 1, process_group: Any = None,
+                 aio_config: AioConfig | dict[str, Any] | None = None, saver: AsyncSaver | None = None) -> None:
+        if "://" in os.fspath(root):
+            raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (or None to keep everything), got {keep_last}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_last = keep_last
+        self.process_group = process_group
+        self.aio_config = aio_config
+        self._own_saver = saver is None and async_save
+        self.saver = saver if saver is not None else (AsyncSaver(max_in_flight, mode, aio_config) if async_save else None)
+        self._handles: list[SaveHandle] = []
+        self.loaded_step: int | None = None  # the step the last load() actually read
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, step_name(step))
+
+    def save(self, state_dict: dict[str, Any], step: int, *, metadata: dict[str, Any] | None = None,
+             mesh: dict[str, int] | None = None) -> Manifest | SaveHandle:
+        """Save step ``step``: a Manifest (synchronous manager) or a SaveHandle (``async_save=True``)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        group = resolve_group(self.process_group)
+        name = step_name(step)
+        if group.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            keep = self.saver.in_flight_temps() if self.saver is not None else set()
+            removed = clean_leftovers(self.root, keep=keep)
+            if removed:
+                log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
+        if self.saver is None:
+            manifest = _save(state_dict, self.path(step), step=step, metadata=metadata,
+                             process_group=self.process_group, aio_config=self.aio_config, mesh=mesh)
+            if group.rank == 0:
+                after_commit(self.root, step, name, self.keep_last)
+            return manifest
+        hook = PostCommit(call="ucp.manager:after_commit",
+                          kwargs={"root": self.root, "step": step, "name": name, "keep_last": self.keep_last})
+        handle = self.saver.save(state_dict, self.path(step), step=step, metadata=metadata,
+                                 process_group=self.process_group, aio_config=self.aio_config, mesh=mesh,
+                                 post_commit=hook)
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        return handle
+
+    def wait(self) -> None:
+        """Wait for this manager's saves in flight; raises the first failure."""
+        handles, self._handles = self._handles, []
+        first: BaseException | None = None
+        for h in handles:
+            exc = h.exception()
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            raise first
+
+    def list(self) -> list[CheckpointInfo]:
+        return list_checkpoints(self.root)
+
+    def latest(self) -> int | None:
+        """The step ``latest`` names if that checkpoint is complete, else the newest complete one, else None."""
+        pointer = read_latest(self.root)
+        if pointer is not None and check_complete(os.path.join(self.root, pointer[1]))[0] == "complete":
+            return pointer[0]
+        steps = [i.step for i in self.list() if i.status == "complete"]
+        return max(steps) if steps else None
+
+    def load(self, step: int | None = None, *, into: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:
+        """Load ``step``, or by default the latest: ``latest``'s checkpoint, else the newest complete one that loads.
+
+        :attr:`loaded_step` tells which step was read.
+        """
+        if step is not None:
+            candidates = [step]
+        else:
+            candidates = []
+            pointer = read_latest(self.root)
+            if pointer is not None:
+                candidates.append(pointer[0])
+            complete = sorted((i.step for i in self.list() if i.status == "complete"), reverse=True)
+            candidates += [s for s in complete if s not in candidates]
+        if not candidates:
+            raise NotACheckpointError(f"no checkpoint under {self.root}")
+        problems = []
+        for s in candidates:
+            try:
+                state = _load(self.path(s), into=into, verify=verify, process_group=self.process_group,
+                              aio_config=self.aio_config)
+            except (CheckpointError, OSError) as exc:
+                if step is not None:
+                    raise
+                log.warning("cannot load %s (%s); trying an older checkpoint", self.path(s), exc)
+                problems.append(f"{step_name(s)}: {exc}")
+                continue
+            self.loaded_step = s
+            return state
+        raise NotACheckpointError(f"no loadable checkpoint under {self.root}: " + "; ".join(problems))
+
+    def close(self) -> None:
+        """Wait for saves in flight (errors are logged) and stop the background writer."""
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001 - closing must not lose the others
+            log.error("a checkpoint save failed: %s", exc)
+        if self.saver is not None and self._own_saver:
+            self.saver.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
