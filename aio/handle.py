@@ -18,7 +18,7 @@ import errno
 import os
 import threading
 from concurrent.futures import Future
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -54,10 +54,13 @@ def _is_tensor(obj: object) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage")
 
 
-def _tensor_bytes(t: "torch.Tensor") -> np.ndarray:  # noqa: F821 - torch is optional here
+def _tensor_bytes(t: Any) -> np.ndarray:
+    """The bytes of a contiguous CPU torch tensor (torch is imported only when one is passed)."""
+    import torch
+
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"tensor must be contiguous and on the CPU (got {t.device}, contiguous={t.is_contiguous()})")
-    return t.detach().reshape(-1).view(__import__("torch").uint8).numpy()
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -226,7 +229,7 @@ class FileWriter:
         until ``close()``, and ``write`` returns without waiting.
         """
         view = as_bytes_view(data)
-        bs, align = self._cfg.block_size, self._cfg.alignment
+        bs = self._cfg.block_size
         pos = 0
         borrowed: list[Future] = []  # requests that read the caller's memory
         while pos < view.nbytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Any, Annotated, Optional
 
 import typer
 
@@ -62,8 +62,7 @@ def bench_io(
     Methods run interleaved round by round; reads are cold; the data read back is checked.
     """
     from aio.tune import parse_size
-    from ucp.bench.io import METHOD_CHOICES, BenchError, BenchIoOptions, run_bench_io
-    from ucp.bench.raw import RawToolError
+    from ucp.bench.io import METHOD_CHOICES, BenchIoOptions, run_bench_io
     from ucp.bench.report import print_table
 
     cfg = load_aio_config(aio_config)
@@ -89,18 +88,7 @@ def bench_io(
     except ValueError as exc:
         raise fail(str(exc)) from exc
 
-    try:
-        with progress_bar("bench io") as update:
-            result = run_bench_io(options, command=command_line(), progress=update)
-    except (BenchError, RawToolError, OSError) as exc:
-        raise fail(str(exc)) from exc
-
-    if json_output:
-        typer.echo(result.model_dump_json(indent=2))
-    else:
-        print_table(result, out)
-        if rounds < 3:
-            err.print("[yellow]note:[/yellow] fewer than 3 rounds; medians are not robust")
+    _run_and_report("bench io", run_bench_io, options, print_table, json_output=json_output, rounds=rounds)
 
 
 @bench_app.command("save")
@@ -132,8 +120,6 @@ def bench_save(
 
     Also times ucp.async_save's stall and runs fio (the device limit), interleaved round by round; loads are cold and bit-exact checked.
     """
-    from ucp.bench.io import BenchError
-    from ucp.bench.raw import RawToolError
     from ucp.bench.save import METHOD_CHOICES, BenchSaveOptions, print_table, run_bench_save
 
     try:
@@ -152,12 +138,19 @@ def bench_save(
     except ValueError as exc:
         raise fail(str(exc)) from exc
 
+    _run_and_report("bench save", run_bench_save, options, print_table, json_output=json_output, rounds=rounds)
+
+
+def _run_and_report(title: str, run: Any, options: Any, print_table: Any, *, json_output: bool, rounds: int) -> None:
+    """Run a benchmark under a progress bar; print its JSON or its table (errors exit 2 with one line)."""
+    from ucp.bench.io import BenchError
+    from ucp.bench.raw import RawToolError
+
     try:
-        with progress_bar("bench save") as update:
-            result = run_bench_save(options, command=command_line(), progress=update)
+        with progress_bar(title) as update:
+            result = run(options, command=command_line(), progress=update)
     except (BenchError, RawToolError, OSError) as exc:
         raise fail(str(exc)) from exc
-
     if json_output:
         typer.echo(result.model_dump_json(indent=2))
     else:
