@@ -17,7 +17,7 @@ Because pieces are views, ``ucp.load(path, into=...)`` filling them loads the en
 
 One rank may hold several disjoint regions of one tensor (a TP shard of the fused QKV: its q, k
 and v rows; a ZeRO partition of a row-parallel shard: up to three regions), so the structures here
-map each tensor name to a *list* of pieces. With tp = 1 every list has at most one piece (slots
+map each tensor name to a *list* of pieces (a ``ucp.Shards`` in the state dict to save). With tp = 1 every list has at most one piece (slots
 that continue each other are merged first: a fused tensor at tp = 1 is one piece, not one per part).
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from reshard import Box, FlatRange, LocalBuffer, Slot
-from ucp.sharding import FlatShard, ShardedTensor
+from ucp.sharding import FlatShard, ShardedTensor, Shards
 
 Piece = ShardedTensor | FlatShard
 SECTIONS = ("model", "fp32_master", "exp_avg", "exp_avg_sq")
@@ -102,9 +102,9 @@ class CheckpointTargets:
             for name, pieces in tensors.items():
                 yield section, name, pieces
 
-    def nested(self) -> dict[str, dict[str, Piece | list[Piece]]]:
-        """``{section: {name: piece}}``, or a list of pieces where this rank holds several regions."""
-        return {sec: {n: ps[0] if len(ps) == 1 else list(ps) for n, ps in t.items()} for sec, t in self.sections.items()}
+    def nested(self) -> dict[str, dict[str, Piece | Shards]]:
+        """``{section: {name: piece}}``, or a ``ucp.Shards`` of the pieces where this rank holds several regions."""
+        return {sec: {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in t.items()} for sec, t in self.sections.items()}
 
     def describe(self) -> list[dict[str, Any]]:
         """Plain-data summary of every piece (section, name, kind, region, replica) for checks and tests."""

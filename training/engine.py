@@ -188,8 +188,8 @@ class Engine:
         """The nested dict to save with ucp (and to fill with ``ucp.load(path, into=...)``).
 
         ``{"model": {name: piece}, "optimizer": {"fp32_master"|"exp_avg"|"exp_avg_sq": {name: piece},
-        "adam_step", "loss_scale", "hparams"}, "step", "scheduler", "rng"}``; a name maps to a list of
-        pieces where this rank holds several regions of the tensor (tp > 1), and is absent where it
+        "adam_step", "loss_scale", "hparams"}, "step", "scheduler", "rng"}``; a name maps to a
+        ``ucp.Shards`` where this rank holds several regions of the tensor (tp > 1), and is absent where it
         holds none (another pipeline stage, or a ZeRO partition that misses it).
         """
         nested = self.checkpoint_targets().nested()

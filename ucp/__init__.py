@@ -26,7 +26,7 @@ from .loading import load, read_checkpoint_manifest as read_manifest
 from .manager import CheckpointInfo, CheckpointManager
 from .manifest import FORMAT_VERSION, Manifest, parse_manifest
 from .saving import save
-from .sharding import FlatShard, ShardedTensor
+from .sharding import FlatShard, ShardedTensor, Shards
 from .verification import Problem, VerifyReport, verify
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "NotACheckpointError",
     "Problem",
     "ShardedTensor",
+    "Shards",
     "UnsupportedFormatError",
     "UnsupportedStateError",
     "VerifyReport",

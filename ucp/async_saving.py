@@ -387,7 +387,7 @@ def snapshot_into(plan: SavePlan, leaves: Sequence[Leaf], arena: Arena, progress
         if p.offset > pos:  # padding the plan put before this piece: zeros, as ucp.save writes them
             arena.tensor(p.offset - pos, pos).zero_()
         pos = p.offset + p.length
-        src = local_tensor(leaves[p.leaf]).detach()
+        src = local_tensor(leaves[p.leaf], p.part).detach()
         if src.numel() * src.element_size() != p.length:
             raise UnsupportedStateError(
                 f"tensor {p.name!r}: holds {src.numel() * src.element_size()} bytes but the plan expects "

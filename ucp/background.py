@@ -91,6 +91,7 @@ class PieceSpec(BaseModel):
     length: int
     box: tuple[list[int], list[int]] | None = None  # (offsets, shape)
     flat: tuple[int, int] | None = None  # (start, stop)
+    entry: str | None = None  # header entry name when not ``name``
 
     def region(self) -> Box | FlatRange:
         if self.box is not None:
@@ -114,10 +115,11 @@ class PlanSpec(BaseModel):
         for p in plan.pieces:
             r = p.region
             if isinstance(r, Box):
-                pieces.append(PieceSpec(name=p.name, offset=p.offset, length=p.length,
+                pieces.append(PieceSpec(name=p.name, offset=p.offset, length=p.length, entry=p.entry,
                                         box=(list(r.offsets), list(r.shape))))
             else:
-                pieces.append(PieceSpec(name=p.name, offset=p.offset, length=p.length, flat=(r.start, r.stop)))
+                pieces.append(PieceSpec(name=p.name, offset=p.offset, length=p.length, entry=p.entry,
+                                        flat=(r.start, r.stop)))
         return cls(file=plan.file, file_size=plan.file_size, pieces=pieces)
 
 
@@ -268,7 +270,7 @@ def write_image(storage: Storage, rel_path: str, plan: PlanSpec, arena: Arena, p
         raise RuntimeError(f"{rel_path}: wrote {written} bytes, plan says {size}")
     return [
         (p.name, Piece.from_region(p.region(), file=plan.file, offset=p.offset, length=p.length,
-                                   crc32c=values.get(i, 0)))
+                                   crc32c=values.get(i, 0), entry=p.entry))
         for i, p in enumerate(plan.pieces)
     ]
 

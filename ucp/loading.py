@@ -34,7 +34,7 @@ from .manifest import Manifest, TensorEntry, parse_manifest
 from .partial import Target, read_targets
 from .reader import FileBuffer, FilePiece, pieces_by_file, read_manifest, read_whole_file
 from .regions import copy_region
-from .sharding import FlatShard, ShardedTensor, is_tensor_like
+from .sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
 from .storage import Storage, as_aio_config, open_storage
 from .tree import decode_state, dict_items, node_kind, path_str, tensor_refs
 
@@ -163,7 +163,7 @@ def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPla
     if is_tensor_like(obj):
         if kind != "tensor":
             raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a tensor")
-        plan.targets.append(_target(m, node["tensor"], obj, path))
+        plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(obj))
         return
     if isinstance(obj, dict):
         if kind not in ("dict", "items"):

@@ -22,7 +22,7 @@ from reshard.box import Box, FlatRange, check_exact_cover
 
 from .dtypes import DTYPE_NAMES, itemsize
 from .errors import ManifestError, UnsupportedFormatError, where
-from .tree import check_tree, is_reserved
+from .tree import ENTRY_SEP, check_tree, is_reserved
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -53,6 +53,8 @@ class Piece(BaseModel):
     box: BoxModel | None = Field(None, exclude_if=lambda v: v is None)
     flat: FlatModel | None = Field(None, exclude_if=lambda v: v is None)
     crc32c: int
+    entry: str | None = Field(None, exclude_if=lambda v: v is None,
+                              description="safetensors header entry name; None: the tensor name")
 
     @model_validator(mode="after")
     def _one_place(self) -> "Piece":
@@ -74,15 +76,16 @@ class Piece(BaseModel):
         return [self.flat.stop - self.flat.start]
 
     @classmethod
-    def from_region(cls, region: Box | FlatRange, *, file: str, offset: int, length: int, crc32c: int) -> "Piece":
+    def from_region(cls, region: Box | FlatRange, *, file: str, offset: int, length: int, crc32c: int,
+                    entry: str | None = None) -> "Piece":
         """A piece from a writer's own (already typed) values; skips pydantic validation for speed."""
         if isinstance(region, Box):
             box = BoxModel.model_construct(offsets=[int(v) for v in region.offsets], shape=[int(v) for v in region.shape])
             return cls.model_construct(file=file, offset=int(offset), length=int(length), box=box, flat=None,
-                                       crc32c=int(crc32c))
+                                       crc32c=int(crc32c), entry=entry)
         flat = FlatModel.model_construct(start=int(region.start), stop=int(region.stop))
         return cls.model_construct(file=file, offset=int(offset), length=int(length), box=None, flat=flat,
-                                   crc32c=int(crc32c))
+                                   crc32c=int(crc32c), entry=entry)
 
 
 class TensorEntry(BaseModel):
@@ -235,17 +238,17 @@ def check_manifest(m: Manifest, *, source: str = MANIFEST_NAME) -> None:
         if not (0 <= info.size <= MAX_BYTES):
             raise fail(f"file {fname!r}: size {info.size} is out of range")
 
-    by_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    by_file: dict[str, list[tuple[int, int, str, str]]] = defaultdict(list)
     for name, t in m.tensors.items():
         _check_tensor(name, t, m, by_file, fail)
 
     for fname, spans in by_file.items():
         spans.sort()
         seen: set[str] = set()
-        for (start, end, name), nxt in zip(spans, spans[1:] + [None]):  # type: ignore[operator]
-            if name in seen:
-                raise fail(f"{where(name, fname)}: more than one piece of the tensor in one file")
-            seen.add(name)
+        for (start, end, name, entry), nxt in zip(spans, spans[1:] + [None]):  # type: ignore[operator]
+            if entry in seen:
+                raise fail(f"{where(name, fname)}: two pieces of the tensor in one file use header entry {entry!r}")
+            seen.add(entry)
             if nxt is not None and nxt[0] < end:
                 raise fail(f"{where(nxt[2], fname, nxt[0])}: overlaps the bytes of tensor {name!r} [{start}, {end})")
 
@@ -260,6 +263,12 @@ def check_manifest(m: Manifest, *, source: str = MANIFEST_NAME) -> None:
     for name in m.tensors:
         if name not in counts:
             raise fail(f"tensor {name!r} is not referenced by 'state'")
+
+
+def _is_entry_of(entry: str, name: str) -> bool:
+    """``entry`` is ``<name>#<k>`` with k a positive integer written without leading zeros."""
+    head, sep, k = entry.rpartition(ENTRY_SEP)
+    return head == name and sep == ENTRY_SEP and k.isascii() and k.isdigit() and k[0] != "0"
 
 
 def _check_tensor(name: str, t: TensorEntry, m: Manifest, by_file: dict, fail: Any) -> None:
@@ -301,7 +310,9 @@ def _check_tensor(name: str, t: TensorEntry, m: Manifest, by_file: dict, fail: A
             )
         if p.offset + p.length > m.files[p.file].size:
             raise fail(f"{here}: piece {i} ends at {p.offset + p.length}, past the file's size {m.files[p.file].size}")
-        by_file[p.file].append((p.offset, p.offset + p.length, name))
+        if p.entry is not None and not _is_entry_of(p.entry, name):
+            raise fail(f"{here}: piece {i} entry {p.entry!r} is not '{name}{ENTRY_SEP}<k>' (k = 1, 2, ...)"[:300])
+        by_file[p.file].append((p.offset, p.offset + p.length, name, p.entry if p.entry is not None else name))
         regions.append(region)
     if len(regions) == 1 and regions[0].numel == numel:  # one piece inside the tensor holding every element
         return

@@ -9,6 +9,8 @@ Who writes what:
 
 * ``ShardedTensor`` / ``FlatShard`` with ``replica_id == 0``: the rank holding it;
   other replicas write nothing.
+* a ``Shards`` leaf: each part as above, one piece per part; a file's further
+  pieces of one tensor get header entries ``<name>#1``, ``<name>#2``, ...
 * plain tensors are assumed replicated (equal on every rank); each is written by
   one rank chosen by a deterministic rule all ranks compute alike without talking:
   largest first, each to the rank with the fewest replicated bytes so far.
@@ -26,6 +28,7 @@ stay the same from save to save.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -41,8 +44,8 @@ from reshard.box import Box, FlatRange
 from .dtypes import dtype_name, itemsize
 from .errors import UnsupportedStateError
 from .manifest import FORMAT_VERSION
-from .sharding import FlatShard, ShardedTensor
-from .tree import PAD_PREFIX, Leaf, path_str
+from .sharding import FlatShard, ShardedTensor, Shards
+from .tree import ENTRY_SEP, PAD_PREFIX, Leaf, path_str
 
 DATA_ALIGNMENT = 4096
 DIRECT_MIN_BYTES = 256 << 10  # smaller pieces are copied through staging anyway: no phase
@@ -63,6 +66,7 @@ class LeafLayout:
     replica_id: int
     replicated: bool  # a plain tensor: every rank holds all of it
     phase: int | None = None  # memory address mod DATA_ALIGNMENT of a large in-memory piece
+    part: int | None = None  # index in a Shards leaf's parts; part > 0 continues the previous leaf
 
     @property
     def numel(self) -> int:
@@ -84,6 +88,8 @@ class PlannedPiece:
     region: Box | FlatRange
     offset: int
     length: int
+    part: int | None = None  # which part of a Shards leaf
+    entry: str | None = None  # header entry name when not ``name`` (a further piece of the tensor)
 
     @property
     def local_shape(self) -> list[int]:
@@ -107,9 +113,16 @@ class SavePlan:
         return len(self.header)
 
 
-def leaf_layout(leaf: Leaf) -> LeafLayout:
-    """Describe a leaf's placement; raises UnsupportedStateError for tensors the format cannot hold."""
-    value = leaf.value
+def leaf_layouts(leaf: Leaf) -> list[LeafLayout]:
+    """One layout per region of a leaf: per part of a ``Shards``, else just :func:`leaf_layout`."""
+    if not isinstance(leaf.value, Shards):
+        return [leaf_layout(leaf)]
+    return [dataclasses.replace(leaf_layout(leaf, part), part=i) for i, part in enumerate(leaf.value.parts)]
+
+
+def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
+    """Describe a leaf's (or one part's) placement; raises UnsupportedStateError for tensors the format cannot hold."""
+    value = leaf.value if value is None else value
     local = value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
     where = f"{path_str(leaf.path)} (tensor {leaf.name!r})"
     if local.layout != torch.strided or local.is_nested or local.device.type == "meta":
@@ -151,13 +164,17 @@ def assign_replicated(layouts: Sequence[LeafLayout], world_size: int) -> dict[st
 def make_plan(layouts: Sequence[LeafLayout], rank: int, world_size: int) -> SavePlan:
     """Plan one rank's file (uncached; see :func:`plan_save`)."""
     owner = assign_replicated(layouts, world_size)
+    leaf_of, leaf = [], -1
+    for lay in layouts:  # the parts of a Shards leaf are consecutive layouts with part 0, 1, ...
+        leaf += 0 if lay.part else 1
+        leaf_of.append(leaf)
     mine = [
-        (i, lay)
+        (leaf_of[i], lay)
         for i, lay in enumerate(layouts)
         if (owner.get(lay.name) == rank if lay.replicated else lay.replica_id == 0)
     ]
-    mine.sort(key=lambda t: (-itemsize(t[1].dtype), t[1].name))
-    tensors = tuple((lay.name, lay.dtype, lay.global_shape) for lay in layouts)
+    mine.sort(key=lambda t: (-itemsize(t[1].dtype), t[1].name))  # stable: parts stay in order
+    tensors = tuple((lay.name, lay.dtype, lay.global_shape) for lay in layouts if not lay.part)
     if not mine:
         return SavePlan(rank, world_size, None, b"", (), 0, tensors)
 
@@ -166,7 +183,13 @@ def make_plan(layouts: Sequence[LeafLayout], rank: int, world_size: int) -> Save
     }
     rel = 0
     spans = []
+    entry_names: list[str | None] = []  # None: the entry is the tensor name
+    count: dict[str, int] = {}
     for _, lay in mine:
+        k = count.get(lay.name, 0)
+        count[lay.name] = k + 1
+        entry = f"{lay.name}{ENTRY_SEP}{k}" if k else None
+        entry_names.append(entry)
         n = lay.nbytes
         want, modulus = (lay.phase, DATA_ALIGNMENT) if lay.phase is not None else (0, itemsize(lay.dtype))
         gap = (want - rel) % modulus
@@ -174,7 +197,7 @@ def make_plan(layouts: Sequence[LeafLayout], rank: int, world_size: int) -> Save
             entries[f"{PAD_PREFIX}{len(entries) - 1}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [rel, rel + gap]}
             rel += gap
         shape = list(lay.region.shape) if isinstance(lay.region, Box) else [lay.region.numel]
-        entries[lay.name] = {"dtype": lay.dtype, "shape": shape, "data_offsets": [rel, rel + n]}
+        entries[entry or lay.name] = {"dtype": lay.dtype, "shape": shape, "data_offsets": [rel, rel + n]}
         spans.append((rel, n))
         rel += n
     header_json = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
@@ -182,8 +205,8 @@ def make_plan(layouts: Sequence[LeafLayout], rank: int, world_size: int) -> Save
     header_json += b" " * (data_start - 8 - len(header_json))
     header = struct.pack("<Q", len(header_json)) + header_json
     pieces = tuple(
-        PlannedPiece(lay.name, i, lay.dtype, lay.global_shape, lay.region, data_start + off, n)
-        for (i, lay), (off, n) in zip(mine, spans)
+        PlannedPiece(lay.name, i, lay.dtype, lay.global_shape, lay.region, data_start + off, n, lay.part, entry)
+        for (i, lay), (off, n), entry in zip(mine, spans, entry_names)
     )
     return SavePlan(rank, world_size, rank_file_name(rank), header, pieces, data_start + rel, tensors)
 
@@ -225,7 +248,7 @@ PLAN_CACHE = PlanCache()
 
 def plan_save(leaves: Sequence[Leaf], rank: int, world_size: int, *, cache: PlanCache | None = PLAN_CACHE) -> SavePlan:
     """The plan for these leaves on this rank, from the cache when the layout was seen before."""
-    layouts = [leaf_layout(leaf) for leaf in leaves]
+    layouts = [lay for leaf in leaves for lay in leaf_layouts(leaf)]
     if cache is None:
         return make_plan(layouts, rank, world_size)
     return cache.get_or_make(layouts, rank, world_size)

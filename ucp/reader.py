@@ -40,6 +40,11 @@ class FilePiece:
     shape: tuple[int, ...]
     piece: Piece
 
+    @property
+    def entry(self) -> str:
+        """The piece's entry name in its file's safetensors header."""
+        return self.piece.entry if self.piece.entry is not None else self.tensor
+
 
 def read_manifest(storage: Storage, name: str) -> Manifest:
     """Read and check ``<name>/manifest.json``; NotACheckpointError when absent."""
@@ -114,7 +119,7 @@ def header_length(file: str, head: memoryview | bytes) -> int:
 def check_header(file: str, data_start: int, header: dict[str, Any], pieces: Sequence[FilePiece]) -> None:
     """The header must list exactly the manifest's pieces of this file, with their dtype, shape and offsets."""
     names = {k for k in header if k != "__metadata__" and not k.startswith(PAD_PREFIX)}
-    expected = {fp.tensor for fp in pieces}
+    expected = {fp.entry for fp in pieces}
     for k in header.keys() - names - {"__metadata__"}:
         entry = header[k]
         if not (isinstance(entry, dict) and entry.get("dtype") == "U8" and isinstance(entry.get("shape"), list)
@@ -128,7 +133,7 @@ def check_header(file: str, data_start: int, header: dict[str, Any], pieces: Seq
         )
     for fp in pieces:
         p = fp.piece
-        entry = header[fp.tensor]
+        entry = header[fp.entry]
         want = {"dtype": fp.dtype, "shape": p.local_shape(),
                 "data_offsets": [p.offset - data_start, p.offset - data_start + p.length]}
         got = {k: entry.get(k) for k in want} if isinstance(entry, dict) else entry

@@ -104,8 +104,50 @@ class FlatShard:
         return self.local.dtype
 
 
-TensorLike = torch.Tensor | ShardedTensor | FlatShard
+class Shards:
+    """Several regions of ONE global tensor held by this rank (one logical tensor, one name).
+
+    Tensor parallelism gives a rank non-adjacent parts of a tensor: a fused-QKV shard
+    holds its rows of q, k and v (3 boxes), a ZeRO flat partition of a row-parallel
+    shard up to 3 flat ranges. Each part keeps its own ``replica_id``; parts may be
+    views of one local tensor. Save writes each part as its own piece.
+    """
+
+    def __init__(self, parts: Sequence[ShardedTensor | FlatShard]) -> None:
+        parts = list(parts)
+        if not parts:
+            raise ValueError("Shards needs at least one part")
+        for i, p in enumerate(parts):
+            if not isinstance(p, (ShardedTensor, FlatShard)):
+                raise TypeError(f"Shards part {i} must be a ShardedTensor or FlatShard, got {type(p).__name__}")
+        first = parts[0]
+        for i, p in enumerate(parts[1:], 1):
+            if p.global_shape != first.global_shape:
+                raise ValueError(f"Shards part {i} has global_shape {list(p.global_shape)}, "
+                                 f"part 0 has {list(first.global_shape)}")
+            if p.dtype != first.dtype:
+                raise ValueError(f"Shards part {i} has dtype {p.dtype}, part 0 has {first.dtype}")
+        self.parts: tuple[ShardedTensor | FlatShard, ...] = tuple(parts)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.parts[0].global_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def __repr__(self) -> str:
+        return f"Shards({len(self.parts)} parts of {list(self.global_shape)} {self.dtype})"
+
+
+TensorLike = torch.Tensor | ShardedTensor | FlatShard | Shards
 
 
 def is_tensor_like(obj: object) -> bool:
-    return isinstance(obj, (torch.Tensor, ShardedTensor, FlatShard))
+    return isinstance(obj, (torch.Tensor, ShardedTensor, FlatShard, Shards))
+
+
+def parts_of(value: TensorLike) -> tuple[torch.Tensor | ShardedTensor | FlatShard, ...]:
+    """The single-region values a leaf is made of: a Shards leaf's parts, else the value itself."""
+    return value.parts if isinstance(value, Shards) else (value,)

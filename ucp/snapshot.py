@@ -15,13 +15,15 @@ import torch
 
 from .errors import UnsupportedStateError
 from .plan import PlannedPiece, SavePlan
-from .sharding import FlatShard, ShardedTensor
+from .sharding import FlatShard, ShardedTensor, Shards
 from .tree import Leaf
 
 
-def local_tensor(leaf: Leaf) -> torch.Tensor:
-    """The tensor a leaf's piece is made of (the local part of a sharded leaf)."""
+def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
+    """The tensor a leaf's piece is made of (the local part of a sharded leaf, or of part ``part`` of a Shards)."""
     value = leaf.value
+    if isinstance(value, Shards):
+        value = value.parts[part or 0]
     return value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
 
 
@@ -49,7 +51,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def piece_bytes(piece: PlannedPiece, leaf: Leaf) -> memoryview:
     """The bytes of one planned piece, checked against the plan."""
-    t = host_contiguous(local_tensor(leaf))
+    t = host_contiguous(local_tensor(leaf, piece.part))
     view = tensor_bytes(t)
     if view.nbytes != piece.length:
         raise UnsupportedStateError(

@@ -22,11 +22,12 @@ MAX_DEPTH = 64
 TAGS = ("dict", "items", "tuple", "float", "tensor")
 RESERVED_NAMES = frozenset({"__metadata__"})  # a safetensors header key
 PAD_PREFIX = "__pad__."  # data-file entries that only align the next piece (docs/format.md)
+ENTRY_SEP = "#"  # a tensor's further pieces in one data file are entries "<name>#<k>" (docs/format.md)
 
 
 def is_reserved(name: str) -> bool:
-    """Names no logical tensor may take: safetensors' metadata key and padding entries."""
-    return name in RESERVED_NAMES or name.startswith(PAD_PREFIX)
+    """Names no logical tensor may take: safetensors' metadata key, padding entries, names with '#'."""
+    return name in RESERVED_NAMES or name.startswith(PAD_PREFIX) or ENTRY_SEP in name
 
 
 @dataclass
@@ -107,7 +108,8 @@ def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], nam
 
 
 def _unique_name(path: tuple[Any, ...], names: set[str]) -> str:
-    base = ".".join(str(k) for k in path)
+    # '#' would let a name equal another tensor's "<name>#<k>" entry: replace it, so no saved name holds one
+    base = ".".join(str(k) for k in path).replace(ENTRY_SEP, "_")
     if base.startswith(PAD_PREFIX):  # no suffix can make it legal: move it out of the reserved prefix
         base = "_" + base
     name, n = base, 1

@@ -92,6 +92,7 @@ def write_rank_file(storage: Storage, rel_path: str, plan: SavePlan, views: Sequ
     if size != plan.file_size:  # a bug, not a user error: the plan and the bytes disagree
         raise RuntimeError(f"{rel_path}: wrote {size} bytes, plan says {plan.file_size}")
     return [
-        (p.name, Piece.from_region(p.region, file=plan.file, offset=p.offset, length=p.length, crc32c=values.get(i, 0)))
+        (p.name, Piece.from_region(p.region, file=plan.file, offset=p.offset, length=p.length, crc32c=values.get(i, 0),
+                                   entry=p.entry))
         for i, p in enumerate(plan.pieces)
     ]

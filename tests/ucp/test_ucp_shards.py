@@ -1,0 +1,176 @@
+"""Multi-region leaves (ucp.Shards): one rank holding several regions of one global tensor.
+
+Tensor parallelism makes them: a rank's fused-QKV shard is its rows of q, k and v (3 boxes).
+Ranks are simulated by threads (tests/ucp/ucp_helpers.run_ranks).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import ucp
+from ucp import AsyncSaver
+from ucp_helpers import random_tensor, run_ranks, same_bytes, save_ranks
+
+H, C = 4, 6  # rows of each of q, k, v; columns
+QKV = random_tensor(torch.float32, (3 * H, C), seed=11)  # global fused [q; k; v]
+FL = random_tensor(torch.bfloat16, (5, 4), seed=12)  # saved as flat ranges
+
+
+def qkv_shards(rank: int, world: int, local: torch.Tensor | None = None) -> ucp.Shards:
+    """Rank ``rank``'s [q_r; k_r; v_r] as 3 ShardedTensor views of one local tensor."""
+    h = H // world
+    if local is None:
+        local = torch.cat([QKV[j * H + rank * h : j * H + (rank + 1) * h] for j in range(3)])
+    return ucp.Shards([ucp.ShardedTensor(local[j * h : (j + 1) * h], (3 * H, C), (j * H + rank * h, 0))
+                       for j in range(3)])
+
+
+def flat_shards(rank: int) -> ucp.Shards:
+    """Rank 0 holds flat ranges [0, 3) and [10, 14) plus the box of row 4; rank 1 the rest (rows 0-3 minus those)."""
+    flat = FL.reshape(-1)
+    if rank == 0:
+        return ucp.Shards([ucp.FlatShard(flat[0:3].clone(), (5, 4), 0), ucp.FlatShard(flat[10:14].clone(), (5, 4), 10),
+                           ucp.ShardedTensor(FL[4:5].clone(), (5, 4), (4, 0))])
+    return ucp.Shards([ucp.FlatShard(flat[3:10].clone(), (5, 4), 3), ucp.FlatShard(flat[14:16].clone(), (5, 4), 14)])
+
+
+def rank_state(rank: int) -> dict:
+    return {"qkv": qkv_shards(rank, 2), "fl": flat_shards(rank), "rep": torch.arange(3), "step": 7}
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shards") / "ck"
+    save_ranks(path, [rank_state(0), rank_state(1)], step=7)
+    return path
+
+
+def test_full_load_is_bit_exact(ck):
+    out = ucp.load(ck)
+    assert same_bytes(out["qkv"], QKV) and same_bytes(out["fl"], FL)
+    assert torch.equal(out["rep"], torch.arange(3)) and out["step"] == 7
+
+
+def test_manifest_and_safetensors_entries(ck):
+    m = ucp.read_manifest(ck)
+    pieces = m.tensors["qkv"].pieces
+    assert len(pieces) == 6 and len(m.tensors["fl"].pieces) == 5
+    for f in m.files:
+        mine = [p for p in pieces if p.file == f]
+        assert [p.entry for p in mine] == [None, "qkv#1", "qkv#2"]
+        with safe_open(str(ck / f), framework="pt") as sf:
+            keys = set(sf.keys())
+            assert {"qkv", "qkv#1", "qkv#2"} <= keys
+            for p, key in zip(mine, ["qkv", "qkv#1", "qkv#2"]):
+                region = p.region()
+                assert same_bytes(sf.get_tensor(key), QKV[region.slices()])
+    with safe_open(str(ck / "rank-00000.safetensors"), framework="pt") as sf:
+        assert {"fl", "fl#1", "fl#2"} <= set(sf.keys())
+    raw = json.loads((ck / "manifest.json").read_text())
+    assert "entry" not in raw["tensors"]["rep"]["pieces"][0]  # single pieces are written as before
+    assert ucp.verify(ck).ok
+
+
+def test_load_into_one_full_tensor(ck):
+    into = {"qkv": torch.zeros(3 * H, C), "fl": torch.zeros(5, 4, dtype=torch.bfloat16),
+            "rep": torch.zeros(3, dtype=torch.long), "step": 0}
+    ucp.load(ck, into=into)
+    assert same_bytes(into["qkv"], QKV) and same_bytes(into["fl"], FL) and into["step"] == 7
+
+
+def test_load_into_other_shards_layout(ck):
+    # 4 ranks: each Shards' parts are views of one local tensor, filled in place
+    for rank in range(4):
+        local = torch.full((3 * (H // 4), C), -1.0)
+        target = qkv_shards(rank, 4, local)
+        into = {"qkv": target}
+        ucp.load(ck, into=into)
+        assert into["qkv"] is target
+        want = torch.cat([QKV[j * H + rank : j * H + rank + 1] for j in range(3)])
+        assert same_bytes(local, want)
+    # a Shards of flat ranges and a box
+    flat = torch.zeros(6, dtype=torch.bfloat16)
+    box = torch.zeros(2, 4, dtype=torch.bfloat16)
+    ucp.load(ck, into={"fl": ucp.Shards([ucp.FlatShard(flat[:3], (5, 4), 1), ucp.FlatShard(flat[3:], (5, 4), 17),
+                                         ucp.ShardedTensor(box, (5, 4), (2, 0))])})
+    f = FL.reshape(-1)
+    assert same_bytes(flat, torch.cat([f[1:4], f[17:20]])) and same_bytes(box, FL[2:4])
+
+
+def test_replicas_and_async_save(tmp_path):
+    """Rank 1 holds q and v as replica 1 (not written) and k as its own; the async path writes the same."""
+
+    def state(rank: int) -> dict:
+        local = QKV.clone()
+        parts = [ucp.ShardedTensor(local[j * H : (j + 1) * H], (3 * H, C), (j * H, 0),
+                                   replica_id=int(rank != (j == 1))) for j in range(3)]
+        return {"qkv": ucp.Shards(parts)}
+
+    def fn(group):
+        with AsyncSaver() as saver:
+            return saver.save(state(group.rank), tmp_path / "ck", process_group=group).result(timeout=60)
+
+    run_ranks(2, fn)
+    m = ucp.read_manifest(tmp_path / "ck")
+    assert [(p.file, p.entry) for p in m.tensors["qkv"].pieces] == [
+        ("rank-00000.safetensors", None), ("rank-00000.safetensors", "qkv#1"), ("rank-00001.safetensors", None)]
+    assert same_bytes(ucp.load(tmp_path / "ck")["qkv"], QKV) and ucp.verify(tmp_path / "ck").ok
+
+
+def test_bad_shards_are_refused():
+    with pytest.raises(ValueError, match="global_shape"):
+        ucp.Shards([ucp.ShardedTensor(torch.zeros(2, 3), (4, 3), (0, 0)),
+                    ucp.ShardedTensor(torch.zeros(2, 3), (6, 3), (2, 0))])
+    with pytest.raises(ValueError, match="dtype"):
+        ucp.Shards([ucp.FlatShard(torch.zeros(2), (4,), 0), ucp.FlatShard(torch.zeros(2, dtype=torch.int32), (4,), 2)])
+    with pytest.raises(ValueError):
+        ucp.Shards([])
+
+
+def _edit_manifest(src, dst, edit) -> None:
+    import shutil
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "manifest.json").read_text())
+    edit(raw)
+    (dst / "manifest.json").write_text(json.dumps(raw))
+
+
+def test_entry_naming_another_tensor_is_refused(ck, tmp_path):
+    def other(raw):
+        raw["tensors"]["qkv"]["pieces"][1]["entry"] = "fl#1"
+
+    _edit_manifest(ck, tmp_path / "a", other)
+    with pytest.raises(ucp.CheckpointError, match="entry"):
+        ucp.load(tmp_path / "a")
+
+    def duplicate(raw):
+        raw["tensors"]["qkv"]["pieces"][2]["entry"] = "qkv#1"
+
+    _edit_manifest(ck, tmp_path / "b", duplicate)
+    with pytest.raises(ucp.CheckpointError, match="qkv#1"):
+        ucp.load(tmp_path / "b")
+
+
+def test_header_must_use_the_manifest_entries(ck, tmp_path):
+    def swap(raw):  # entry names valid but not what the data file's header says
+        ps = raw["tensors"]["qkv"]["pieces"]
+        ps[1]["entry"], ps[2]["entry"] = "qkv#2", "qkv#1"
+
+    _edit_manifest(ck, tmp_path / "c", swap)
+    with pytest.raises(ucp.CheckpointError, match="header"):
+        ucp.load(tmp_path / "c")
+
+
+def test_generated_names_never_hold_the_entry_separator(tmp_path):
+    ucp.save({"a#1": torch.ones(2), "a": ucp.Shards([ucp.FlatShard(torch.zeros(1), (2,), 0),
+                                                     ucp.FlatShard(torch.ones(1), (2,), 1)])}, tmp_path / "ck")
+    m = ucp.read_manifest(tmp_path / "ck")
+    assert sorted(m.tensors) == ["a", "a_1"]
+    out = ucp.load(tmp_path / "ck")
+    assert torch.equal(out["a#1"], torch.ones(2)) and torch.equal(out["a"], torch.tensor([0.0, 1.0]))
