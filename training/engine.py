@@ -14,11 +14,13 @@ through the layout, so every mesh starts from the single-process model.
 Checkpointing (the seam for ucp): :meth:`Engine.checkpoint_targets` / :meth:`Engine.state_dict_for_checkpoint`
 give this rank's weights and optimizer states as ucp pieces of the global tensors, viewing live
 storage; after filling them (``ucp.load(path, into=sd)``), :meth:`Engine.finish_load` restores the
-scalars and re-derives the compute weights.
+scalars and re-derives the compute weights. :meth:`Engine.save` / :meth:`Engine.load` do this through a
+``ucp.CheckpointManager`` (or a checkpoint directory), from any mesh and ZeRO stage to any other.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Literal
 
 import torch
@@ -26,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from reshard import Mesh, Resolver
 from reshard.pipeline import stage_layers
+
+import ucp
 
 from .adam import AdamConfig
 from .checkpoint import CheckpointTargets, build_targets, fill_from_full
@@ -233,3 +237,38 @@ class Engine:
             self.optimizer.publish()
         else:
             self.optimizer.masters_from_weights()
+
+    # -- saving and resuming through ucp --------------------------------------------------------
+    def save(self, manager: ucp.CheckpointManager, step: int | None = None) -> ucp.Manifest | ucp.SaveHandle:
+        """Save this run as checkpoint ``step`` (default: :attr:`step`, the steps completed) of ``manager``.
+
+        Call on every rank. With an asynchronous manager this returns once the live pieces were
+        snapshotted (a SaveHandle), so training may go on while the checkpoint is written. The
+        metadata records the mesh, ZeRO stage and precision the checkpoint was written with, and the
+        data position (the data stream is a function of the step).
+        """
+        metadata = {"mesh": self.mesh.as_dict(), "zero_stage": self.cfg.zero_stage, "dtype": self.cfg.dtype,
+                    "data_position": self.step}
+        return manager.save(self.state_dict_for_checkpoint(), self.step if step is None else step,
+                            metadata=metadata, mesh=self.mesh.as_dict())
+
+    def load(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None = None) -> int:
+        """Resume from a checkpoint, whatever mesh and ZeRO stage wrote it; returns the step to train next.
+
+        ``source``: a manager (``step`` or by default its latest checkpoint) or a checkpoint directory.
+        Call on every rank: each reads only the regions of the global tensors it holds, in place,
+        then the compute weights are re-derived from the loaded fp32 masters.
+        """
+        sd = self.state_dict_for_checkpoint()
+        # Only what a resume needs: hparams and the scheduler description stay this engine's own.
+        # Plain values (None) are replaced by the saved ones, whatever their structure.
+        optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
+        into = {"model": sd["model"], "step": None, "optimizer": {**optim, "adam_step": None, "loss_scale": None}}
+        if isinstance(source, ucp.CheckpointManager):
+            source.load(step, into=into)
+        else:
+            if step is not None:
+                raise TypeError("step= selects a checkpoint of a manager; give a checkpoint directory alone")
+            ucp.load(source, into=into)
+        self.finish_load(into, from_masters=True)
+        return self.step

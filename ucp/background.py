@@ -373,7 +373,7 @@ def execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Prog
         reports = [report] + collect_reports(storage, job)
         manifest = _commit.build_manifest(reports, world_size=job.world_size, step=job.step, metadata=job.metadata,
                                           mesh=job.mesh, created=now_utc())
-        _commit.commit(storage, job.temp, job.name, manifest, discard_later=False)
+        _commit.commit(storage, job.temp, job.name, manifest)
     except BaseException:
         _commit.abort(storage, job.temp)
         raise

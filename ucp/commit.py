@@ -102,15 +102,12 @@ def build_manifest(reports: list[RankReport], *, world_size: int, step: int | No
 
 
 def commit(storage: Storage, temp: str, name: str, manifest: Manifest, *,
-           before_swap: Callable[[], None] | None = None, discard_later: bool = True) -> bytes:
+           before_swap: Callable[[], None] | None = None) -> bytes:
     """Write the manifest into ``temp`` and make ``temp`` the checkpoint ``name``, replacing any old one.
 
     Returns the manifest bytes written. ``before_swap`` is a test hook called after the
-    manifest is durable, just before the rename. A replaced checkpoint is removed in the
-    background when ``discard_later`` (the training thread should not wait for it), else
-    before returning (background writers, which nobody waits on).
+    manifest is durable, just before the rename.
     """
-    remove = storage.discard if discard_later else storage.remove_tree
     data = manifest.to_json()
     storage.write_small(f"{temp}/{MANIFEST_NAME}", data)
     storage.sync_dir(temp)
@@ -123,13 +120,13 @@ def commit(storage: Storage, temp: str, name: str, manifest: Manifest, *,
     check_replaceable(storage, name)
     if storage.exchange(temp, name):  # atomic: ``name`` holds the old or the new, never nothing
         storage.sync_dir("")
-        remove(temp)  # now holds the old checkpoint
+        storage.remove_tree(temp)  # now holds the old checkpoint
         return data
     old = f".{name}.old-{secrets.token_hex(6)}"
     storage.rename(name, old)
     storage.rename(temp, name)
     storage.sync_dir("")
-    remove(old)
+    storage.remove_tree(old)
     return data
 
 

@@ -14,7 +14,6 @@ with the same file format, and their "rename" is whatever the backend offers
 from __future__ import annotations
 
 import abc
-import atexit
 import ctypes
 import errno
 import os
@@ -55,10 +54,6 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def remove_tree(self, rel: str) -> None: ...
-
-    def discard(self, rel: str) -> None:
-        """Remove a directory nobody will read again (a replaced checkpoint); may finish later."""
-        self.remove_tree(rel)
 
     @abc.abstractmethod
     def listdir(self, rel: str) -> list[str]: ...
@@ -105,24 +100,6 @@ class Storage(abc.ABC):
         self.close()
 
 
-_discards: list[threading.Thread] = []
-
-
-def discard_in_background(path: str) -> None:
-    if not _discards:
-        atexit.register(wait_for_discards)
-    t = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
-                         name="ucp-discard", daemon=True)
-    t.start()
-    _discards.append(t)
-
-
-def wait_for_discards() -> None:
-    """Wait until replaced checkpoints are removed from disk (at exit, and for tests)."""
-    while _discards:
-        _discards.pop().join()
-
-
 class LocalStorage(Storage):
     """A local directory; data moves through ``aio`` (O_DIRECT, many requests in flight)."""
 
@@ -158,12 +135,6 @@ class LocalStorage(Storage):
 
     def remove_tree(self, rel: str) -> None:
         shutil.rmtree(self.path(rel), ignore_errors=True)
-
-    def discard(self, rel: str) -> None:
-        """Remove a replaced checkpoint in the background: freeing GBs of extents takes ~0.2 s per GB
-        on ext4, and nothing waits for it. Its name is a temp name, so if the process dies first,
-        the leftover is never loaded and the next save under the same root removes it."""
-        discard_in_background(self.path(rel))
 
     def listdir(self, rel: str) -> list[str]:
         return sorted(os.listdir(self.path(rel)))

@@ -1,0 +1,151 @@
+"""Resuming through ucp: ``Engine.save`` on one mesh, ``Engine.load`` on another, the same losses.
+
+An uninterrupted run gives the losses of steps 0..5. Runs on other meshes train steps 0..2, save
+step 3 with a ``ucp.CheckpointManager``, and fresh engines on other meshes and ZeRO stages load it
+(each rank reading only its own regions) and train steps 3..5: their losses must be the
+uninterrupted run's. The multi-process phases run in real gloo processes: this file is also the
+worker (``python test_training_resume.py RANK WORLD INIT OUT SCENARIOS``, as training_helpers.run_world
+starts it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import training_helpers
+import ucp
+from training import Engine
+from training.models.gpt import GPTConfig
+from training_helpers import BASE, GQA, rel_close, run_world
+
+SPLIT, STEPS = 3, 6
+# Global batch 4 rows on every mesh: micro_batch 2 at dp 2, 4 at dp 1.
+DP2 = {**BASE, "micro_batch": 2}
+DP1 = {**BASE, "micro_batch": 4}
+
+
+def engine(mesh: dict[str, int], **options: Any) -> Engine:
+    return Engine(GPTConfig(**GQA), mesh=mesh, **options)
+
+
+# -- the worker side ---------------------------------------------------------------------------------
+
+def run_save(sc: dict) -> list[float]:
+    """Train steps 0..SPLIT-1, save step SPLIT; an async save keeps training while it is written."""
+    e = engine(sc["mesh"], **sc["options"])
+    losses = [e.train_step() for _ in range(SPLIT)]
+    manager = ucp.CheckpointManager(sc["root"], async_save=sc.get("async", False))
+    try:
+        e.save(manager, SPLIT)
+        losses += [e.train_step() for _ in range(SPLIT, STEPS)]  # changes the live pieces the save viewed
+    finally:
+        manager.close()
+    return losses
+
+
+def run_load(sc: dict) -> list[float]:
+    e = engine(sc["mesh"], **sc["options"])
+    start = e.load(ucp.CheckpointManager(sc["root"]))
+    assert start == SPLIT and e.optimizer.adam_step == SPLIT, (start, e.optimizer.adam_step)
+    return [e.train_step() for _ in range(start, STEPS)]
+
+
+def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        for sc in scenarios:
+            losses = run_save(sc) if sc["action"] == "save" else run_load(sc)
+            if rank == 0:
+                (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the test side ---------------------------------------------------------------------------------
+
+def spawn(world: int, scenarios: list[dict], out: Path) -> dict[str, list[float]]:
+    """Run ``scenarios`` on ``world`` processes of this file; their losses by scenario name."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training_helpers, "WORKER", Path(__file__))
+        run_world(world, scenarios, out, timeout=60)
+    return {sc["name"]: json.loads((out / f"{sc['name']}.losses.json").read_text()) for sc in scenarios}
+
+
+def save(name: str, root: Path, mesh: dict[str, int], **options: Any) -> dict:
+    return {"name": name, "action": "save", "root": str(root), "mesh": mesh, "options": options}
+
+
+def load(name: str, root: Path, mesh: dict[str, int], **options: Any) -> dict:
+    return {"name": name, "action": "load", "root": str(root), "mesh": mesh, "options": options}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Uninterrupted losses, and the losses of every save and resume (three launches)."""
+    base = tmp_path_factory.mktemp("resume")
+    ck = {k: base / k for k in ("dp2_z1", "dp2_z3_async", "tp2dp2_z2")}
+    e = engine({}, zero_stage=0, **DP1)
+    losses = {"uninterrupted": [e.train_step() for _ in range(STEPS)]}
+    losses |= spawn(2, [
+        save("save_dp2_z1", ck["dp2_z1"], {"dp": 2}, zero_stage=1, **DP2),
+        save("save_dp2_z3_async", ck["dp2_z3_async"], {"dp": 2}, zero_stage=3, zero_alignment=4, **DP2)
+        | {"async": True},
+        load("dp2_z3_to_dp2_z1", ck["dp2_z3_async"], {"dp": 2}, zero_stage=1, **DP2),
+    ], base / "w2a")
+    losses |= spawn(4, [
+        load("dp2_z1_to_tp2dp2_z3", ck["dp2_z1"], {"tp": 2, "dp": 2}, zero_stage=3, zero_alignment=2, **DP2),
+        save("save_tp2dp2_z2", ck["tp2dp2_z2"], {"tp": 2, "dp": 2}, zero_stage=2, **DP2),
+    ], base / "w4")
+    losses |= spawn(2, [load("tp2dp2_z2_to_dp2_z1", ck["tp2dp2_z2"], {"dp": 2}, zero_stage=1, **DP2)], base / "w2b")
+    return {"losses": losses, "ck": ck}
+
+
+def test_saving_runs_match_the_uninterrupted_run(runs: dict[str, Any]) -> None:
+    losses = runs["losses"]
+    for name in ("save_dp2_z1", "save_dp2_z3_async", "save_tp2dp2_z2"):
+        # the async save's run kept training while it was written
+        assert rel_close(losses[name], losses["uninterrupted"], 1e-5), (name, losses[name])
+
+
+@pytest.mark.parametrize("name", ["dp2_z3_to_dp2_z1", "dp2_z1_to_tp2dp2_z3", "tp2dp2_z2_to_dp2_z1"])
+def test_resumed_run_continues_the_losses(runs: dict[str, Any], name: str) -> None:
+    losses = runs["losses"]
+    assert rel_close(losses[name], losses["uninterrupted"][SPLIT:], 1e-5), (losses[name], losses["uninterrupted"])
+
+
+def test_checkpoint_records_topology(runs: dict[str, Any]) -> None:
+    manager = ucp.CheckpointManager(runs["ck"]["tp2dp2_z2"])
+    assert manager.latest() == SPLIT
+    manifest = ucp.read_manifest(manager.path(SPLIT))
+    assert manifest.step == SPLIT
+    assert manifest.topology.world_size == 4 and manifest.topology.mesh == {"tp": 2, "pp": 1, "dp": 2}
+    assert manifest.metadata == {"mesh": {"tp": 2, "pp": 1, "dp": 2}, "zero_stage": 2, "dtype": "fp32",
+                                 "data_position": SPLIT}
+
+
+@pytest.mark.parametrize("ck", ["tp2dp2_z2", "dp2_z1"])
+def test_single_process_resumes_a_multi_rank_checkpoint(runs: dict[str, Any], ck: str) -> None:
+    """World 4 or 2 -> 1, in this process, loading a checkpoint directory rather than through a manager."""
+    e = engine({}, zero_stage=1, **DP1)
+    start = e.load(ucp.CheckpointManager(runs["ck"][ck]).path(SPLIT))
+    losses = [e.train_step() for _ in range(start, STEPS)]
+    assert start == SPLIT
+    assert rel_close(losses, runs["losses"]["uninterrupted"][SPLIT:], 1e-5), losses
+
+
+if __name__ == "__main__":
+    r, w, init_file, out_dir, spec = sys.argv[1:6]
+    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
+    sys.stdout.flush()
+    os._exit(0)
