@@ -243,13 +243,7 @@ class AsyncSaver:
         """Wait for every save in flight; raises the first failure among them."""
         with self._lock:
             pending = list(self._pending)
-        first: BaseException | None = None
-        for h in pending:
-            exc = h.exception()
-            if exc is not None and first is None:
-                first = exc
-        if first is not None:
-            raise first
+        wait_all(pending)
 
     def close(self, *, wait: bool = True) -> None:
         """Finish (``wait``) the saves in flight, stop the writer and free the staging memory."""
@@ -345,6 +339,13 @@ class AsyncSaver:
         with self._lock:
             self._pending.discard(handle)
             self._temps.pop(temp_abs, None)
+
+
+def wait_all(handles: Sequence[SaveHandle]) -> None:
+    """Wait for every handle; then raise the first failure among them, if any."""
+    errors = [exc for exc in (h.exception() for h in handles) if exc is not None]
+    if errors:
+        raise errors[0]
 
 
 def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> _bg.WriteJob:

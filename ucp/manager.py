@@ -39,7 +39,7 @@ from pydantic import BaseModel
 
 from aio import AioConfig, fsync_dir
 
-from .async_saving import AsyncSaver, Mode, SaveHandle
+from .async_saving import AsyncSaver, Mode, SaveHandle, wait_all
 from .background import PostCommit, dir_in_use
 from .dist import resolve_group
 from .errors import CheckpointError, NotACheckpointError
@@ -310,13 +310,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for this manager's saves in flight; raises the first failure."""
         handles, self._handles = self._handles, []
-        first: BaseException | None = None
-        for h in handles:
-            exc = h.exception()
-            if exc is not None and first is None:
-                first = exc
-        if first is not None:
-            raise first
+        wait_all(handles)
 
     def list(self) -> list[CheckpointInfo]:
         return list_checkpoints(self.root)
