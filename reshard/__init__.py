@@ -19,7 +19,7 @@ from .layout import Layout, Mesh, Pipeline, RankCoord, Rule, Zero
 from .pattern import Dim, Part, Pattern, parse_pattern
 from .plan import CheckedSources, Copy, Fill, Plan, SourcePiece, check_sources, plan, plan_layout
 from .presets import ModelDims, gpt_layout, gpt_shapes, llama_layout, llama_shapes
-from .resolve import LocalBuffer, RankView, Resolver, Slot, state_name, state_shapes
+from .resolve import LocalBuffer, RankView, Resolver, Slot, merge_slots, state_name, state_shapes
 from .zero import local_flat_to_global, partition_size
 
 __all__ = [
@@ -29,6 +29,6 @@ __all__ = [
     "Dim", "Part", "Pattern", "parse_pattern",
     "CheckedSources", "Copy", "Fill", "Plan", "SourcePiece", "check_sources", "plan", "plan_layout",
     "ModelDims", "gpt_layout", "gpt_shapes", "llama_layout", "llama_shapes",
-    "LocalBuffer", "RankView", "Resolver", "Slot", "state_name", "state_shapes",
+    "LocalBuffer", "RankView", "Resolver", "Slot", "merge_slots", "state_name", "state_shapes",
     "local_flat_to_global", "partition_size",
 ]

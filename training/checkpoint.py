@@ -28,45 +28,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from reshard import Box, FlatRange, LocalBuffer, Slot
+from reshard import Box, FlatRange, LocalBuffer, merge_slots
 from ucp.sharding import FlatShard, ShardedTensor, Shards
 
 Piece = ShardedTensor | FlatShard
 SECTIONS = ("model", "fp32_master", "exp_avg", "exp_avg_sq")
-
-
-def _adjacent_rows(a: Box, b: Box) -> Box | None:
-    """``a`` and ``b`` stacked along dim 0 (``b`` right after ``a``, same extent elsewhere), or None."""
-    if a.ndim != b.ndim or a.ndim == 0 or a.offsets[1:] != b.offsets[1:] or a.shape[1:] != b.shape[1:]:
-        return None
-    if a.offsets[0] + a.shape[0] != b.offsets[0]:
-        return None
-    return Box(a.offsets, (a.shape[0] + b.shape[0],) + a.shape[1:])
-
-
-def merge_slots(slots: Sequence[Slot]) -> list[Slot]:
-    """Join consecutive slots that continue each other both locally and globally.
-
-    A fused tensor at tp = 1 (``(tp [q k v]) h``) resolves to one slot per part although the rank
-    holds the whole tensor; merged, it is one piece, which is what ucp expects of a rank.
-    """
-    out: list[Slot] = []
-    for s in slots:
-        if out and out[-1].tensor == s.tensor and out[-1].replica == s.replica:
-            prev = out[-1]
-            if isinstance(prev.local, Box) and isinstance(s.local, Box) and isinstance(prev.glob, Box) \
-                    and isinstance(s.glob, Box):
-                local, glob = _adjacent_rows(prev.local, s.local), _adjacent_rows(prev.glob, s.glob)
-                if local is not None and glob is not None:
-                    out[-1] = Slot(s.tensor, local, glob, s.replica)
-                    continue
-            if isinstance(prev.local, FlatRange) and isinstance(s.local, FlatRange) and isinstance(prev.glob, FlatRange) \
-                    and isinstance(s.glob, FlatRange) and prev.local.stop == s.local.start and prev.glob.stop == s.glob.start:
-                out[-1] = Slot(s.tensor, FlatRange(prev.local.start, s.local.stop),
-                               FlatRange(prev.glob.start, s.glob.stop), s.replica)
-                continue
-        out.append(s)
-    return out
 
 
 def pieces_of(tensor: torch.Tensor, buf: LocalBuffer, shapes: Mapping[str, Sequence[int]]) -> list[tuple[str, Piece]]:

@@ -30,6 +30,7 @@ from reshard import Mesh, Resolver
 from reshard.pipeline import stage_layers
 
 import ucp
+from ucp.placement import layout_metadata
 
 from .adam import AdamConfig
 from .checkpoint import CheckpointTargets, build_targets, fill_from_full
@@ -248,7 +249,8 @@ class Engine:
         data position (the data stream is a function of the step).
         """
         metadata = {"mesh": self.mesh.as_dict(), "zero_stage": self.cfg.zero_stage, "dtype": self.cfg.dtype,
-                    "data_position": self.step}
+                    "data_position": self.step, "model": self.cfg.model.model_dump(mode="json"),
+                    **layout_metadata(self.layout, self.shapes)}
         return manager.save(self.state_dict_for_checkpoint(), self.step if step is None else step,
                             metadata=metadata, mesh=self.mesh.as_dict())
 

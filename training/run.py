@@ -5,7 +5,13 @@
 
 The world size must equal tp × pp × dp (``--dp`` defaults to what is left). Output lines look like
 ``{"step": 3, "loss": 4.61, "grad_norm": 0.8, "skipped": false, "seconds": 0.12}``, then a final
-``{"done": true, ...}``. Option names avoid prefixes of torchrun's own (no ``--log...``/``--d...``
+``{"done": true, ...}``. With ``--save-dir ROOT`` the run saves a checkpoint every
+``--save-every`` steps (asynchronously unless ``--sync-save``; a ``{"checkpoint": step, "stall": s}``
+line each) and ``--resume`` continues from the latest complete one, whatever mesh wrote it::
+
+    torchrun --nproc-per-node 4 -m training.run --tp 2 --dp 2 --zero 2 --total-steps 20 --save-dir ck
+    torchrun --nproc-per-node 2 -m training.run --dp 2 --zero 3 --total-steps 20 --save-dir ck --resume
+ Option names avoid prefixes of torchrun's own (no ``--log...``/``--d...``
 beyond ``--dp``), so they are never swallowed when placed before the script.
 """
 
@@ -43,6 +49,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-seed", type=int, default=0, help="synthetic data seed")
     p.add_argument("--zero-alignment", type=int, default=1)
     p.add_argument("--pad-vocab-to", type=int, default=128)
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="train until this global step (instead of --steps more steps); counts from a resume")
+    p.add_argument("--save-dir", default=None, help="a ucp.CheckpointManager root to save checkpoints in")
+    p.add_argument("--save-every", type=int, default=1, help="save after every N steps (with --save-dir)")
+    p.add_argument("--sync-save", action="store_true", help="save synchronously (default: asynchronously)")
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept under --save-dir")
+    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
     return p.parse_args(argv)
 
 
@@ -62,19 +75,44 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seed=args.seed, data_seed=args.batch_seed, zero_alignment=args.zero_alignment,
                     pad_vocab_to=args.pad_vocab_to, device="cuda" if torch.cuda.is_available() else "cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    start = time.perf_counter()
-    for step in range(args.start_step, args.start_step + args.steps):
-        t0 = time.perf_counter()
-        loss = engine.train_step(step)
+
+    def emit(record: dict) -> None:
         if rank == 0:
+            print(json.dumps(record), flush=True)
+
+    manager = None
+    first = args.start_step
+    if args.save_dir is not None or args.resume:
+        if args.save_dir is None:
+            raise SystemExit("--resume needs --save-dir")
+        import ucp
+
+        manager = ucp.CheckpointManager(args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save)
+        if args.resume:
+            t0 = time.perf_counter()
+            first = engine.load(manager)
+            emit({"resumed": first, "seconds": round(time.perf_counter() - t0, 4), "mesh": engine.mesh.as_dict(),
+                  "zero": args.zero})
+    last = args.total_steps if args.total_steps is not None else first + args.steps
+    start = time.perf_counter()
+    try:
+        for step in range(first, last):
+            t0 = time.perf_counter()
+            loss = engine.train_step(step)
             stats = engine.last_stats
             norm = stats["grad_norm"]
-            print(json.dumps({"step": step, "loss": loss, "grad_norm": norm if math.isfinite(norm) else None,
-                              "skipped": stats["skipped"], "seconds": round(time.perf_counter() - t0, 4)}),
-                  flush=True)
-    if rank == 0:
-        print(json.dumps({"done": True, "steps": args.steps, "seconds": round(time.perf_counter() - start, 3),
-                          "mesh": engine.mesh.as_dict(), "zero": args.zero, "precision": args.precision}), flush=True)
+            emit({"step": step, "loss": loss, "grad_norm": norm if math.isfinite(norm) else None,
+                  "skipped": stats["skipped"], "seconds": round(time.perf_counter() - t0, 4)})
+            if manager is not None and engine.step % args.save_every == 0:
+                t0 = time.perf_counter()
+                engine.save(manager)  # asynchronous: returns once the state is snapshotted
+                emit({"checkpoint": engine.step, "stall": round(time.perf_counter() - t0, 4),
+                      "async": not args.sync_save})
+    finally:
+        if manager is not None:
+            manager.close()  # waits for the last asynchronous save
+    emit({"done": True, "steps": last - first, "seconds": round(time.perf_counter() - start, 3),
+          "mesh": engine.mesh.as_dict(), "zero": args.zero, "precision": args.precision})
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

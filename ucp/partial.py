@@ -28,7 +28,7 @@ from reshard.box import Box, FlatRange, element_span, transfers
 from .dtypes import itemsize, torch_dtype
 from .manifest import Manifest
 from .reader import FileBuffer, FilePiece, check_crc, check_file_size, pieces_by_file, read_and_check_header
-from .regions import copy_region, same_elements
+from .regions import as_flat_range, copy_region, same_elements
 from .snapshot import tensor_bytes
 from .storage import Storage
 
@@ -54,6 +54,8 @@ class _Need:
     fp: FilePiece
     targets: list[Target]
     direct: Target | None = None  # read straight into this target's memory
+    direct_at: int = 0  # ... at this element offset
+    check: bool = True  # verify this piece's CRC (then it is read whole)
     first: int = 0  # staged: first element of the piece read
     read_at: int = 0  # staged: file offset of the (aligned) read
     read_len: int = 0
@@ -67,14 +69,32 @@ class _Batch:
     nbytes: int = 0
 
 
-def _directly_readable(t: Target, fp: FilePiece) -> bool:
+def _direct_offset(t: Target, fp: FilePiece) -> int | None:
+    """Element offset in ``t.buffer`` where the whole piece can be read straight in, else None.
+
+    That is when the piece's elements form one run of the target's, in order (the same region,
+    or both contiguous in the global tensor with the piece inside the target: a row block of a
+    whole tensor, a flat ZeRO partition inside a row block...).
+    """
     b = t.buffer
-    return (b.device.type == "cpu" and b.dtype == torch_dtype(fp.dtype) and b.is_contiguous()
-            and not b.requires_grad and same_elements(t.region, fp.piece.region(), fp.shape))
+    if b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous() or b.requires_grad:
+        return None
+    region = fp.piece.region()
+    if same_elements(t.region, region, fp.shape):
+        return 0
+    inner, outer = as_flat_range(region, fp.shape), as_flat_range(t.region, fp.shape)
+    if inner is None or outer is None or not (outer.start <= inner.start and inner.stop <= outer.stop):
+        return None
+    return inner.start - outer.start
 
 
-def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Sequence[Target], *, verify: bool) -> None:
-    """Fill every target from the pieces that intersect it."""
+def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Sequence[Target], *, verify: bool,
+                 verified: set[tuple[str, int]] | None = None) -> None:
+    """Fill every target from the pieces that intersect it.
+
+    ``verified`` (when verifying): ``(file, offset)`` of pieces whose CRC was already checked, which
+    are then read partially and not checked again; pieces checked here are added to it.
+    """
     by_tensor: dict[str, list[Target]] = defaultdict(list)
     for t in targets:
         by_tensor[t.name].append(t)
@@ -84,20 +104,24 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
         for fp in fps:
             wanting = [t for t in by_tensor.get(fp.tensor, ()) if transfers(fp.piece.region(), t.region, fp.shape)]
             if wanting:
-                direct = wanting[0] if len(wanting) == 1 and _directly_readable(wanting[0], fp) else None
-                needs[file].append(_Need(fp, wanting, direct))
+                at = _direct_offset(wanting[0], fp) if len(wanting) == 1 else None
+                check = verify and (verified is None or (file, fp.piece.offset) not in verified)
+                needs[file].append(_Need(fp, wanting, direct=wanting[0] if at is not None else None,
+                                         direct_at=at or 0, check=check))
     for file, file_needs in needs.items():
         size = manifest.files[file].size
         check_file_size(storage, name, file, size)
         read_and_check_header(storage, name, file, size, files[file])
-        _run(storage, f"{name}/{file}", file, _batches(file_needs, size, verify), verify)
+        _run(storage, f"{name}/{file}", file, _batches(file_needs, size))
+        if verified is not None:
+            verified.update((file, nd.fp.piece.offset) for nd in file_needs if nd.check)
 
 
-def _span(need: _Need, verify: bool) -> tuple[int, int]:
-    """Elements of the piece to read: all of it when verifying, else what the targets want."""
+def _span(need: _Need) -> tuple[int, int]:
+    """Elements of the piece to read: all of it when checking its CRC, else what the targets want."""
     fp = need.fp
     n = fp.piece.length // itemsize(fp.dtype)
-    if verify:
+    if need.check:
         return 0, n
     region = fp.piece.region()
     lo, hi = n, 0
@@ -108,14 +132,14 @@ def _span(need: _Need, verify: bool) -> tuple[int, int]:
     return (lo, hi) if lo < hi else (0, 0)
 
 
-def _batches(needs: list[_Need], size: int, verify: bool) -> list[_Batch]:
+def _batches(needs: list[_Need], size: int) -> list[_Batch]:
     batches = [_Batch()]
     for nd in needs:
         if nd.direct is not None:
             cost = nd.fp.piece.length
         else:
             isz = itemsize(nd.fp.dtype)
-            lo, hi = _span(nd, verify)
+            lo, hi = _span(nd)
             if hi <= lo:
                 continue
             start, end = nd.fp.piece.offset + lo * isz, nd.fp.piece.offset + hi * isz
@@ -134,7 +158,7 @@ def _batches(needs: list[_Need], size: int, verify: bool) -> list[_Batch]:
     return [b for b in batches if b.needs]
 
 
-def _run(storage: Storage, rel: str, file: str, batches: list[_Batch], verify: bool) -> None:
+def _run(storage: Storage, rel: str, file: str, batches: list[_Batch]) -> None:
     """Read up to ``READ_AHEAD`` batches ahead (in threads) while the oldest is checked and copied.
 
     Staging buffers rotate through ``READ_AHEAD + 1`` slots, so a batch's slot is reused only
@@ -151,7 +175,7 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch], verify: b
         ranges, slots, pos = [], [], 0
         for nd in batch.needs:
             if nd.direct is not None:
-                ranges.append((nd.fp.piece.offset, tensor_bytes(nd.direct.buffer)))
+                ranges.append((nd.fp.piece.offset, _direct_bytes(nd)))
                 slots.append(-1)
             else:
                 assert buf is not None
@@ -169,7 +193,7 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch], verify: b
                 if k + READ_AHEAD < len(batches):
                     pending.append(start(k + READ_AHEAD))
                 for nd, slot in zip(batch.needs, slots):
-                    _finish(nd, file, buf, slot, verify)
+                    _finish(nd, file, buf, slot)
         finally:
             for fut, _, _ in pending:
                 fut.cancel()
@@ -180,21 +204,28 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch], verify: b
                     pass
 
 
-def _finish(nd: _Need, file: str, buf: FileBuffer | None, slot: int, verify: bool) -> None:
+def _finish(nd: _Need, file: str, buf: FileBuffer | None, slot: int) -> None:
     if nd.direct is not None:
-        if verify:
-            check_crc(nd.fp, file, tensor_bytes(nd.direct.buffer))
+        if nd.check:
+            check_crc(nd.fp, file, _direct_bytes(nd))
     else:
         assert buf is not None
-        _finish_staged(nd, file, buf, slot, verify)
+        _finish_staged(nd, file, buf, slot)
 
 
-def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int, verify: bool) -> None:
+def _direct_bytes(nd: _Need) -> memoryview:
+    """The bytes of the direct target that the piece fills."""
+    assert nd.direct is not None
+    start = nd.direct_at * itemsize(nd.fp.dtype)
+    return tensor_bytes(nd.direct.buffer)[start:start + nd.fp.piece.length]
+
+
+def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int) -> None:
     """Check a staged piece's CRC, then copy what each target wants out of it."""
     fp = nd.fp
     isz = itemsize(fp.dtype)
     data_off = slot + nd.skip
-    if verify:
+    if nd.check:
         check_crc(fp, file, buf.view(fp.piece.length, data_off))
     avail = (nd.read_len - nd.skip) // isz
     dtype = torch_dtype(fp.dtype)

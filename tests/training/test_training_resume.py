@@ -22,7 +22,10 @@ import torch
 import training_helpers
 import ucp
 from training import Engine
+from reshard import Mesh
 from training.models.gpt import GPTConfig
+from ucp.placement import place, recorded_layout
+from ucp.reshape import reshape
 from training_helpers import BASE, GQA, rel_close, run_world
 
 SPLIT, STEPS = 3, 6
@@ -107,7 +110,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         load("dp2_z1_to_tp2dp2_z3", ck["dp2_z1"], {"tp": 2, "dp": 2}, zero_stage=3, zero_alignment=2, **DP2),
         save("save_tp2dp2_z2", ck["tp2dp2_z2"], {"tp": 2, "dp": 2}, zero_stage=2, **DP2),
     ], base / "w4")
-    losses |= spawn(2, [load("tp2dp2_z2_to_dp2_z1", ck["tp2dp2_z2"], {"dp": 2}, zero_stage=1, **DP2)], base / "w2b")
+    # ucp reshape: the tp2 x dp2 ZeRO-2 checkpoint rewritten for dp2 ZeRO-1, and consolidated
+    src = ucp.CheckpointManager(ck["tp2dp2_z2"]).path(SPLIT)
+    layout = recorded_layout(ucp.read_manifest(src)).layout
+    assert layout is not None
+    target = layout.replace(mesh=Mesh(dp=2), zero=layout.zero.model_copy(update={"stage": 1}))
+    ck["reshaped_dp2_z1"] = base / "reshaped_dp2_z1"
+    ck["consolidated"] = base / "consolidated"
+    reshape(src, ucp.CheckpointManager(ck["reshaped_dp2_z1"]).path(SPLIT), layout=target, memory_budget=1 << 20)
+    reshape(src, ucp.CheckpointManager(ck["consolidated"]).path(SPLIT))
+    losses |= spawn(2, [load("tp2dp2_z2_to_dp2_z1", ck["tp2dp2_z2"], {"dp": 2}, zero_stage=1, **DP2),
+                        load("reshaped_to_dp2_z1", ck["reshaped_dp2_z1"], {"dp": 2}, zero_stage=1, **DP2)],
+                    base / "w2b")
     return {"losses": losses, "ck": ck}
 
 
@@ -118,7 +132,8 @@ def test_saving_runs_match_the_uninterrupted_run(runs: dict[str, Any]) -> None:
         assert rel_close(losses[name], losses["uninterrupted"], 1e-5), (name, losses[name])
 
 
-@pytest.mark.parametrize("name", ["dp2_z3_to_dp2_z1", "dp2_z1_to_tp2dp2_z3", "tp2dp2_z2_to_dp2_z1"])
+@pytest.mark.parametrize("name", ["dp2_z3_to_dp2_z1", "dp2_z1_to_tp2dp2_z3", "tp2dp2_z2_to_dp2_z1",
+                                  "reshaped_to_dp2_z1"])
 def test_resumed_run_continues_the_losses(runs: dict[str, Any], name: str) -> None:
     losses = runs["losses"]
     assert rel_close(losses[name], losses["uninterrupted"][SPLIT:], 1e-5), (losses[name], losses["uninterrupted"])
@@ -130,11 +145,30 @@ def test_checkpoint_records_topology(runs: dict[str, Any]) -> None:
     manifest = ucp.read_manifest(manager.path(SPLIT))
     assert manifest.step == SPLIT
     assert manifest.topology.world_size == 4 and manifest.topology.mesh == {"tp": 2, "pp": 1, "dp": 2}
-    assert manifest.metadata == {"mesh": {"tp": 2, "pp": 1, "dp": 2}, "zero_stage": 2, "dtype": "fp32",
-                                 "data_position": SPLIT}
+    meta = manifest.metadata
+    assert {k: meta[k] for k in ("mesh", "zero_stage", "dtype", "data_position")} == {
+        "mesh": {"tp": 2, "pp": 1, "dp": 2}, "zero_stage": 2, "dtype": "fp32", "data_position": SPLIT}
+    recorded = recorded_layout(manifest)
+    assert recorded.layout is not None and recorded.layout.mesh == Mesh(tp=2, dp=2)
+    assert recorded.layout.zero.stage == 2 and recorded.shapes is not None
 
 
-@pytest.mark.parametrize("ck", ["tp2dp2_z2", "dp2_z1"])
+def test_reshaped_checkpoint_is_one_file_per_rank(runs: dict[str, Any]) -> None:
+    """After ``reshape`` every region a dp2 ZeRO-1 rank saves lies in that rank's own file."""
+    path = ucp.CheckpointManager(runs["ck"]["reshaped_dp2_z1"]).path(SPLIT)
+    manifest = ucp.read_manifest(path)
+    recorded = recorded_layout(manifest)
+    assert manifest.topology.mesh == {"tp": 1, "pp": 1, "dp": 2} and recorded.layout.zero.stage == 1
+    placements = place(manifest, recorded.layout, recorded.shapes)
+    for rank, mine in enumerate(placements.ranks):
+        for p in mine:
+            [piece] = [q for q in manifest.tensors[p.tensor].pieces if q.region() == p.region]
+            assert piece.file == f"rank-{rank:05d}.safetensors", (p, piece.file)
+    consolidated = ucp.read_manifest(ucp.CheckpointManager(runs["ck"]["consolidated"]).path(SPLIT))
+    assert len(consolidated.files) == 1 and all(len(t.pieces) == 1 for t in consolidated.tensors.values())
+
+
+@pytest.mark.parametrize("ck", ["tp2dp2_z2", "dp2_z1", "consolidated"])
 def test_single_process_resumes_a_multi_rank_checkpoint(runs: dict[str, Any], ck: str) -> None:
     """World 4 or 2 -> 1, in this process, loading a checkpoint directory rather than through a manager."""
     e = engine({}, zero_stage=1, **DP1)

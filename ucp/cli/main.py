@@ -18,8 +18,8 @@ import importlib
 import typer
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
-# Planned: "inspect", "verify", "ls", "reshape", "demo".
-COMMAND_MODULES: list[str] = ["bench", "tune", "inspect", "verify", "ls"]
+# Planned: "demo".
+COMMAND_MODULES: list[str] = ["demo", "bench", "tune", "inspect", "verify", "ls", "reshape", "convert", "export"]
 
 app = typer.Typer(
     name="ucp",

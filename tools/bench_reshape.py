@@ -1,0 +1,146 @@
+"""Benchmark ``ucp reshape`` against the floor of any rewrite: ``cp -r`` + ``sync`` of the same files.
+
+    .venv/bin/python tools/bench_reshape.py --rounds 3            # ~2.1 GiB checkpoint, caches dropped per step
+    .venv/bin/python tools/bench_reshape.py --layers 2 --rounds 1  # a quick smoke run
+
+The source is a reference-GPT training checkpoint (fp32 weights, fp32 masters, Adam moments: 16
+bytes per parameter) laid out for tp=2 × dp=2 with ZeRO-2, as four rank files. Each round times,
+with the page cache dropped before each step (root only; otherwise the run says so):
+
+* ``cp -r SRC DST && sync`` — every byte read and written once, no layout work;
+* ``ucp reshape SRC DST --tp 1 --dp 4 --zero 1`` — another TP/DP split and ZeRO stage;
+* ``ucp reshape SRC DST`` — consolidated (one piece per tensor).
+
+Each reshape runs as its own ``ucp`` process; its peak RSS is checked against the issue's bound,
+1 GiB + 2 × the largest tensor. Medians over rounds; ``--json`` for the raw numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UCP = [sys.executable, "-m", "ucp.cli"]
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache (root only); False when not allowed."""
+    from aio.tune import drop_page_cache
+
+    return drop_page_cache()[0]
+
+
+def make_source(root: Path, layers: int) -> Path:
+    """A tp2 x dp2 ZeRO-2 checkpoint of a reference GPT with ``layers`` layers (made once, reused)."""
+    src = root / f"src-l{layers}"
+    if (src / "manifest.json").exists():
+        return src
+    import ucp
+    from training import Engine
+    from training.models.gpt import PRESETS
+
+    cfg = PRESETS["gpt-100m"].model_copy(update={"n_layer": layers})
+    one = root / f"one-l{layers}"
+    shutil.rmtree(one, ignore_errors=True)
+    engine = Engine(cfg, zero_stage=1)  # initial weights; optimizer states are zeros (the bytes cost the same)
+    ucp.save(engine.state_dict_for_checkpoint(), one, metadata=_engine_metadata(engine))
+    del engine
+    _run([*UCP, "reshape", str(one), str(src), "--tp", "2", "--dp", "2", "--zero", "2", "--json"])
+    shutil.rmtree(one)
+    return src
+
+
+def _engine_metadata(engine) -> dict:
+    from ucp.placement import layout_metadata
+
+    return {"mesh": engine.mesh.as_dict(), "zero_stage": engine.cfg.zero_stage, "dtype": engine.cfg.dtype,
+            **layout_metadata(engine.layout, engine.shapes)}
+
+
+def _run(cmd: list[str]) -> str:
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return res.stdout
+
+
+def timed(cmd: list[str], dst: Path, cold: bool) -> tuple[float, dict | None]:
+    """Wall seconds of ``cmd`` (with caches dropped first), its --json output if any; removes ``dst`` after."""
+    shutil.rmtree(dst, ignore_errors=True)
+    if cold:
+        drop_caches()
+    t0 = time.perf_counter()
+    out = _run(cmd)
+    seconds = time.perf_counter() - t0
+    doc = json.loads(out) if out.lstrip().startswith("{") else None
+    shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
+    return seconds, doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", type=Path, default=Path("/tmp/ucp-bench-reshape"), help="work directory")
+    p.add_argument("--layers", type=int, default=18, help="GPT layers (18: ~140M parameters, ~2.1 GiB)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--memory-budget", default="512MiB")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    args.root.mkdir(parents=True, exist_ok=True)
+    src = make_source(args.root, args.layers)
+
+    import ucp
+
+    manifest = ucp.read_manifest(src)
+    size = sum(f.size for f in manifest.files.values())
+    largest = max(t.nbytes for t in manifest.tensors.values())
+    rss_bound = (1 << 30) + 2 * largest
+    cold = drop_caches()
+    dst = args.root / "dst"
+    steps = {
+        "cp -r + sync": ["bash", "-c", f"cp -r {src} {dst} && sync"],
+        "reshape tp1 dp4 ZeRO-1": [*UCP, "reshape", str(src), str(dst), "--tp", "1", "--dp", "4", "--zero", "1",
+                                   "--memory-budget", args.memory_budget, "--json"],
+        "reshape consolidated": [*UCP, "reshape", str(src), str(dst), "--memory-budget", args.memory_budget, "--json"],
+    }
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    rss: dict[str, int] = {}
+    for _ in range(args.rounds):
+        for name, cmd in steps.items():
+            seconds, doc = timed(cmd, dst, cold)
+            times[name].append(seconds)
+            if doc is not None:
+                rss[name] = max(rss.get(name, 0), int(doc["peak_rss_bytes"]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    floor = med["cp -r + sync"]
+    result = {
+        "command": "python tools/bench_reshape.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "checkpoint_bytes": size, "files": len(manifest.files), "largest_tensor_bytes": largest,
+        "caches_dropped": cold, "rounds": args.rounds, "seconds": times, "median_seconds": med,
+        "ratio_to_cp": {k: v / floor for k, v in med.items()}, "peak_rss_bytes": rss, "rss_bound_bytes": rss_bound,
+        "pass": {k: med[k] <= 1.25 * floor and rss[k] <= rss_bound for k in rss},
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"checkpoint: {size / 2**30:.2f} GiB in {len(manifest.files)} files (tp2 x dp2 ZeRO-2), largest tensor "
+          f"{largest / 2**20:.0f} MiB; page cache {'dropped before each step' if cold else 'NOT dropped (not root)'}")
+    print(f"{'step':<26}{'median s':>10}{'GB/s':>8}{'x cp':>7}{'peak RSS':>11}{'target':>9}")
+    for k, v in med.items():
+        peak = f"{rss[k] / 2**20:.0f} MiB" if k in rss else ""
+        verdict = ("pass" if result["pass"][k] else "FAIL") if k in rss else ""
+        print(f"{k:<26}{v:>10.2f}{size / v / 1e9:>8.2f}{v / floor:>7.2f}{peak:>11}{verdict:>9}")
+    print(f"targets: <= 1.25 x cp, peak RSS <= {rss_bound / 2**20:.0f} MiB (1 GiB + 2 x largest tensor)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

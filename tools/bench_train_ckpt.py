@@ -1,0 +1,260 @@
+"""What checkpointing every step costs a training run: none vs async vs sync, in one run.
+
+    python tools/bench_train_ckpt.py --model small --steps 8 --dp 2 --zero 2          # spawns 2 gloo ranks
+    torchrun --nproc-per-node 2 tools/bench_train_ckpt.py --model small --dp 2       # or under torchrun
+    python tools/bench_train_ckpt.py --json out.json ...                             # also write the results
+
+Every rank trains the reference GPT (``training.Engine``) three ways, one after the other, on the
+same engine: ``none`` (no checkpoints), ``async`` (``engine.save`` through
+``ucp.CheckpointManager(root, keep_last=2, async_save=True)`` after every step) and ``sync`` (the same
+manager with synchronous saves). The ways are interleaved in ``--rounds`` rounds (so load from other
+jobs drifting over the run hits each alike); a way's first block starts with ``--warmup`` untimed steps
+(the first save allocates and faults the staging arena, plans the layout). A step's
+time is ``train_step`` plus the save call, measured on rank 0 (the collectives keep ranks in step).
+
+Reported: the median step time of each way, the overhead ratio ``(way - none) / none``, the
+checkpoint size (all ranks' files), the snapshot stall per async save (``SaveHandle.snapshot_seconds``),
+how long an async save takes to become durable, and the sync save's GB/s.
+
+Knobs that matter on small machines: ``--threads`` (torch intra-op threads per rank; default cores /
+ranks, so the ranks do not oversubscribe the CPU), ``--async-mode process`` (the writer in its own
+process: no GIL shared with training), ``--writer-threads`` (the aio engine's threads) and
+``--no-fsync``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+WAYS = ("none", "async", "sync")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--model", default="small", help="preset of training.models.gpt.PRESETS (default: small, 13.8M)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per way")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per way (the first save warms up)")
+    p.add_argument("--rounds", type=int, default=2, help="interleave the ways in this many rounds of steps / rounds")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="default: procs / (tp * pp)")
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--procs", type=int, default=None, help="ranks to spawn (default tp * pp * dp, dp default 1)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq")
+    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint root parent (default: a temp dir under /tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--async-mode", default="thread", choices=("thread", "process"))
+    p.add_argument("--writer-threads", type=int, default=None, help="aio thread_count for the writes")
+    p.add_argument("--no-fsync", action="store_true", help="skip fdatasync of the data files")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- one rank ------------------------------------------------------------------------------------
+
+def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Train the three ways on this rank; rank 0 returns the measurements."""
+    import torch
+    import torch.distributed as dist
+
+    import ucp
+    from training import Engine
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    dp = args.dp or world // (args.tp * args.pp)
+    engine = Engine(args.model, mesh={"tp": args.tp, "pp": args.pp, "dp": dp}, zero_stage=args.zero,
+                    dtype=args.precision, micro_batch=args.micro_batch, seq_len=args.seq_len, lr=1e-4)
+    aio: dict[str, Any] = {}
+    if args.writer_threads:
+        aio["thread_count"] = args.writer_threads
+    if args.no_fsync:
+        aio["fsync"] = False
+    base = Path(os.environ["BENCH_ROOT"])
+    managers: dict[str, Any] = {}
+    savers: dict[str, Any] = {}
+    raw: dict[str, dict[str, list[float]]] = {w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": []}
+                                              for w in args.ways}
+    for w in args.ways:
+        if w == "async":
+            savers[w] = ucp.AsyncSaver(mode=args.async_mode, aio_config=aio or None)
+        if w != "none":
+            managers[w] = ucp.CheckpointManager(base / w, keep_last=2, async_save=w == "async", saver=savers.get(w),
+                                                aio_config=aio or None)
+    # Rounds interleave the ways, so load from other jobs drifting over the run hits every way alike.
+    per_round = max(1, -(-args.steps // args.rounds))
+    for rnd in range(args.rounds):
+        for way in args.ways:
+            manager, r = managers.get(way), raw[way]
+            warm = args.warmup if rnd == 0 else 0
+            for i in range(warm + per_round):
+                t0 = time.perf_counter()
+                engine.train_step()
+                t1 = time.perf_counter()
+                if manager is not None:
+                    out = engine.save(manager)
+                    if isinstance(out, ucp.SaveHandle) and i >= warm:
+                        r["stall_s"].append(out.snapshot_seconds)
+                        out.add_done_callback(lambda h, t=time.perf_counter(), s=out.snapshot_seconds, d=r["durable_s"]:
+                                              d.append(time.perf_counter() - t + s))
+                t2 = time.perf_counter()
+                if i >= warm:
+                    r["step_s"].append(t2 - t0)
+                    r["save_call_s"].append(t2 - t1)
+            if manager is not None:
+                manager.wait()  # untimed: the next way starts without this way's writes in flight
+            if dist.is_initialized():
+                dist.barrier()
+    results: dict[str, Any] = {}
+    for way in args.ways:
+        size = 0
+        manager = managers.get(way)
+        if manager is not None:
+            manager.close()
+            if way in savers:
+                savers[way].close()
+            if rank == 0:
+                size = sum(f.stat().st_size for f in Path(manager.path(manager.latest())).iterdir() if f.is_file())
+        results[way] = {**raw[way], "size": size}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    results["config"] = {"model": args.model, "params": engine.cfg.model.num_params(), "world": world,
+                         "tp": args.tp, "pp": args.pp, "dp": dp, "zero": args.zero, "precision": args.precision,
+                         "micro_batch": args.micro_batch, "seq": engine.cfg.seq, "steps": args.steps,
+                         "warmup": args.warmup, "rounds": args.rounds, "threads": torch.get_num_threads(), "async_mode": args.async_mode,
+                         "aio": aio, "cores": os.cpu_count()}
+    return results
+
+
+# -- summary -------------------------------------------------------------------------------------
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    """Medians, overhead ratios and rates from the raw per-step measurements."""
+    med = {w: statistics.median(r["step_s"]) for w, r in raw.items() if w in WAYS and r["step_s"]}
+    out: dict[str, Any] = {"config": raw["config"], "ways": {}}
+    for w in WAYS:
+        if w not in raw:
+            continue
+        r = raw[w]
+        row: dict[str, Any] = {"median_step_s": med.get(w)}
+        if "none" in med and w != "none" and w in med:
+            row["overhead"] = (med[w] - med["none"]) / med["none"]
+        if w != "none":
+            row["size_bytes"] = r["size"]
+            row["median_save_call_s"] = statistics.median(r["save_call_s"]) if r["save_call_s"] else None
+        if w == "async" and r["stall_s"]:
+            row["median_stall_s"] = statistics.median(r["stall_s"])
+            row["max_stall_s"] = max(r["stall_s"])
+            if r["durable_s"]:
+                row["median_durable_s"] = statistics.median(r["durable_s"])
+                row["durable_GBps"] = r["size"] / row["median_durable_s"] / 1e9
+        if w == "sync" and r["save_call_s"]:
+            row["sync_GBps"] = r["size"] / statistics.median(r["save_call_s"]) / 1e9
+        out["ways"][w] = row
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    c = summary["config"]
+    lines = [f"{c['model']} ({c['params'] / 1e6:.1f}M params), world {c['world']} (tp {c['tp']} pp {c['pp']} "
+             f"dp {c['dp']}), ZeRO-{c['zero']} {c['precision']}, micro-batch {c['micro_batch']} x seq {c['seq']}, "
+             f"{c['steps']} timed steps after {c['warmup']}, {c['threads']} torch threads/rank on {c['cores']} cores",
+             "", "| way | median step s | overhead | save call s | stall s | ckpt MB | GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for w, r in summary["ways"].items():
+        ov = f"{r['overhead'] * 100:+.1f}%" if "overhead" in r else "-"
+        call = f"{r['median_save_call_s']:.3f}" if r.get("median_save_call_s") is not None else "-"
+        stall = f"{r['median_stall_s']:.3f}" if "median_stall_s" in r else "-"
+        size = f"{r['size_bytes'] / 1e6:.0f}" if r.get("size_bytes") else "-"
+        rate = r.get("sync_GBps") or r.get("durable_GBps")
+        lines.append(f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | "
+                     f"{f'{rate:.2f}' if rate else '-'} |")
+    lines.append("")
+    lines.append("GB/s: sync = size / save call; async = size / time from save() to durable (commit).")
+    return "\n".join(lines)
+
+
+# -- launching -----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: argparse.Namespace, argv: Sequence[str], root: Path) -> dict[str, Any]:
+    """Spawn the ranks (gloo over loopback); rank 0 writes its results to a file."""
+    procs = args.procs or args.tp * args.pp * (args.dp or 1)
+    result = root / "rank0.json"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(procs),
+           "GLOO_SOCKET_IFNAME": "lo", "BENCH_ROOT": str(root), "BENCH_RESULT": str(result),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    children = [subprocess.Popen([sys.executable, __file__, *argv, "--worker"],
+                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(procs)]
+    codes = [c.wait() for c in children]
+    if any(codes):
+        raise SystemExit(f"bench_train_ckpt: ranks exited with {codes}")
+    return json.loads(result.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:  # a spawned rank, or under torchrun
+        own_root = "BENCH_ROOT" not in os.environ
+        if own_root:
+            os.environ["BENCH_ROOT"] = tempfile.mkdtemp(prefix="bench-train-ckpt-", dir=args.dir)
+        raw = run_rank(args)
+        if raw is None:
+            return 0
+        if "BENCH_RESULT" in os.environ:
+            Path(os.environ["BENCH_RESULT"]).write_text(json.dumps(raw))
+            return 0
+        report(args, raw, Path(os.environ["BENCH_ROOT"]))
+        return 0
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-train-ckpt-", dir=args.dir))
+    try:
+        raw = launch(args, argv, root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    report(args, raw, root)
+    return 0
+
+
+def report(args: argparse.Namespace, raw: dict[str, Any], root: Path) -> None:
+    summary = summarize(raw)
+    print(table(summary))
+    if args.json is not None:
+        args.json.write_text(json.dumps({**summary, "raw": raw}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

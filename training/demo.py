@@ -1,0 +1,262 @@
+"""``ucp demo``: the whole story on one machine — train, crash, resume elsewhere, reshape, export.
+
+1. **Train** the reference GPT with 4 processes (torchrun, gloo): TP 2 × DP 2, ZeRO-2, fp32,
+   an asynchronous checkpoint every ``save_every`` steps through a ``ucp.CheckpointManager``.
+2. **Crash**: at the first checkpoint after step ``kill_at``, right after its snapshot, every
+   process is SIGKILLed — in the middle of writing that checkpoint, which must not matter.
+3. **Resume** on 2 processes with another layout (TP 1 × DP 2, ZeRO-3): ``engine.load`` picks the
+   latest *complete* checkpoint and reshards it while loading. The steps the first run had
+   already done are computed again: their losses must equal the first run's.
+4. **Reshape** the last checkpoint with ``ucp reshape`` (consolidated), **export** it to Hugging
+   Face safetensors with ``ucp export``, and print a summary.
+
+Every command is run as a user would type it (the lines are shown), so the demo is also a
+recipe. All files go to a work directory (a new temporary one unless given), kept at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parents[1]
+Say = Callable[[str], None]
+
+
+class DemoConfig(BaseModel):
+    workdir: Path | None = None
+    model: str = "small"
+    total_steps: int = 16
+    save_every: int = 2
+    kill_at: int = 9
+    first_procs: int = 4
+    first_layout: dict[str, int] = {"tp": 2, "dp": 2, "zero": 2}
+    second_procs: int = 2
+    second_layout: dict[str, int] = {"tp": 1, "dp": 2, "zero": 3}
+    timeout_s: float = 480
+
+
+@dataclass
+class RunLog:
+    """What rank 0 of a training run printed (its JSON lines), by kind."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    step_seconds: list[float] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+    resumed: dict[str, Any] | None = None
+    done: dict[str, Any] | None = None
+    killed: bool = False
+    output: list[str] = field(default_factory=list)
+
+    def take(self, line: str) -> dict[str, Any] | None:
+        self.output.append(line)
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(rec, dict):
+            return None
+        if "loss" in rec:
+            self.losses[int(rec["step"])] = float(rec["loss"])
+            self.step_seconds.append(float(rec["seconds"]))
+        elif "checkpoint" in rec:
+            self.checkpoints.append(int(rec["checkpoint"]))
+            self.stalls.append(float(rec["stall"]))
+        elif "resumed" in rec:
+            self.resumed = rec
+        elif rec.get("done"):
+            self.done = rec
+        return rec
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
+def _train_cmd(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, resume: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
+           "-m", "training.run", "--model", cfg.model, "--tp", str(layout["tp"]), "--dp", str(layout["dp"]),
+           "--zero", str(layout["zero"]), "--total-steps", str(cfg.total_steps), "--save-dir", str(root),
+           "--save-every", str(cfg.save_every)]
+    return cmd + (["--resume"] if resume else [])
+
+
+def _show(cmd: list[str]) -> str:
+    shown = ["torchrun" if c == "torch.distributed.run" else c for c in cmd]
+    if shown[:2] == [sys.executable, "-m"]:
+        shown = shown[2:]
+    return " ".join(shown)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc). torchrun starts its workers in sessions of their
+    own, so killing torchrun's process group would leave them running."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def crash(pid: int) -> None:
+    """SIGKILL a process and all its descendants, the workers first (no one gets to clean up)."""
+    for p in reversed([pid, *descendants(pid)]):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def train(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, resume: bool, kill_after: int | None,
+          say: Say) -> RunLog:
+    """Run training under torchrun, echoing progress; SIGKILL everything once step ``kill_after`` is logged."""
+    cmd = _train_cmd(cfg, procs, layout, root, resume)
+    say(f"$ {_show(cmd)}")
+    log = RunLog()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + cfg.timeout_s
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            rec = log.take(line.rstrip("\n"))
+            if rec is None:
+                continue
+            if "loss" in rec:
+                say(f"  step {rec['step']:>3}  loss {rec['loss']:.6f}  ({rec['seconds']:.2f} s)")
+            elif "checkpoint" in rec:
+                say(f"  checkpoint {rec['checkpoint']} snapshotted in {rec['stall'] * 1000:.0f} ms, written in the background")
+            elif "resumed" in rec:
+                say(f"  resumed at step {rec['resumed']} ({rec['seconds']:.2f} s to load and reshard)")
+            if kill_after is not None and rec.get("checkpoint", -1) > kill_after:
+                crash(proc.pid)  # right after a snapshot: the checkpoint is being written
+                log.killed = True
+                say(f"  CRASH: SIGKILL to torchrun and all {procs} ranks while checkpoint {rec['checkpoint']} "
+                    "is being written")
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"training did not finish within {cfg.timeout_s:.0f} s")
+    finally:
+        if proc.poll() is None and not log.killed:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                crash(proc.pid)
+        if log.killed:
+            proc.wait()
+    if not log.killed and proc.returncode != 0:
+        tail = "\n".join(log.output[-30:])
+        raise RuntimeError(f"training exited with {proc.returncode}:\n{tail}")
+    return log
+
+
+def ucp_cli(args: list[str], say: Say) -> dict[str, Any]:
+    """Run ``ucp ARGS --json`` as a user would; its JSON report."""
+    cmd = [sys.executable, "-m", "ucp.cli", *args, "--json"]
+    say(f"$ ucp {' '.join(args)}")
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"ucp {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return json.loads(res.stdout)
+
+
+class DemoSummary(BaseModel):
+    workdir: str
+    checkpoints: str
+    first_run: dict[str, Any]
+    crash: dict[str, Any]
+    resume: dict[str, Any]
+    continuity: dict[str, Any]
+    reshape: dict[str, Any]
+    export: dict[str, Any]
+    seconds: float
+
+
+def run_demo(cfg: DemoConfig, say: Say) -> DemoSummary:
+    started = time.perf_counter()
+    import ucp
+
+    work = Path(cfg.workdir) if cfg.workdir is not None else Path(tempfile.mkdtemp(prefix="ucp-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    root = work / "checkpoints"
+    if root.exists() and any(root.iterdir()):
+        raise FileExistsError(f"{root} is not empty: give a new --workdir")
+    a, b = cfg.first_layout, cfg.second_layout
+    say(f"work directory: {work}")
+
+    say(f"\n1. train '{cfg.model}' on {cfg.first_procs} processes (tp={a['tp']} dp={a['dp']} ZeRO-{a['zero']}), "
+        f"async checkpoint every {cfg.save_every} steps")
+    first = train(cfg, cfg.first_procs, a, root, resume=False, kill_after=cfg.kill_at, say=say)
+    if not first.killed:
+        raise RuntimeError("the first run ended before it could be killed; raise --steps or lower --kill-at")
+
+    manager = ucp.CheckpointManager(root)
+    infos = manager.list()
+    latest = manager.latest()
+    say("\n2. after the crash: " + ", ".join(f"{i.name} {i.status}" for i in infos))
+    if latest is None:
+        raise RuntimeError("no complete checkpoint survived the crash")
+    manifest = ucp.read_manifest(manager.path(latest))
+    ckpt_bytes = sum(f.size for f in manifest.files.values())
+
+    say(f"\n3. resume on {cfg.second_procs} processes with another layout (tp={b['tp']} dp={b['dp']} ZeRO-{b['zero']})")
+    second = train(cfg, cfg.second_procs, b, root, resume=True, kill_after=None, say=say)
+    resumed_at = int(second.resumed["resumed"]) if second.resumed else None
+    if resumed_at != latest:
+        raise RuntimeError(f"resumed at step {resumed_at}, but the latest complete checkpoint is {latest}")
+    overlap = sorted(set(first.losses) & set(second.losses))
+    diffs = {s: abs(first.losses[s] - second.losses[s]) / abs(first.losses[s]) for s in overlap}
+    worst = max(diffs.values(), default=0.0)
+    say("   loss before the crash vs after the resume, same steps: "
+        + ", ".join(f"step {s}: {first.losses[s]:.6f} / {second.losses[s]:.6f}" for s in overlap))
+    if worst > 1e-5:
+        raise RuntimeError(f"the resumed run's losses differ from the first run's (max relative {worst:.2e})")
+
+    final = manager.latest()
+    src = manager.path(final)
+    say(f"\n4. reshape the last checkpoint (step {final}) and export it")
+    reshape = ucp_cli(["reshape", src, str(work / "consolidated")], say)
+    export = ucp_cli(["export", str(work / "consolidated"), str(work / "hf"), "--format", "hf", "--dtype", "bf16"], say)
+
+    summary = DemoSummary(
+        workdir=str(work), checkpoints=str(root),
+        first_run={"processes": cfg.first_procs, "layout": a, "steps_done": max(first.losses) + 1,
+                   "median_step_s": statistics.median(first.step_seconds),
+                   "median_save_stall_s": statistics.median(first.stalls) if first.stalls else None,
+                   "checkpoints": first.checkpoints},
+        crash={"after_step": cfg.kill_at, "listing": [{"name": i.name, "status": i.status} for i in infos],
+               "latest_complete": latest, "checkpoint_bytes": ckpt_bytes},
+        resume={"processes": cfg.second_procs, "layout": b, "resumed_at": resumed_at,
+                "load_s": second.resumed["seconds"] if second.resumed else None,
+                "load_gb_per_s": ckpt_bytes / second.resumed["seconds"] / 1e9 if second.resumed else None,
+                "final_step": max(second.losses) + 1, "final_loss": second.losses[max(second.losses)]},
+        continuity={"steps": overlap, "before": [first.losses[s] for s in overlap],
+                    "after": [second.losses[s] for s in overlap], "max_relative_difference": worst},
+        reshape=reshape, export=export, seconds=time.perf_counter() - started,
+    )
+    return summary

@@ -1,0 +1,65 @@
+"""``ucp convert SRC DST``: turn a DeepSpeed (native or universal), PyTorch DCP or Hugging Face
+safetensors checkpoint into a UCP checkpoint.
+
+Exit codes: 0 converted; 1 the conversion failed while writing (storage error); 2 the input is
+not a readable checkpoint of the format (unknown format, missing file, unsafe pickle), or DST exists.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .common import err, fail, out, progress_bar
+
+EXIT_WRITE, EXIT_BAD_INPUT = 1, 2
+FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
+
+
+def convert_cmd(
+    src: Annotated[str, typer.Argument(help="Foreign checkpoint: a DeepSpeed root or tag folder, a universal "
+                                            "folder, a DCP folder, or safetensors (file, index or folder).")],
+    dst: Annotated[str, typer.Argument(help="Where to write the UCP checkpoint (must not exist unless --force).")],
+    source_format: Annotated[str, typer.Option("--from", help="Source format: " + " | ".join(FORMAT_CHOICES))] = "auto",
+    trust_pickle: Annotated[bool, typer.Option(
+        "--trust-pickle", help="Allow a full unpickle of files that need classes outside the safe allow-list "
+                               "(runs code from the files: only for checkpoints you trust).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a UCP checkpoint already at DST.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the report) on stdout.")] = False,
+) -> None:
+    """Convert a foreign checkpoint into a UCP checkpoint (DeepSpeed ZeRO-1/2/3, universal, DCP, Hugging Face).
+
+    DeepSpeed checkpoints become the training Engine's structure (weights, fp32 masters, Adam moments, step), loadable at any mesh and ZeRO stage. Pickles are read with an allow-list; see --trust-pickle.
+    """
+    if source_format not in FORMAT_CHOICES:
+        raise fail(f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}",
+                   EXIT_BAD_INPUT)
+    import ucp
+    from ucp.importers import convert
+
+    from .inspect import human_bytes
+
+    try:
+        with progress_bar(f"convert ({source_format})", enabled=not json_output) as update:
+            report = convert(src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force,
+                             progress=update)
+    except ucp.CheckpointError as exc:
+        raise fail(str(exc), EXIT_BAD_INPUT) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
+        raise fail(f"{exc}{where}", EXIT_WRITE) from None
+    if json_output:
+        typer.echo(report.model_dump_json(indent=2))
+        return
+    rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
+    out.print(f"[bold green]converted[/bold green] {report.format} {report.src} -> {report.dst}: "
+              f"{report.tensors} tensors, {human_bytes(report.bytes)}, step {report.step}, "
+              f"{report.seconds:.2f} s ({rate:.2f} GB/s)", highlight=False)
+    if trust_pickle:
+        err.print("[yellow]note:[/yellow] --trust-pickle: any file outside the allow-list was fully unpickled",
+                  highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert")(convert_cmd)

@@ -1,0 +1,80 @@
+"""``ucp demo``: the end-to-end demonstration (training.demo) — train on 4 processes with async
+checkpoints, crash, resume on 2 processes in another layout, reshape, export, summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import err, fail, out
+
+
+def demo_cmd(
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where everything goes "
+                                                    "(default: a new temporary directory, kept).")] = None,
+    model: Annotated[str, typer.Option("--model", help="Reference GPT preset.")] = "small",
+    steps: Annotated[int, typer.Option("--steps", min=4, help="Steps of the whole run.")] = 16,
+    kill_at: Annotated[int, typer.Option("--kill-at", min=1, help="The crash comes at the first checkpoint after "
+                                         "this step, while it is written.")] = 9,
+    save_every: Annotated[int, typer.Option("--save-every", min=1, help="Checkpoint every N steps.")] = 2,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+) -> None:
+    """Train, crash, resume elsewhere, reshape, export — UCP end to end on this machine (CPU, a few minutes)."""
+    from training.demo import DemoConfig, run_demo
+
+    if kill_at >= steps - 1:
+        raise fail(f"--kill-at {kill_at} must come before the last steps (--steps {steps})", code=2)
+    cfg = DemoConfig(workdir=workdir, model=model, total_steps=steps, kill_at=kill_at, save_every=save_every)
+    console = err if json_output else out
+    say = lambda text: console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
+    try:
+        summary = run_demo(cfg, say)
+    except (RuntimeError, TimeoutError, FileExistsError) as exc:
+        raise fail(str(exc)) from None
+    if json_output:
+        typer.echo(json.dumps(summary.model_dump(mode="json"), indent=2))
+        return
+    _print_summary(summary)
+
+
+def _print_summary(s) -> None:  # s: training.demo.DemoSummary
+    from rich.table import Table
+
+    f, c, r, k = s.first_run, s.crash, s.resume, s.continuity
+    gib = c["checkpoint_bytes"] / 2**30
+    t = Table(title="UCP demo — summary", title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("first run", f"{f['processes']} processes, tp={f['layout']['tp']} dp={f['layout']['dp']} "
+              f"ZeRO-{f['layout']['zero']}; {f['steps_done']} steps, median {f['median_step_s']:.2f} s/step")
+    if f["median_save_stall_s"] is not None:
+        t.add_row("async save stall", f"median {f['median_save_stall_s'] * 1000:.0f} ms per checkpoint "
+                  f"({f['median_save_stall_s'] / f['median_step_s'] * 100:.1f}% of a step)")
+    leftovers = [e["name"] for e in c["listing"] if e["status"] != "complete"]
+    t.add_row("crash", f"SIGKILL during a save after step {c['after_step']}; latest complete checkpoint: step "
+              f"{c['latest_complete']} ({gib:.2f} GiB)"
+              + (f"; leftover of the killed save (never loaded): {', '.join(leftovers)}" if leftovers else ""))
+    t.add_row("resume", f"{r['processes']} processes, tp={r['layout']['tp']} dp={r['layout']['dp']} "
+              f"ZeRO-{r['layout']['zero']}; loaded step {r['resumed_at']} in {r['load_s']:.2f} s "
+              f"({r['load_gb_per_s']:.2f} GB/s incl. resharding)")
+    t.add_row("loss continuity", ", ".join(f"step {st}: {a:.6f} → {b:.6f}" for st, a, b in
+                                           zip(k["steps"], k["before"], k["after"]))
+              + f"  (max rel. diff {k['max_relative_difference']:.1e})")
+    t.add_row("final", f"step {r['final_step']}, loss {r['final_loss']:.6f}")
+    rs = s.reshape
+    t.add_row("ucp reshape", f"consolidated {rs['files']} file, {rs['bytes_written'] / 1e9:.3f} GB in "
+              f"{rs['seconds']:.2f} s ({rs['bytes_written'] / max(rs['seconds'], 1e-9) / 1e9:.2f} GB/s)")
+    ex = s.export
+    t.add_row("ucp export", f"Hugging Face safetensors (bf16), {ex.get('tensors')} tensors, "
+              f"{ex.get('bytes', 0) / 1e6:.1f} MB in {ex.get('seconds', 0):.2f} s → {ex.get('dst')}")
+    t.add_row("files", f"{s.workdir}  (checkpoints/, consolidated/, hf/)")
+    t.add_row("total", f"{s.seconds:.0f} s")
+    out.print()
+    out.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo_cmd)

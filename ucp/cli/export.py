@@ -1,0 +1,98 @@
+"""``ucp export SRC DST``: write a checkpoint's model (or any section) as Hugging Face safetensors or zarr v3.
+
+Exit codes: 0 done; 1 the export failed while reading or writing (corrupt data,
+disk full — the message names the tensor or file); 2 bad input (unknown option
+value or section, not a checkpoint, DST not empty without --overwrite).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Optional
+
+import typer
+
+from .common import fail, out, progress_bar
+from .inspect import EXIT_BAD_INPUT, _one_line, human_bytes, parse_storage_options
+
+
+class ExportFormat(str, enum.Enum):
+    hf = "hf"
+    zarr = "zarr"
+
+
+class CompressorName(str, enum.Enum):
+    zstd = "zstd"
+    blosc = "blosc"
+    none = "none"
+
+
+def export_cmd(
+    src: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL.")],
+    dst: Annotated[str, typer.Argument(help="Output directory (created; a zarr group for --format zarr).")],
+    format: Annotated[ExportFormat, typer.Option("--format", "-f", help="hf: safetensors files; zarr: a zarr v3 group.")] = ExportFormat.hf,
+    section: Annotated[Optional[str], typer.Option(
+        "--section", help="State subtree to export, e.g. 'model', 'optimizer.exp_avg'; 'all' for every tensor "
+                          "(full names). Default: 'model' when present, else all.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64.")] = None,
+    max_shard_size: Annotated[Optional[str], typer.Option(
+        "--max-shard-size", help="hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB).")] = None,
+    memory_budget: Annotated[str, typer.Option(
+        "--memory-budget", help="Tensor bytes held in memory at once (a larger tensor is read alone).")] = "512MiB",
+    compressor: Annotated[CompressorName, typer.Option("--compressor", help="zarr: chunk compression.")] = CompressorName.zstd,
+    level: Annotated[Optional[int], typer.Option("--level", help="zarr: compression level (zstd 3, blosc 5 by default).")] = None,
+    chunk_mb: Annotated[float, typer.Option("--chunk-mb", help="zarr: target chunk size in MiB.")] = 32.0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists and is not empty.")] = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32C check of the data read.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the ExportReport as JSON on stdout.")] = False,
+    storage_options: Annotated[Optional[str], typer.Option(
+        "--storage-options", help="fsspec options for SRC as JSON, e.g. '{\"anon\": true}'.")] = None,
+) -> None:
+    """Export a checkpoint to Hugging Face safetensors or zarr, streaming within a memory budget.
+
+    The output appears under DST only once complete (it is built under a temporary name next to it).
+    """
+    options = parse_storage_options(storage_options)
+    import ucp
+    from ucp.exporters import ExportError, export, parse_size
+
+    kwargs: dict = {}
+    if format is ExportFormat.zarr:
+        kwargs = {"compressor": compressor.value, "level": level, "chunk_bytes": max(1, int(chunk_mb * (1 << 20)))}
+    else:
+        given = [name for name, value in (("--compressor", compressor is not CompressorName.zstd), ("--level", level is not None),
+                                          ("--chunk-mb", chunk_mb != 32.0)) if value]
+        if given:
+            raise fail(f"{', '.join(given)} apply to --format zarr only", EXIT_BAD_INPUT)
+    try:
+        budget = parse_size(memory_budget, option="--memory-budget")
+        shard = None if max_shard_size is None else parse_size(max_shard_size, option="--max-shard-size")
+    except ExportError as exc:
+        raise fail(str(exc), EXIT_BAD_INPUT) from None
+    try:
+        with progress_bar("export (MiB)", enabled=not json_output) as update:
+
+            def progress(done: int, total: int, name: str) -> None:
+                update(-(-done >> 20), -(-total >> 20), name)
+
+            report = export(src, dst, format=format.value, section=section, dtype=dtype, max_shard_size=shard,
+                            memory_budget=budget, overwrite=overwrite, verify=not no_verify, progress=progress,
+                            storage_options=options, **kwargs)
+    except ExportError as exc:
+        raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
+    except (ucp.NotACheckpointError, ucp.ManifestError, ucp.UnsupportedFormatError) as exc:
+        raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
+    except (ucp.CheckpointError, OSError) as exc:
+        raise fail(f"export failed, {dst} left unchanged: {_one_line(exc)}") from None
+    if json_output:
+        typer.echo(report.model_dump_json(indent=2))
+        return
+    cast = f", cast to {report.dtype}" if report.dtype else ""
+    what = f"section {report.section!r}" if report.section else "all tensors"
+    out.print(f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
+              f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
+              f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export_cmd)

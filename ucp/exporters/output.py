@@ -1,0 +1,58 @@
+"""The export's output directory: built under a temporary sibling name, moved to its final name at the end.
+
+A killed or failed export thus never leaves a partial file under the destination
+name: either the destination is untouched, or it holds the complete export. An
+existing destination is replaced only when it is empty or ``overwrite`` is given
+(it is renamed aside, the new one renamed in, then the old one deleted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from aio import fsync_dir
+
+from .options import ExportError
+
+
+def check_destination(dst: str | os.PathLike[str], *, overwrite: bool) -> Path:
+    """The destination as an absolute path; ExportError if it is a file, or a non-empty directory without ``overwrite``."""
+    text = os.fspath(dst)
+    if "://" in text:
+        raise ExportError(f"destination {text!r}: exports are written to local paths only")
+    path = Path(text).absolute()
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise ExportError(f"destination {str(path)!r} exists and is not a directory")
+        if any(path.iterdir()) and not overwrite:
+            raise ExportError(f"destination {str(path)!r} exists and is not empty (pass overwrite=True, or --overwrite, to replace it)")
+    if not path.parent.is_dir():
+        raise ExportError(f"destination {str(path)!r}: parent directory {str(path.parent)!r} does not exist")
+    return path
+
+
+@contextmanager
+def staged_dir(dst: Path, *, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary sibling directory of ``dst``; on success move it to ``dst``, on failure delete it."""
+    dst = check_destination(dst, overwrite=overwrite)
+    tmp = dst.parent / f".{dst.name}.export-tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_dir(str(tmp))
+        old = None
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.export-old-{uuid.uuid4().hex[:8]}"
+            os.rename(dst, old)
+        os.rename(tmp, dst)
+        fsync_dir(str(dst.parent))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

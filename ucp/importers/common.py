@@ -1,0 +1,136 @@
+"""What every importer hands back, and the helpers that turn foreign flat buffers into ucp leaves.
+
+An importer reads a foreign checkpoint into an :class:`Imported` (a state dict for ``ucp.save``,
+its step and metadata) without copying tensor data where it can: the leaves are views of
+memory-mapped files, and a tensor that a foreign format split over several flat buffers becomes a
+``ucp.Shards`` of ``ucp.FlatShard`` views (each written as its own piece), so nothing is
+concatenated in memory. ``ucp.load`` assembles such a tensor whole, or reshards it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..sharding import FlatShard, Shards
+
+# progress(done, total, what) — the signature of ucp.cli.common.progress_bar's update.
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class Imported:
+    """A foreign checkpoint read into ucp's terms: ``ucp.save(state, dst, step=step, metadata=metadata)``."""
+
+    state: dict[str, Any]
+    step: int | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Segments:
+    """Several 1-d tensors seen as their concatenation, without concatenating them.
+
+    Why: ZeRO-3 keeps a rank's partition as a list of sub-group buffers; a parameter's chunk is
+    found by its offset in the concatenation and may, in principle, straddle two buffers.
+    """
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        self.parts = [p.detach().reshape(-1) for p in parts]
+        self.starts: list[int] = []
+        total = 0
+        for p in self.parts:
+            self.starts.append(total)
+            total += p.numel()
+        self.numel = total
+
+    def views(self, start: int, stop: int) -> list[tuple[torch.Tensor, int]]:
+        """``(view, offset of the view's first element relative to start)`` covering ``[start, stop)``."""
+        if not 0 <= start <= stop <= self.numel:
+            raise IndexError(f"range [{start}, {stop}) outside the {self.numel} elements")
+        out: list[tuple[torch.Tensor, int]] = []
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        pos = start
+        while pos < stop:
+            base, part = self.starts[i], self.parts[i]
+            end = min(stop, base + part.numel())
+            if end > pos:
+                out.append((part[pos - base:end - base], pos - start))
+                pos = end
+            i += 1
+        return out
+
+
+def leaf(parts: Sequence[tuple[torch.Tensor, int]], shape: Sequence[int]) -> torch.Tensor | Shards:
+    """A ucp leaf for a tensor of ``shape`` given as flat ``(view, start element)`` parts covering it.
+
+    One part covering everything is the tensor itself (reshaped view: one box piece); several become a
+    ``Shards`` of ``FlatShard`` views (one flat piece each). Empty parts are dropped.
+    """
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    parts = [(v, s) for v, s in parts if v.numel() > 0]
+    if not parts:
+        if numel:
+            raise ValueError(f"no data for a tensor of shape {list(shape)}")
+        return torch.empty(shape, dtype=torch.float32)
+    if len(parts) == 1 and parts[0][1] == 0 and parts[0][0].numel() == numel:
+        return parts[0][0].view(shape)
+    return Shards([FlatShard(v, shape, s) for v, s in parts])
+
+
+def cast_leaf(value: torch.Tensor | Shards, dtype: torch.dtype) -> torch.Tensor | Shards:
+    """The same leaf in another dtype (a copy when the dtype differs; a fresh wrapper over the same views
+    otherwise, so two names may share data)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.dtype == dtype else value.to(dtype)
+    return Shards([FlatShard(p.local if p.dtype == dtype else p.local.to(dtype), p.global_shape, p.start)
+                   for p in value.parts])  # type: ignore[union-attr]
+
+
+def plain(value: Any) -> Any:
+    """A value from a foreign pickle as something ucp.save stores: containers, scalars, tensors;
+    attribute bags become dicts, int subclasses ints, anything else its ``repr``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, (float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int)) else str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, torch.Size):
+        return [int(v) for v in value]
+    if hasattr(value, "__dict__") and type(value).__name__ == "AttributeBag":
+        return plain(vars(value))
+    return repr(value)
+
+
+def json_plain(value: Any) -> Any:
+    """Like :func:`plain` but JSON only (for manifest metadata): tensors become lists of numbers."""
+    value = plain(value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): json_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    return value
+
+
+def count_tensors(state: Any) -> int:
+    """How many tensor leaves a state dict holds (a Shards counts once)."""
+    if isinstance(state, dict):
+        return sum(count_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(count_tensors(v) for v in state)
+    return 1 if isinstance(state, (torch.Tensor, Shards, FlatShard)) else 0

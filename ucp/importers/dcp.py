@@ -1,0 +1,165 @@
+"""Import a PyTorch Distributed Checkpoint (``torch.distributed.checkpoint`` FileSystemWriter output).
+
+The folder holds ``.metadata`` (a pickle of DCP's ``Metadata``: every key's size and chunks, and
+where each chunk's bytes are) and ``__<rank>_<n>.distcp`` data files, in which every tensor chunk
+is a small ``torch.save`` archive at a byte range and every other value a ``torch.save`` of it.
+
+``.metadata`` is never plainly unpickled: only DCP's own metadata classes, ``torch.Size``, dtypes
+and layouts resolve (see :mod:`.pickles`). Chunks load with ``weights_only=True``. A tensor saved
+as several chunks (a multi-rank save) becomes a ``ucp.Shards`` of its boxes. Keys keep DCP's
+flattened names, nested back through the planner's record of the original key paths, so
+``{"model": {"embed.weight": t}}`` saved by DCP comes back as that same nesting.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..sharding import ShardedTensor, Shards
+from .common import Imported, Progress
+from .errors import ForeignCheckpointError, UnknownFormatError
+from .pickles import load_pickle_allowlisted, load_torch_bytes
+
+METADATA = ".metadata"
+
+
+def _allowed_globals() -> dict[str, Any]:
+    """The only names ``.metadata`` may resolve: DCP's metadata dataclasses and torch value types."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[str, Any] = {}
+    for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+                metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
+                metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo):
+        allowed[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(metadata, name):
+            allowed[f"torch.distributed.checkpoint.metadata.{name}"] = getattr(metadata, name)
+    allowed["torch.Size"] = torch.Size
+    allowed["torch.serialization._get_layout"] = torch.serialization._get_layout
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[f"torch.{name}"] = value
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        allowed[f"pathlib.{name}"] = getattr(pathlib, name)
+        allowed[f"pathlib._local.{name}"] = getattr(pathlib, name)
+    import collections
+
+    allowed["collections.OrderedDict"] = collections.OrderedDict
+    return allowed
+
+
+def read_metadata(folder: Path, *, trust_pickle: bool = False) -> Any:
+    """DCP's ``Metadata`` of ``folder``, unpickled through the allow-list."""
+    from torch.distributed.checkpoint import metadata as md
+
+    file = folder / METADATA
+    if not file.is_file():
+        raise UnknownFormatError(f"no {METADATA} file in {str(folder)!r} (not a DCP checkpoint)", file=str(file))
+    meta = load_pickle_allowlisted(file, _allowed_globals(), trust_pickle=trust_pickle)
+    if not isinstance(meta, md.Metadata):
+        raise ForeignCheckpointError(f"file {str(file)!r} does not hold DCP Metadata (got {type(meta).__name__})",
+                                     file=str(file))
+    return meta
+
+
+def _nest(state: dict[str, Any], path: tuple[Any, ...], value: Any, fqn: str) -> None:
+    node = state
+    for key in path[:-1]:
+        key = str(key)
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ForeignCheckpointError(f"DCP key {fqn!r}: {key!r} is both a value and a container", tensor=fqn)
+        node = child
+    node[str(path[-1])] = value
+
+
+def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progress: Progress | None = None) -> Imported:
+    """Read a DCP folder: every key, tensors in their saved dtype, chunks as boxes of the global tensor."""
+    from torch.distributed.checkpoint import metadata as md
+
+    folder = Path(path)
+    meta = read_metadata(folder, trust_pickle=trust_pickle)
+    by_fqn: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in meta.storage_data.items():
+        by_fqn.setdefault(index.fqn, []).append((index, info))
+    planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    handles: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    total = len(meta.state_dict_metadata)
+    try:
+        for i, (fqn, item) in enumerate(meta.state_dict_metadata.items()):
+            entries = by_fqn.get(fqn, [])
+            if not entries:
+                raise ForeignCheckpointError(f"file {str(folder / METADATA)!r}: no storage for key {fqn!r}", tensor=fqn,
+                                             file=str(folder / METADATA))
+            if isinstance(item, md.TensorStorageMetadata):
+                value = _tensor(folder, fqn, item, entries, handles, trust_pickle)
+            else:
+                index, info = entries[0]
+                value = load_torch_bytes(_read(folder, info, handles), where=_where(folder, info), trust_pickle=trust_pickle)
+            key_path = tuple(planner.get(fqn) or (fqn,))
+            _nest(state, key_path, value, fqn)
+            if progress:
+                progress(i + 1, total, fqn)
+    finally:
+        for fh in handles.values():
+            fh.close()
+    step = state.get("step") if isinstance(state.get("step"), int) and not isinstance(state.get("step"), bool) else None
+    version = getattr(meta, "version", None)
+    return Imported(state=state, step=step,
+                    metadata={"source": {"format": "dcp", "path": str(folder.resolve()), "dcp_version": version}})
+
+
+def _where(folder: Path, info: Any) -> str:
+    return f"file {str(folder / info.relative_path)!r} bytes [{info.offset}, {info.offset + info.length})"
+
+
+def _read(folder: Path, info: Any, handles: dict[str, Any]) -> bytes:
+    if getattr(info, "transform_descriptors", None):
+        raise ForeignCheckpointError(f"{_where(folder, info)}: DCP stream transforms {list(info.transform_descriptors)} "
+                                     "(e.g. compression) are not supported", file=str(folder / info.relative_path))
+    name = str(info.relative_path)
+    if "/" in name or name.startswith(".."):
+        raise ForeignCheckpointError(f"file {str(folder / METADATA)!r} points outside the folder: {name!r}",
+                                     file=str(folder / METADATA))
+    if name not in handles:
+        try:
+            handles[name] = open(folder / name, "rb")
+        except FileNotFoundError:
+            raise ForeignCheckpointError(f"file {str(folder / name)!r} is missing (listed in {METADATA})",
+                                         file=str(folder / name)) from None
+    fh = handles[name]
+    fh.seek(info.offset)
+    data = fh.read(info.length)
+    if len(data) != info.length:
+        raise ForeignCheckpointError(f"{_where(folder, info)}: the file ends after {len(data)} bytes",
+                                     file=str(folder / name), offset=info.offset)
+    return data
+
+
+def _tensor(folder: Path, fqn: str, item: Any, entries: list[tuple[Any, Any]], handles: dict[str, Any],
+            trust_pickle: bool) -> torch.Tensor | Shards:
+    size = tuple(int(s) for s in item.size)
+    parts: list[ShardedTensor] = []
+    for index, info in sorted(entries, key=lambda e: tuple(e[0].offset or ())):
+        t = load_torch_bytes(_read(folder, info, handles), where=_where(folder, info), trust_pickle=trust_pickle)
+        if not isinstance(t, torch.Tensor):
+            raise ForeignCheckpointError(f"{_where(folder, info)}: key {fqn!r} should be a tensor, got "
+                                         f"{type(t).__name__}", tensor=fqn, file=str(folder / info.relative_path))
+        offsets = tuple(int(o) for o in (index.offset or (0,) * len(size)))
+        if len(parts) == 0 and len(entries) == 1 and tuple(t.shape) == size:
+            return t
+        try:
+            parts.append(ShardedTensor(t, size, offsets))
+        except ValueError as exc:
+            raise ForeignCheckpointError(f"{_where(folder, info)}: chunk of {fqn!r}: {exc}", tensor=fqn,
+                                         file=str(folder / info.relative_path)) from None
+    return Shards(parts)

@@ -1,0 +1,263 @@
+"""``ucp.reshape``: rewrite a checkpoint for another layout (or consolidated), streaming.
+
+Loading already reshards (``ucp.load(path, into=...)`` reads any layout into any other), so a
+reshape is never *needed*; it is worth doing when one layout will be loaded many times: after
+it, each target rank finds everything it saves in one file, in the order of its buffers, and
+reads it in one sequential pass. With no target layout the checkpoint is *consolidated*: one
+piece per tensor, in one file.
+
+How it runs, per target file (the files of several ranks in parallel, ``workers``):
+
+1. the file is planned like a save by that rank would plan it (:func:`ucp.plan.make_plan`);
+2. its pieces are filled in batches of at most ``memory_budget / (2 · workers)`` bytes, each
+   piece straight from the source bytes that intersect it (:func:`ucp.partial.read_targets`),
+   the next batch being read while the previous one is written;
+3. the batch is written through the same file writer and on-the-way-out CRC-32C as a save;
+4. at the end the manifest is built and checked like a save's and committed atomically.
+
+Memory stays near the budget plus the read path's staging (whatever the checkpoint's size):
+only batches in flight are held. Each source piece's CRC is checked the first time it is read
+(read whole then); later partial reads of the same piece skip the check.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from pydantic import BaseModel
+
+from aio import AlignedBuffer
+from reshard import Box, FlatRange, Layout
+
+from . import commit as _commit
+from .dtypes import torch_dtype
+from .errors import CheckpointError
+from .manifest import Manifest, now_utc
+from .partial import Target, read_targets
+from .placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
+from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
+from .reader import read_manifest
+from .snapshot import tensor_bytes
+from .storage import Storage, open_storage
+from .writer import write_rank_file
+
+DEFAULT_MEMORY_BUDGET = 512 << 20
+PAGE = 4096
+Progress = Callable[[int, int, str], None]
+
+
+class ReshapeReport(BaseModel):
+    """What a reshape did (``ucp reshape --json`` prints it)."""
+
+    src: str
+    dst: str
+    world_size: int
+    mesh: dict[str, int] | None
+    zero_stage: int | None
+    files: int
+    tensors: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass
+class _Job:
+    plan: SavePlan
+    batches: list[list[PlannedPiece]]
+
+
+def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout: Layout | None = None,
+            shapes: dict[str, Sequence[int]] | None = None, sections: dict[str, SectionKind] | None = None,
+            memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = 2, overwrite: bool = False,
+            progress: Progress | None = None) -> ReshapeReport:
+    """Write checkpoint ``src`` again at ``dst``, laid out as ``layout`` (None: consolidated).
+
+    ``shapes`` (parameter name -> shape, in ZeRO flattening order) and ``sections`` default to
+    what ``src`` recorded (see :mod:`ucp.placement`); without a record, the shapes are read off
+    the checkpoint's weights. ``dst`` must not exist unless ``overwrite`` (then it must be a
+    checkpoint, replaced atomically).
+    """
+    started = time.perf_counter()
+    if memory_budget < 1 << 20:
+        raise ValueError(f"memory budget {memory_budget} bytes is below the 1 MiB minimum")
+    src_storage, src_name = open_storage(src)
+    dst_storage, dst_name = open_storage(dst)
+    with src_storage, dst_storage:
+        manifest = read_manifest(src_storage, src_name)
+        if dst_storage.exists(dst_name) and not overwrite:
+            raise CheckpointError(f"{dst_storage.describe(dst_name)} already exists (overwrite it explicitly)")
+        if dst_storage.exists(dst_name):
+            _commit.check_replaceable(dst_storage, dst_name)
+        per_rank, metadata, mesh = _targets(manifest, layout, shapes, sections, src)
+        world = len(per_rank)
+        plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
+        batch_bytes = max(1 << 20, memory_budget // (2 * max(1, workers)))
+        jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
+        total = sum(p.file_size for p in plans)
+        done = [0]
+
+        def advance(n: int, what: str) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total, what)
+
+        temp = _commit.make_temp_dir(dst_storage, dst_name)
+        try:
+            verified: set[tuple[str, int]] = set()
+            reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest, verified,
+                                   workers, advance)
+            new = _commit.build_manifest(reports, world_size=world, step=manifest.step, metadata=metadata,
+                                         mesh=mesh, created=now_utc())
+            _commit.commit(dst_storage, temp, dst_name, new)
+        except BaseException:
+            _commit.abort(dst_storage, temp)
+            raise
+    return ReshapeReport(src=os.fspath(src), dst=os.fspath(dst), world_size=world, mesh=mesh,
+                         zero_stage=None if layout is None else layout.zero.stage, files=len(jobs),
+                         tensors=len(new.tensors), bytes_written=total, seconds=time.perf_counter() - started)
+
+
+# -- what each target rank writes ----------------------------------------------------------------
+
+
+def _targets(manifest: Manifest, layout: Layout | None, shapes: dict[str, Sequence[int]] | None,
+             sections: dict[str, SectionKind] | None, src: Any
+             ) -> tuple[list[list[LeafLayout]], dict[str, Any], dict[str, int] | None]:
+    """Per target rank the leaf layouts to plan, the new metadata and the mesh."""
+    recorded = recorded_layout(manifest, source=f"{os.fspath(src)}/manifest.json")
+    sections = dict(sections or recorded.sections)
+    metadata = dict(manifest.metadata)
+    source = {"path": os.fspath(src), "world_size": manifest.topology.world_size, "mesh": manifest.topology.mesh}
+    metadata["reshaped_from"] = source
+    if layout is None:  # consolidated: one rank, one piece per tensor
+        layouts = [LeafLayout(n, e.dtype, tuple(e.shape), Box.full(tuple(e.shape)), 0, False, _phase(e.nbytes))
+                   for n, e in manifest.tensors.items()]
+        if recorded.layout is not None:
+            base = recorded.layout
+            metadata["layout"] = base.replace(mesh=base.mesh.model_copy(update={"tp": 1, "pp": 1, "dp": 1, "ep": 1}),
+                                              zero=base.zero.model_copy(update={"stage": 0})).model_dump(mode="json")
+        metadata.update({"mesh": {"tp": 1, "pp": 1, "dp": 1}, "zero_stage": 0, "consolidated": True})
+        return [layouts], metadata, None
+    if shapes is None:
+        shapes = recorded.shapes if recorded.shapes is not None else param_shapes(manifest, sections)
+    placements = place(manifest, layout, shapes, sections)
+    whole = [LeafLayout(n, manifest.tensors[n].dtype, tuple(manifest.tensors[n].shape),
+                        Box.full(tuple(manifest.tensors[n].shape)), 0, True, _phase(manifest.tensors[n].nbytes))
+             for n in placements.whole]
+    per_rank = [_rank_layouts(manifest, mine) + whole for mine in placements.ranks]
+    mesh = {"tp": layout.mesh.tp, "pp": layout.mesh.pp, "dp": layout.mesh.dp}
+    metadata.update(layout_metadata(layout, shapes, sections))
+    metadata.update({"mesh": mesh, "zero_stage": layout.zero.stage, "consolidated": False})
+    return per_rank, metadata, mesh
+
+
+def _phase(nbytes: int) -> int | None:
+    """Large pieces are filled in page-aligned memory and placed at page-aligned file offsets (zero-copy writes)."""
+    return 0 if nbytes >= DIRECT_MIN_BYTES else None
+
+
+def _rank_layouts(manifest: Manifest, mine: list[Placement]) -> list[LeafLayout]:
+    """One leaf per tensor; a tensor with several regions on the rank becomes consecutive parts 0, 1, ..."""
+    by_tensor: dict[str, list[Box | FlatRange]] = {}
+    for p in mine:
+        by_tensor.setdefault(p.tensor, []).append(p.region)
+    out: list[LeafLayout] = []
+    for name, regions in by_tensor.items():
+        e = manifest.tensors[name]
+        for k, region in enumerate(regions):
+            nbytes = region.numel * torch_dtype(e.dtype).itemsize
+            out.append(LeafLayout(name, e.dtype, tuple(e.shape), region, 0, False, _phase(nbytes),
+                                  k if len(regions) > 1 else None))
+    return out
+
+
+# -- filling and writing the files -------------------------------------------------------------
+
+
+def _batches(plan: SavePlan, batch_bytes: int) -> list[list[PlannedPiece]]:
+    """The plan's pieces in file order, cut into batches of about ``batch_bytes`` (a larger piece alone)."""
+    out: list[list[PlannedPiece]] = []
+    size = 0
+    for p in plan.pieces:
+        if not out or (size + p.length > batch_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += _slot(p.length)
+    return out
+
+
+def _slot(nbytes: int) -> int:
+    return math.ceil(nbytes / PAGE) * PAGE
+
+
+def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Manifest,
+          verified: set[tuple[str, int]]) -> list[memoryview]:
+    """Read a batch's pieces from the source into fresh page-aligned memory; their byte views, in order."""
+    arena = AlignedBuffer(sum(_slot(p.length) for p in batch), pin=False)
+    targets, views, pos = [], [], 0
+    for p in batch:
+        dtype = torch_dtype(p.dtype)
+        flat = arena.tensor(p.length, pos).view(dtype) if p.length else torch.empty(0, dtype=dtype)
+        buf = flat.view(tuple(p.region.shape)) if isinstance(p.region, Box) else flat
+        targets.append(Target(p.name, buf, p.region))
+        views.append(tensor_bytes(buf))
+        pos += _slot(p.length)
+    read_targets(storage, name, manifest, targets, verify=True, verified=verified)
+    return views
+
+
+class _StreamedViews(Sequence[memoryview]):
+    """The byte views of a plan's pieces, produced batch by batch as the writer consumes them.
+
+    Batch k + 1 is read on a helper thread while batch k is written; a batch's memory is freed
+    once the writer and the checksum thread are done with it.
+    """
+
+    def __init__(self, job: _Job, fill: Callable[[list[PlannedPiece]], list[memoryview]],
+                 advance: Callable[[int, str], None]) -> None:
+        self.job, self.fill, self.advance = job, fill, advance
+
+    def __len__(self) -> int:
+        return len(self.job.plan.pieces)
+
+    def __getitem__(self, i: Any) -> Any:  # Sequence protocol; the writer only iterates
+        raise TypeError("streamed views are read in order only")
+
+    def __iter__(self) -> Iterator[memoryview]:
+        batches = self.job.batches
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-reshape-read") as pool:
+            ahead = pool.submit(self.fill, batches[0]) if batches else None
+            for k, batch in enumerate(batches):
+                assert ahead is not None
+                views = ahead.result()
+                ahead = pool.submit(self.fill, batches[k + 1]) if k + 1 < len(batches) else None
+                for p, v in zip(batch, views):
+                    yield v
+                    self.advance(p.length, p.name)
+                del views
+
+
+def _write_files(jobs: list[_Job], plans: list[SavePlan], src: Storage, src_name: str, dst: Storage, temp: str,
+                 manifest: Manifest, verified: set[tuple[str, int]], workers: int,
+                 advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
+    tree = manifest.state
+
+    def run(job: _Job) -> _commit.RankReport:
+        plan = job.plan
+        fill = lambda batch: _fill(batch, src, src_name, manifest, verified)  # noqa: E731
+        records = write_rank_file(dst, f"{temp}/{plan.file}", plan, _StreamedViews(job, fill, advance))
+        return _commit.RankReport(rank=plan.rank, file=plan.file, file_size=plan.file_size,
+                                  tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ucp-reshape") as pool:
+        written = {r.rank: r for r in pool.map(run, jobs)}
+    return [written.get(p.rank) or _commit.RankReport(rank=p.rank, tensors=[(n, d, list(s)) for n, d, s in p.tensors],
+                                                      state=tree)
+            for p in plans]
