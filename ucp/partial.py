@@ -88,33 +88,64 @@ def _direct_offset(t: Target, fp: FilePiece) -> int | None:
     return inner.start - outer.start
 
 
+@dataclass
+class SourceIndex:
+    """What repeated partial reads of one checkpoint share (e.g. a reshape's many batches).
+
+    The pieces of each tensor with their files, which files' sizes and headers were already
+    checked, and which pieces' CRCs were already verified (later reads of those read only the
+    span they need).
+    """
+
+    manifest: Manifest
+    files: dict[str, list[FilePiece]]
+    by_tensor: dict[str, list[tuple[str, FilePiece]]]
+    checked_files: set[str] = field(default_factory=set)
+    verified: set[tuple[str, int]] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> "SourceIndex":
+        files = pieces_by_file(manifest)
+        by_tensor: dict[str, list[tuple[str, FilePiece]]] = defaultdict(list)
+        for file, fps in files.items():
+            for fp in fps:
+                by_tensor[fp.tensor].append((file, fp))
+        return cls(manifest, files, dict(by_tensor))
+
+
 def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Sequence[Target], *, verify: bool,
-                 verified: set[tuple[str, int]] | None = None) -> None:
+                 index: SourceIndex | None = None, staging_bytes: int = BATCH_BYTES) -> None:
     """Fill every target from the pieces that intersect it.
 
-    ``verified`` (when verifying): ``(file, offset)`` of pieces whose CRC was already checked, which
-    are then read partially and not checked again; pieces checked here are added to it.
+    ``index``: shared across calls on the same checkpoint (see :class:`SourceIndex`); a piece
+    whose CRC it records as verified is not checked again. ``staging_bytes``: reads are grouped
+    in batches of about this size; at most ``READ_AHEAD + 1`` batches of staging memory are held
+    (a staged piece larger than that is read alone).
     """
+    if index is None:
+        index = SourceIndex.of(manifest)
     by_tensor: dict[str, list[Target]] = defaultdict(list)
     for t in targets:
         by_tensor[t.name].append(t)
-    files = pieces_by_file(manifest)
     needs: dict[str, list[_Need]] = defaultdict(list)
-    for file, fps in files.items():
-        for fp in fps:
-            wanting = [t for t in by_tensor.get(fp.tensor, ()) if transfers(fp.piece.region(), t.region, fp.shape)]
+    for tensor, wanted in by_tensor.items():
+        for file, fp in index.by_tensor.get(tensor, ()):
+            region = fp.piece.region()
+            wanting = [t for t in wanted if transfers(region, t.region, fp.shape)]
             if wanting:
                 at = _direct_offset(wanting[0], fp) if len(wanting) == 1 else None
-                check = verify and (verified is None or (file, fp.piece.offset) not in verified)
+                check = verify and (file, fp.piece.offset) not in index.verified
                 needs[file].append(_Need(fp, wanting, direct=wanting[0] if at is not None else None,
                                          direct_at=at or 0, check=check))
-    for file, file_needs in needs.items():
+    for file in sorted(needs):
+        file_needs = sorted(needs[file], key=lambda nd: nd.fp.piece.offset)  # sequential reads
         size = manifest.files[file].size
-        check_file_size(storage, name, file, size)
-        read_and_check_header(storage, name, file, size, files[file])
-        _run(storage, f"{name}/{file}", file, _batches(file_needs, size))
-        if verified is not None:
-            verified.update((file, nd.fp.piece.offset) for nd in file_needs if nd.check)
+        if file not in index.checked_files:
+            check_file_size(storage, name, file, size)
+            read_and_check_header(storage, name, file, size, index.files[file])
+            index.checked_files.add(file)
+        _run(storage, f"{name}/{file}", file, _batches(file_needs, size, staging_bytes))
+        index.verified.update((file, nd.fp.piece.offset) for nd in file_needs if nd.check)
 
 
 def _span(need: _Need) -> tuple[int, int]:
@@ -132,7 +163,7 @@ def _span(need: _Need) -> tuple[int, int]:
     return (lo, hi) if lo < hi else (0, 0)
 
 
-def _batches(needs: list[_Need], size: int) -> list[_Batch]:
+def _batches(needs: list[_Need], size: int, batch_bytes: int = BATCH_BYTES) -> list[_Batch]:
     batches = [_Batch()]
     for nd in needs:
         if nd.direct is not None:
@@ -148,7 +179,7 @@ def _batches(needs: list[_Need], size: int) -> list[_Batch]:
             nd.read_len = min(-(-end // ALIGN) * ALIGN, size) - nd.read_at
             nd.skip = start - nd.read_at
             cost = -(-nd.read_len // ALIGN) * ALIGN
-        if batches[-1].needs and batches[-1].nbytes + cost > BATCH_BYTES:
+        if batches[-1].needs and batches[-1].nbytes + cost > batch_bytes:
             batches.append(_Batch())
         b = batches[-1]
         b.needs.append(nd)

@@ -9,9 +9,10 @@ piece per tensor, in one file.
 How it runs, per target file (the files of several ranks in parallel, ``workers``):
 
 1. the file is planned like a save by that rank would plan it (:func:`ucp.plan.make_plan`);
-2. its pieces are filled in batches of at most ``memory_budget / (2 · workers)`` bytes, each
-   piece straight from the source bytes that intersect it (:func:`ucp.partial.read_targets`),
-   the next batch being read while the previous one is written;
+2. its pieces are filled in batches (the memory budget shared by the files written at once, the
+   batches in flight and their read staging: ``BATCHES_HELD``), each piece straight from the
+   source bytes that intersect it (:func:`ucp.partial.read_targets`), the next two batches being
+   read while one is written;
 3. the batch is written through the same file writer and on-the-way-out CRC-32C as a save;
 4. at the end the manifest is built and checked like a save's and committed atomically.
 
@@ -39,7 +40,7 @@ from . import commit as _commit
 from .dtypes import torch_dtype
 from .errors import CheckpointError
 from .manifest import Manifest, now_utc
-from .partial import Target, read_targets
+from .partial import SourceIndex, Target, read_targets
 from .placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
 from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
 from .reader import read_manifest
@@ -47,7 +48,12 @@ from .snapshot import tensor_bytes
 from .storage import Storage, open_storage
 from .writer import write_rank_file
 
-DEFAULT_MEMORY_BUDGET = 512 << 20
+DEFAULT_MEMORY_BUDGET = 384 << 20
+READ_AHEAD = 2  # batches of a file being read while the previous one is written
+STAGING_SHARE = 4  # a batch's reads are staged a quarter batch at a time (3 quarters held at most)
+# Memory per file written at once, in batches: READ_AHEAD + 1 batches of data, plus the read
+# staging of READ_AHEAD fills (3/STAGING_SHARE of a batch each).
+BATCHES_HELD = READ_AHEAD + 1 + READ_AHEAD * 3 / STAGING_SHARE
 PAGE = 4096
 Progress = Callable[[int, int, str], None]
 
@@ -97,7 +103,8 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
         per_rank, metadata, mesh = _targets(manifest, layout, shapes, sections, src)
         world = len(per_rank)
         plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
-        batch_bytes = max(1 << 20, memory_budget // (2 * max(1, workers)))
+        files_at_once = max(1, min(workers, sum(p.file is not None for p in plans)))
+        batch_bytes = max(1 << 20, int(memory_budget / (BATCHES_HELD * files_at_once)))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
         total = sum(p.file_size for p in plans)
         done = [0]
@@ -109,9 +116,8 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
 
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         try:
-            verified: set[tuple[str, int]] = set()
-            reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest, verified,
-                                   workers, advance)
+            reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest,
+                                   SourceIndex.of(manifest), workers, advance)
             new = _commit.build_manifest(reports, world_size=world, step=manifest.step, metadata=metadata,
                                          mesh=mesh, created=now_utc())
             _commit.commit(dst_storage, temp, dst_name, new)
@@ -198,7 +204,7 @@ def _slot(nbytes: int) -> int:
 
 
 def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Manifest,
-          verified: set[tuple[str, int]]) -> list[memoryview]:
+          index: SourceIndex) -> list[memoryview]:
     """Read a batch's pieces from the source into fresh page-aligned memory; their byte views, in order."""
     arena = AlignedBuffer(sum(_slot(p.length) for p in batch), pin=False)
     targets, views, pos = [], [], 0
@@ -209,15 +215,16 @@ def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Mani
         targets.append(Target(p.name, buf, p.region))
         views.append(tensor_bytes(buf))
         pos += _slot(p.length)
-    read_targets(storage, name, manifest, targets, verify=True, verified=verified)
+    staging = max(1 << 20, sum(p.length for p in batch) // STAGING_SHARE)
+    read_targets(storage, name, manifest, targets, verify=True, index=index, staging_bytes=staging)
     return views
 
 
 class _StreamedViews(Sequence[memoryview]):
     """The byte views of a plan's pieces, produced batch by batch as the writer consumes them.
 
-    Batch k + 1 is read on a helper thread while batch k is written; a batch's memory is freed
-    once the writer and the checksum thread are done with it.
+    Batches k + 1 and k + 2 are read on helper threads while batch k is written; a batch's memory
+    is freed once the writer and the checksum thread are done with it.
     """
 
     def __init__(self, job: _Job, fill: Callable[[list[PlannedPiece]], list[memoryview]],
@@ -232,26 +239,30 @@ class _StreamedViews(Sequence[memoryview]):
 
     def __iter__(self) -> Iterator[memoryview]:
         batches = self.job.batches
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-reshape-read") as pool:
-            ahead = pool.submit(self.fill, batches[0]) if batches else None
-            for k, batch in enumerate(batches):
-                assert ahead is not None
-                views = ahead.result()
-                ahead = pool.submit(self.fill, batches[k + 1]) if k + 1 < len(batches) else None
-                for p, v in zip(batch, views):
-                    yield v
-                    self.advance(p.length, p.name)
-                del views
+        with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="ucp-reshape-read") as pool:
+            ahead = [pool.submit(self.fill, b) for b in batches[:READ_AHEAD]]
+            try:
+                for k, batch in enumerate(batches):
+                    views = ahead.pop(0).result()
+                    if k + READ_AHEAD < len(batches):
+                        ahead.append(pool.submit(self.fill, batches[k + READ_AHEAD]))
+                    for p, v in zip(batch, views):
+                        yield v
+                        self.advance(p.length, p.name)
+                    del views
+            finally:
+                for fut in ahead:
+                    fut.cancel()
 
 
 def _write_files(jobs: list[_Job], plans: list[SavePlan], src: Storage, src_name: str, dst: Storage, temp: str,
-                 manifest: Manifest, verified: set[tuple[str, int]], workers: int,
+                 manifest: Manifest, index: SourceIndex, workers: int,
                  advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
     tree = manifest.state
 
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan
-        fill = lambda batch: _fill(batch, src, src_name, manifest, verified)  # noqa: E731
+        fill = lambda batch: _fill(batch, src, src_name, manifest, index)  # noqa: E731
         records = write_rank_file(dst, f"{temp}/{plan.file}", plan, _StreamedViews(job, fill, advance))
         return _commit.RankReport(rank=plan.rank, file=plan.file, file_size=plan.file_size,
                                   tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree)

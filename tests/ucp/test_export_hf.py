@@ -203,9 +203,9 @@ def test_batches_respect_the_memory_budget(tmp_path: Path, monkeypatch) -> None:
     calls: list[list[int]] = []
     real = stream.read_targets
 
-    def spy(storage, name, manifest, targets, *, verify):
+    def spy(storage, name, manifest, targets, **options):
         calls.append([t.buffer.numel() * t.buffer.element_size() for t in targets])
-        return real(storage, name, manifest, targets, verify=verify)
+        return real(storage, name, manifest, targets, **options)
 
     monkeypatch.setattr(stream, "read_targets", spy)
     export(tmp_path / "ck", tmp_path / "hf", memory_budget=400)

@@ -48,7 +48,7 @@ def reshape_cmd(
         report = _run(src, dst, target, budget, workers, overwrite, json_output)
     except (LayoutError, CheckpointError, OSError) as exc:
         raise fail(f"{type(exc).__name__}: {exc}", code=EXIT_BAD_INPUT) from None
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = _peak_rss()
     problems = None
     if verify:
         import ucp
@@ -71,6 +71,19 @@ def reshape_cmd(
         for p in problems:
             out.print(f"[red]{p.kind}[/red]: {p.message}", highlight=False)
         raise typer.Exit(1)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (bytes): VmHWM, which starts afresh at exec (ru_maxrss does not:
+    a child inherits its parent's high-water mark)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zero: int | None,

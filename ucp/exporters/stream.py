@@ -17,7 +17,7 @@ import torch
 from reshard.box import Box
 
 from ..manifest import Manifest
-from ..partial import Target, read_targets
+from ..partial import SourceIndex, Target, read_targets
 from ..storage import Storage
 from .selection import ExportTensor
 
@@ -49,11 +49,12 @@ def read_batches(storage: Storage, name: str, manifest: Manifest, tensors: Seque
                  budget: int = DEFAULT_MEMORY_BUDGET, verify: bool = True
                  ) -> Iterator[list[tuple[ExportTensor, torch.Tensor]]]:
     """Yield the tensors, in the given order, as batches of (tensor, full contiguous value in its output dtype)."""
+    index = SourceIndex.of(manifest)  # shared by the batches: headers checked once
     for batch in plan_batches([tensor_cost(t) for t in tensors], budget):
         chosen = [tensors[i] for i in batch]
         values = [torch.empty(t.shape, dtype=t.dtype) for t in chosen]
         targets = [Target(t.name, v, Box.full(t.shape)) for t, v in zip(chosen, values) if v.numel()]
-        read_targets(storage, name, manifest, targets, verify=verify)
+        read_targets(storage, name, manifest, targets, verify=verify, index=index)
         out = [(t, v.to(t.out_dtype) if t.cast else v) for t, v in zip(chosen, values)]
         del values, targets, chosen
         yield out  # consumers pop() from it: each tensor is freed as soon as it is written
