@@ -248,17 +248,25 @@ def write_image(storage: Storage, rel_path: str, plan: PlanSpec, arena: Arena, p
     with CrcChain() as crcs:
         writer = storage.open_writer(rel_path, size)
         try:
-            pos = 0
+            pos, first = 0, 0  # pieces are in file order: those before ``first`` are done
+            pieces = plan.pieces
             while pos < size:
                 ready = progress.wait(min(size, pos + block))  # at least a whole block (or the tail)
                 end = min(ready, pos + segment)
                 if end < size:
                     end = pos + (end - pos) // block * block  # whole blocks: zero-copy, nothing staged
                 view = arena.view(end - pos, pos)
-                for i, p in enumerate(plan.pieces):
+                parts = []
+                for i in range(first, len(pieces)):
+                    p = pieces[i]
+                    if p.offset >= end:
+                        break
                     lo, hi = max(p.offset, pos), min(p.offset + p.length, end)
                     if lo < hi:
-                        crcs.feed(i, view[lo - pos : hi - pos])
+                        parts.append((i, view[lo - pos : hi - pos]))
+                    if p.offset + p.length <= end:
+                        first = i + 1
+                crcs.feed_many(parts)  # one hand-off per segment, however many pieces it holds
                 writer.write(view, borrow=True)  # the arena stays unchanged until close(): no wait per segment
                 pos = end
             written = writer.close()

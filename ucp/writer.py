@@ -34,8 +34,17 @@ class CrcChain:
         """Extend stream ``key`` with ``data`` (which must stay unchanged until :meth:`results`)."""
         self._last = self._pool.submit(self._update, key, data)
 
+    def feed_many(self, parts: Sequence[tuple[int, memoryview]]) -> None:
+        """Extend several streams in one hand-off (many small pieces cost one task, not one each)."""
+        if parts:
+            self._last = self._pool.submit(self._update_many, parts)
+
     def _update(self, key: int, data: memoryview) -> None:
         self._values[key] = _crc32c.crc32c(data, self._values.get(key, 0))
+
+    def _update_many(self, parts: Sequence[tuple[int, memoryview]]) -> None:
+        for key, data in parts:
+            self._update(key, data)
 
     def results(self) -> dict[int, int]:
         """Wait for every chunk fed so far; the CRC of each stream (0 for empty ones)."""
