@@ -30,7 +30,10 @@ safe next to the training loop's own), so ranks meet in the temporary directory:
    means rank 0 gave up.
 
 Temporary directories of saves in flight are held with a shared ``flock``, so a
-cleaner (:class:`ucp.CheckpointManager`) can tell them from leftovers of killed saves.
+cleaner (:class:`ucp.CheckpointManager`) can tell them from leftovers of killed saves. On local
+storage each rank's writer also holds an exclusive lock on ``<temp>/.alive-rank-NNNNN`` for the
+whole save: a rank that dies releases it, and the ranks waiting in steps 2 and 3 fail at once
+instead of waiting out ``commit_timeout`` (rank 0 removes these files before the commit).
 """
 
 from __future__ import annotations
@@ -73,6 +76,60 @@ log = logging.getLogger(__name__)
 REPORT_RE = re.compile(r"^\.report-rank-(\d{5})\.json$")
 POLL_MIN, POLL_MAX = 0.005, 0.1  # seconds between looks at the temporary directory
 PROGRESS_STEP = 8 << 20  # process mode: tell the writer about snapshot progress at most every this many bytes
+
+
+def alive_name(rank: int) -> str:
+    return f".alive-rank-{rank:05d}"
+
+
+def hold_alive(storage: Storage, job: "WriteJob") -> int | None:
+    """Take this rank's liveness lock for the save (local storage): an exclusive flock on
+    ``<temp>/.alive-rank-NNNNN``, held until the save ends. The kernel drops it when the process
+    dies, so the other ranks can tell a dead writer from a slow one instead of waiting out
+    ``commit_timeout``. Returns the fd to close, None where there is no such lock."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    final = storage.path(f"{job.temp}/{alive_name(job.rank)}")
+    aside = f"{final}.{os.getpid()}"
+    try:
+        fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(aside, final)  # appears already locked: a probe never sees it unlocked while we live
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def rank_dead(storage: Storage, job: "WriteJob", rank: int) -> bool:
+    """Whether ``rank`` took its liveness lock for this save and no longer holds it (it died)."""
+    if not isinstance(storage, LocalStorage):
+        return False
+    try:
+        fd = os.open(storage.path(f"{job.temp}/{alive_name(rank)}"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False  # not started yet (or done): keep waiting, bounded by commit_timeout
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+    return True
+
+
+def drop_alive_files(storage: Storage, job: "WriteJob") -> None:
+    """Rank 0, before the commit: remove the liveness files so the checkpoint holds only its data."""
+    if not isinstance(storage, LocalStorage):
+        return
+    for rank in range(job.world_size):
+        try:
+            os.unlink(storage.path(f"{job.temp}/{alive_name(rank)}"))
+        except OSError:
+            pass
 
 
 def report_name(rank: int) -> str:
@@ -343,6 +400,15 @@ def describe(exc: BaseException) -> str:
 def execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Progress,
             release_arena: Callable[[], None] = lambda: None) -> Manifest:
     """Write this rank's file from the arena, then take part in the file-based commit; the committed manifest."""
+    alive = hold_alive(storage, job)
+    try:
+        return _execute(job, storage, arena, progress, release_arena)
+    finally:
+        close_fd(alive)
+
+
+def _execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Progress,
+             release_arena: Callable[[], None]) -> Manifest:
     error: BaseException | None = None
     report: _commit.RankReport | None = None
     try:
@@ -381,6 +447,7 @@ def execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Prog
         reports = [report] + collect_reports(storage, job)
         manifest = _commit.build_manifest(reports, world_size=job.world_size, step=job.step, metadata=job.metadata,
                                           mesh=job.mesh, created=now_utc())
+        drop_alive_files(storage, job)
         _commit.commit(storage, job.temp, job.name, manifest)
     except BaseException:
         _commit.abort(storage, job.temp)
@@ -429,6 +496,11 @@ def collect_reports(storage: Storage, job: WriteJob) -> list[_commit.RankReport]
             got[r.rank] = r
         if len(got) == len(want):
             break
+        dead = [r for r in sorted(want - set(got)) if rank_dead(storage, job, r)]
+        if dead and not any(REPORT_RE.match(e) and int(REPORT_RE.match(e).group(1)) in dead  # type: ignore[union-attr]
+                            for e in storage.listdir(job.temp)):
+            raise CommitError(f"save of {storage.describe(job.name)}: rank(s) {dead[:8]} died while writing "
+                              "(their writer's lock is gone and they never reported)")
         if time.monotonic() > deadline:
             missing = sorted(want - set(got))
             raise CommitError(f"save of {storage.describe(job.name)}: rank(s) {missing[:8]} did not report within "
@@ -462,6 +534,11 @@ def wait_for_commit(storage: Storage, job: WriteJob, report: _commit.RankReport)
             elif _manifest_holds(storage, job, report):
                 return _committed(storage, job)
             raise CommitError(f"rank 0 did not commit {storage.describe(job.name)} (its error says why); "
+                              f"rank {job.rank}'s data was written")
+        if rank_dead(storage, job, 0):
+            if job.temp_identity is not None and identity(storage, job.name) == job.temp_identity:
+                return _committed(storage, job)
+            raise CommitError(f"rank 0 died before committing {storage.describe(job.name)}; "
                               f"rank {job.rank}'s data was written")
         if time.monotonic() > deadline:
             raise CommitError(f"rank 0 did not commit {storage.describe(job.name)} within {job.commit_timeout:.0f}s")

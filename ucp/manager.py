@@ -307,12 +307,15 @@ class CheckpointManager:
     ``saver`` shares an existing AsyncSaver (its staging and writer) instead of
     making one; it implies asynchronous saves and is not closed by :meth:`close`.
     ``process_group`` is used for saves and loads; rank 0 does all file-system
-    housekeeping. The root must be a local or mounted shared directory.
+    housekeeping. The root must be a local or mounted shared directory. ``commit_timeout``
+    bounds how long an asynchronous save's ranks wait for each other (a rank that dies is
+    noticed at once on local storage; this is for ranks that hang).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, async_save: bool = False,
                  mode: Mode = "thread", max_in_flight: int = 1, process_group: Any = None,
-                 aio_config: AioConfig | dict[str, Any] | None = None, saver: AsyncSaver | None = None) -> None:
+                 aio_config: AioConfig | dict[str, Any] | None = None, saver: AsyncSaver | None = None,
+                 commit_timeout: float = 1800.0) -> None:
         if "://" in os.fspath(root):
             raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")
         if keep_last is not None and keep_last < 1:
@@ -322,7 +325,8 @@ class CheckpointManager:
         self.process_group = process_group
         self.aio_config = aio_config
         self._own_saver = saver is None and async_save
-        self.saver = saver if saver is not None else (AsyncSaver(max_in_flight, mode, aio_config) if async_save else None)
+        self.saver = saver if saver is not None else (
+            AsyncSaver(max_in_flight, mode, aio_config, commit_timeout=commit_timeout) if async_save else None)
         self._handles: list[SaveHandle] = []
         self.loaded_step: int | None = None  # the step the last load() actually read
 
