@@ -219,3 +219,13 @@ def test_cli_bad_targets(sources: dict[str, str], tmp_path: Path, args: list[str
 def test_cli_missing_source(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["reshape", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2"])
     assert res.exit_code == 2 and "nothing" in res.output
+
+
+def test_consolidates_any_checkpoint(tmp_path: Path) -> None:
+    """No layout needed to consolidate: plain state dicts, every kind of tensor and plain values."""
+    sd = {"a": torch.tensor(3.5), "e": torch.empty(0, 5), "b": torch.tensor([True, False]),
+          "bf": torch.randn(300, 7).to(torch.bfloat16), "big": torch.randn(512, 1024), "x": {"y": 3, "z": [1, 2.5, None]}}
+    ucp.save(sd, tmp_path / "src", step=7)
+    reshape(tmp_path / "src", tmp_path / "dst", memory_budget=1 << 20)
+    assert ucp.read_manifest(tmp_path / "dst").step == 7
+    assert_same(flat(sd), flat(ucp.load(tmp_path / "dst")))
