@@ -50,6 +50,20 @@ def drop_page_cache() -> tuple[bool, str]:
     return True, "page cache dropped before every read"
 
 
+def evict_file(path: str | os.PathLike[str]) -> bool:
+    """Evict one file's clean pages (``posix_fadvise(DONTNEED)``; needs no root): its next read goes to
+    the device. Dirty pages stay, so sync first. False when the file system or OS does not allow it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def fill_random(dest: np.ndarray, seed: int = 0) -> None:
     """Fill a uint8 array with incompressible, non-repeating bytes, fast.
 

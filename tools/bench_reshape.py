@@ -39,19 +39,12 @@ def drop_caches(mode: str, src: Path) -> bool:
     checkpoint's files (``posix_fadvise(DONTNEED)``), as on a machine that runs these programs
     regularly.
     """
-    if mode == "all":
-        from aio.tune import drop_page_cache
+    from aio.tune import drop_page_cache, evict_file
 
+    if mode == "all":
         return drop_page_cache()[0]
     os.sync()
-    for path in src.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return True
+    return all([evict_file(path) for path in src.rglob("*") if path.is_file()])
 
 
 def make_source(root: Path, layers: int) -> Path:

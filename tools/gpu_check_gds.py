@@ -28,21 +28,9 @@ import torch  # noqa: E402
 
 import gds  # noqa: E402
 from aio import AioConfig  # noqa: E402
+from aio.tune import evict_file  # noqa: E402
 
 MIB = 1 << 20
-
-
-def drop_cache(path: Path) -> bool:
-    """Evict ``path``'s (clean, fsynced) pages so that the next read goes to the device."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return True
-    except (OSError, AttributeError):
-        return False
 
 
 def sync(device: torch.device) -> None:
@@ -61,7 +49,7 @@ def run_mode(mode: str, src: torch.Tensor, workdir: Path, repeat: int, staging_m
             h.write_tensor(path, src)
             sync(src.device)
             writes.append(time.perf_counter() - t0)
-            dropped &= drop_cache(path)
+            dropped &= evict_file(path)
             t0 = time.perf_counter()
             h.read_into_tensor(path, dst)
             sync(src.device)

@@ -126,3 +126,16 @@ def test_fill_random_chunks_differ_and_checks_find_bad_bytes() -> None:
     poison(b, ranges[2:3])
     assert first_mismatch(a, b, ranges) == ranges[2][0]  # ~x != x for every byte
     assert first_mismatch(a, b[:-1], ranges) == a.nbytes - 1
+
+
+def test_evict_file_drops_a_files_pages_or_says_it_cannot(tmp_path) -> None:
+    import os
+
+    from aio.tune import evict_file
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    os.sync()
+    assert evict_file(path) is True
+    assert path.read_bytes().__len__() == 1 << 20  # still readable (from the device)
+    assert evict_file(tmp_path / "missing") is False
