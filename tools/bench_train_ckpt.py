@@ -63,6 +63,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--async-mode", default="thread", choices=("thread", "process"))
+    p.add_argument("--snapshot", default="sync", choices=("sync", "background"),
+                   help="async saves: copy the state before save() returns, or in the background until the next "
+                        "optimizer step (the engine waits for it there)")
     p.add_argument("--writer-threads", type=int, default=None, help="aio thread_count for the writes")
     p.add_argument("--no-fsync", action="store_true", help="skip fdatasync of the data files")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -96,11 +99,20 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     base = Path(os.environ["BENCH_ROOT"])
     managers: dict[str, Any] = {}
     savers: dict[str, Any] = {}
-    raw: dict[str, dict[str, list[float]]] = {w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": []}
-                                              for w in args.ways}
+    raw: dict[str, dict[str, list[float]]] = {w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": [],
+                                                  "wait_s": []} for w in args.ways}
+    waits: list[float] = []  # time train_step spent waiting for a background snapshot (before its optimizer step)
+    engine_wait = engine.wait_snapshot
+
+    def timed_wait() -> None:
+        t = time.perf_counter()
+        engine_wait()
+        waits.append(time.perf_counter() - t)
+
+    engine.wait_snapshot = timed_wait  # type: ignore[method-assign]
     for w in args.ways:
         if w == "async":
-            savers[w] = ucp.AsyncSaver(mode=args.async_mode, aio_config=aio or None)
+            savers[w] = ucp.AsyncSaver(mode=args.async_mode, aio_config=aio or None, snapshot=args.snapshot)
         if w != "none":
             managers[w] = ucp.CheckpointManager(base / w, keep_last=2, async_save=w == "async", saver=savers.get(w),
                                                 aio_config=aio or None)
@@ -112,8 +124,11 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
             warm = args.warmup if rnd == 0 else 0
             for i in range(warm + per_round):
                 t0 = time.perf_counter()
+                waits.clear()
                 engine.train_step()
                 t1 = time.perf_counter()
+                if i >= warm and manager is not None and i > 0:
+                    r["wait_s"].append(sum(waits))
                 if manager is not None:
                     out = engine.save(manager)
                     if isinstance(out, ucp.SaveHandle) and i >= warm:
@@ -146,7 +161,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     results["config"] = {"model": args.model, "params": engine.cfg.model.num_params(), "world": world,
                          "tp": args.tp, "pp": args.pp, "dp": dp, "zero": args.zero, "precision": args.precision,
                          "micro_batch": args.micro_batch, "seq": engine.cfg.seq, "steps": args.steps,
-                         "warmup": args.warmup, "rounds": args.rounds, "threads": torch.get_num_threads(), "async_mode": args.async_mode,
+                         "warmup": args.warmup, "rounds": args.rounds, "threads": torch.get_num_threads(), "async_mode": args.async_mode, "snapshot": args.snapshot,
                          "aio": aio, "cores": os.cpu_count()}
     return results
 
@@ -170,6 +185,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         if w == "async" and r["stall_s"]:
             row["median_stall_s"] = statistics.median(r["stall_s"])
             row["max_stall_s"] = max(r["stall_s"])
+            if r["wait_s"]:  # background snapshots: what the next step waited for the copy
+                row["median_snapshot_wait_s"] = statistics.median(r["wait_s"])
             if r["durable_s"]:
                 row["median_durable_s"] = statistics.median(r["durable_s"])
                 row["durable_GBps"] = r["size"] / row["median_durable_s"] / 1e9
@@ -190,12 +207,16 @@ def table(summary: dict[str, Any]) -> str:
         ov = f"{r['overhead'] * 100:+.1f}%" if "overhead" in r else "-"
         call = f"{r['median_save_call_s']:.3f}" if r.get("median_save_call_s") is not None else "-"
         stall = f"{r['median_stall_s']:.3f}" if "median_stall_s" in r else "-"
+        if r.get("median_snapshot_wait_s"):
+            stall += f" + {r['median_snapshot_wait_s']:.3f} wait"
         size = f"{r['size_bytes'] / 1e6:.0f}" if r.get("size_bytes") else "-"
         rate = r.get("sync_GBps") or r.get("durable_GBps")
         lines.append(f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | "
                      f"{f'{rate:.2f}' if rate else '-'} |")
     lines.append("")
     lines.append("GB/s: sync = size / save call; async = size / time from save() to durable (commit).")
+    lines.append("stall: how long save() kept the caller (+ with --snapshot background: how long the next "
+                 "step waited for the copy before its optimizer step).")
     return "\n".join(lines)
 
 

@@ -129,6 +129,7 @@ class Engine:
             loss_scaler=DynamicLossScaler(cfg.loss_scale) if cfg.dtype == "fp16" else None,
             tied=tied, tied_comm=self.mesh.embed_comm, prefetch=cfg.prefetch)
         self.step = 0  # optimizer steps completed (the next train_step's step number)
+        self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
         self.last_stats: dict[str, Any] = {}
 
     # -- training ------------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class Engine:
             act = (self.cfg.micro_batch, self.cfg.seq, self.cfg.model.d_model)
             schedule = SCHEDULES[self.cfg.pipeline_schedule]
             schedule(self.model, self.optimizer, self.mesh, batches, act, self.dtype, losses.append, self.device)
+        self.wait_snapshot()  # a background checkpoint copy must be done before the weights change
         self.last_stats = self.optimizer.step(lr=self.lr_at(step))
         self.step = step + 1
         return self._report(losses)
@@ -218,6 +220,7 @@ class Engine:
 
         For importers that produce whole tensors (a peer's checkpoint, a single-process state dict).
         """
+        self.wait_snapshot()
         fill_from_full(self.checkpoint_targets(), get)
         optim = {} if adam_step is None else {"adam_step": adam_step, "loss_scale": None}
         self.finish_load({"step": step, "optimizer": optim}, from_masters=from_masters)
@@ -251,8 +254,19 @@ class Engine:
         metadata = {"mesh": self.mesh.as_dict(), "zero_stage": self.cfg.zero_stage, "dtype": self.cfg.dtype,
                     "data_position": self.step, "model": self.cfg.model.model_dump(mode="json"),
                     **layout_metadata(self.layout, self.shapes)}
-        return manager.save(self.state_dict_for_checkpoint(), self.step if step is None else step,
-                            metadata=metadata, mesh=self.mesh.as_dict())
+        self.wait_snapshot()
+        result = manager.save(self.state_dict_for_checkpoint(), self.step if step is None else step,
+                              metadata=metadata, mesh=self.mesh.as_dict())
+        if isinstance(result, ucp.SaveHandle):
+            self._snapshot = result
+        return result
+
+    def wait_snapshot(self) -> None:
+        """Wait for the copy of the last asynchronous checkpoint (it may still run in the background:
+        ``CheckpointManager(snapshot="background")``); the engine calls it before changing its state."""
+        if self._snapshot is not None:
+            self._snapshot.wait_snapshot()
+            self._snapshot = None
 
     def load(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None = None) -> int:
         """Resume from a checkpoint, whatever mesh and ZeRO stage wrote it; returns the step to train next.
@@ -261,6 +275,7 @@ class Engine:
         Call on every rank: each reads only the regions of the global tensors it holds, in place,
         then the compute weights are re-derived from the loaded fp32 masters.
         """
+        self.wait_snapshot()
         sd = self.state_dict_for_checkpoint()
         # Only what a resume needs: hparams and the scheduler description stay this engine's own.
         # Plain values (None) are replaced by the saved ones, whatever their structure.

@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=1, help="save after every N steps (with --save-dir)")
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: asynchronously)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept under --save-dir")
+    p.add_argument("--snapshot", default="background", choices=("background", "sync"),
+                   help="async saves: copy the state while the next step's forward/backward run (the engine waits "
+                        "for the copy before its optimizer step), or before save() returns")
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
     return p.parse_args(argv)
 
@@ -87,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("--resume needs --save-dir")
         import ucp
 
-        manager = ucp.CheckpointManager(args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save)
+        manager = ucp.CheckpointManager(args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save,
+                                        snapshot=args.snapshot)
         if args.resume:
             t0 = time.perf_counter()
             first = engine.load(manager)

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Generator, Literal, Sequence
 
 import torch
@@ -66,14 +66,30 @@ class SaveHandle:
     Awaitable: ``manifest = await handle`` in asyncio code.
     """
 
-    def __init__(self, path: str, step: int | None, future: Future, snapshot_seconds: float) -> None:
+    def __init__(self, path: str, step: int | None, future: Future, snapshot_seconds: float,
+                 snapshot: Future | None = None) -> None:
         self.path = path
         self.step = step
         self.future = future
         self.snapshot_seconds = snapshot_seconds  # how long async_save kept the caller (the stall)
+        self._snapshot = snapshot  # the copy still running (AsyncSaver(snapshot="background")), if any
 
     def done(self) -> bool:
         return self.future.done()
+
+    def snapshot_done(self) -> bool:
+        """Whether the state dict has been copied: from then on its tensors may change."""
+        return self._snapshot is None or self._snapshot.done()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Wait until the state dict has been copied (at once unless the snapshot runs in the background).
+
+        With ``AsyncSaver(snapshot="background")`` call it before changing any saved tensor. A
+        failed copy is not raised here (the tensors may change: nothing is left to protect) but by
+        :meth:`result`.
+        """
+        if self._snapshot is not None:
+            self._snapshot.exception(timeout)
 
     def result(self, timeout: float | None = None) -> Manifest:
         """The committed manifest; raises the save's error, or TimeoutError when not done within ``timeout``."""
@@ -110,6 +126,12 @@ class AsyncSaver:
     oldest save has written its data file; the commit of one save may overlap
     the snapshot of the next. Saves are written and committed in call order.
 
+    ``snapshot="background"``: ``save`` returns before copying; the copy runs on a thread while
+    the caller goes on, and the caller must not change the saved tensors until
+    ``handle.wait_snapshot()`` returns (a training loop: before its optimizer step, so the copy
+    overlaps forward and backward). Host tensors only (CUDA copies are already asynchronous).
+    The writer follows the copy as with ``pipeline``.
+
     ``pipeline=True``: the writer starts writing the chunks already copied while
     the snapshot is still running — durable 5–9% sooner, but the copy then shares
     memory bandwidth and CPU with the writer: on our 2-core test VM the stall grew
@@ -119,10 +141,15 @@ class AsyncSaver:
 
     def __init__(self, max_in_flight: int = 1, mode: Mode = "thread",
                  aio_config: AioConfig | dict[str, Any] | None = None, *, staging_dir: str = "/dev/shm",
-                 commit_timeout: float = 1800.0, pipeline: bool = False) -> None:
+                 commit_timeout: float = 1800.0, pipeline: bool = False,
+                 snapshot: Literal["sync", "background"] = "sync") -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
+        if snapshot not in ("sync", "background"):
+            raise ValueError(f"snapshot must be 'sync' or 'background', got {snapshot!r}")
         self.mode = mode
+        self.snapshot = snapshot
+        self._copier: ThreadPoolExecutor | None = None
         self.aio_config = as_aio_config(aio_config)
         self.commit_timeout = commit_timeout
         self.pipeline = pipeline
@@ -229,10 +256,10 @@ class AsyncSaver:
                     self.pool.release(arena)
                 _bg.close_fd(lock_fd)
                 raise
-            future = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and the lock, even on error
+            future, copying = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock, even on error
         finally:
             storage.close()
-        handle = SaveHandle(os.fspath(path), step, future, time.perf_counter() - t0)
+        handle = SaveHandle(os.fspath(path), step, future, time.perf_counter() - t0, copying)
         with self._lock:
             self._pending.add(handle)
             self._temps[temp_abs] = job_id
@@ -255,6 +282,8 @@ class AsyncSaver:
             for h in pending:
                 h.exception()
         self._closed = True
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self._backend.close()
         self.pool.close()
         _LIVE.discard(self)
@@ -287,12 +316,15 @@ class AsyncSaver:
         return temp
 
     def _run(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena | None,
-             lock_fd: int | None) -> Future:
+             lock_fd: int | None) -> tuple[Future, Future | None]:
         """Start the background job and fill its arena (the writer follows the copy when ``pipeline``).
 
         Owns ``arena`` and ``lock_fd``: they go to the job, or are given back here on failure.
+        Returns the job's future and, when the copy runs in the background, the copy's.
         """
         progress = _bg.Progress(plan.file_size if plan.file is not None else 0)
+        if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
+            return self._run_in_background(job, plan, leaves, arena, lock_fd, progress)
 
         def give_up() -> None:
             if arena is not None:
@@ -327,7 +359,32 @@ class AsyncSaver:
                 if isinstance(self._backend, _bg.ProcessBackend):
                     self._backend.abort(job.id, why)
             raise
-        return future if future is not None else submit()
+        return (future if future is not None else submit()), None
+
+    def _run_in_background(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena,
+                           lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, Future]:
+        """The writer starts now and follows the copy, which runs on the copier thread."""
+        try:
+            future = self._backend.submit(job, arena, progress, lock_fd)
+        except BaseException:
+            self.pool.release(arena)
+            _bg.close_fd(lock_fd)
+            _abandon(job)
+            raise
+
+        def copy() -> None:
+            try:
+                snapshot_into(plan, leaves, arena, progress, self._stream_for)
+            except BaseException as exc:
+                why = f"snapshot failed: {_bg.describe(exc)}"
+                progress.fail(why)  # the job fails, cleans up and gives the arena back
+                if isinstance(self._backend, _bg.ProcessBackend):
+                    self._backend.abort(job.id, why)
+                raise
+
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
+        return future, self._copier.submit(copy)
 
     def _stream_for(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -413,6 +470,11 @@ def snapshot_into(plan: SavePlan, leaves: Sequence[Leaf], arena: Arena, progress
     if not events:
         progress.advance(plan.file_size)
     return events
+
+
+def _on_host(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
+    """Whether every piece the plan writes comes from a CPU tensor (a background copy needs that)."""
+    return all(local_tensor(leaves[p.leaf], p.part).device.type == "cpu" for p in plan.pieces)
 
 
 def _copy_from_cuda(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:

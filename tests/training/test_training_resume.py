@@ -44,7 +44,9 @@ def run_save(sc: dict) -> list[float]:
     """Train steps 0..SPLIT-1, save step SPLIT; an async save keeps training while it is written."""
     e = engine(sc["mesh"], **sc["options"])
     losses = [e.train_step() for _ in range(SPLIT)]
-    manager = ucp.CheckpointManager(sc["root"], async_save=sc.get("async", False))
+    # the async save copies in the background while the next steps' forward/backward run
+    manager = ucp.CheckpointManager(sc["root"], async_save=sc.get("async", False),
+                                    snapshot="background" if sc.get("async") else "sync")
     try:
         e.save(manager, SPLIT)
         losses += [e.train_step() for _ in range(SPLIT, STEPS)]  # changes the live pieces the save viewed

@@ -183,6 +183,51 @@ def test_a_failed_snapshot_raises_cleans_up_and_frees_its_staging(tmp_path, save
     assert sorted(os.listdir(tmp_path)) == ["ck2"]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_background_snapshot_returns_before_the_copy_and_saves_the_values_of_the_call(tmp_path, mode, monkeypatch):
+    module = sys.modules["ucp.async_saving"]
+    monkeypatch.setattr(module, "COPY_CHUNK", 1 << 20)
+    real, release = module.snapshot_into, __import__("threading").Event()
+
+    def held_back(*args, **kw):  # the copy starts only when the test says so
+        assert release.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, "snapshot_into", held_back)
+    state = awkward_state(7)
+    expected = clone_state(state)
+    with AsyncSaver(mode=mode, snapshot="background") as saver:
+        h = saver.save(state, tmp_path / "ck", step=3)
+        assert not h.snapshot_done() and not h.done()  # save() returned before copying anything
+        release.set()
+        h.wait_snapshot(timeout=120)
+        assert h.snapshot_done()
+        scribble(state)  # what the optimizer step does next
+        assert h.result(timeout=120).step == 3
+    assert_same_state(expected, ucp.load(tmp_path / "ck"))
+    assert ucp.verify(tmp_path / "ck").ok
+
+
+def test_a_failed_background_snapshot_fails_the_save_not_the_wait(tmp_path, monkeypatch):
+    module = sys.modules["ucp.async_saving"]
+    real = module.snapshot_into
+
+    def fail(*args, **kw):
+        raise RuntimeError("copy broke")
+
+    with AsyncSaver(snapshot="background") as saver:
+        monkeypatch.setattr(module, "snapshot_into", fail)
+        h = saver.save({"w": torch.ones(1000)}, tmp_path / "ck")
+        h.wait_snapshot(timeout=60)  # returns: nothing is left to protect
+        with pytest.raises(ucp.CheckpointError, match="copy broke"):
+            h.result(timeout=60)
+        monkeypatch.setattr(module, "snapshot_into", real)
+        saver.save({"w": torch.ones(1000)}, tmp_path / "ck2").result(timeout=60)  # the arena came back
+    assert sorted(os.listdir(tmp_path)) == ["ck2"]
+    with pytest.raises(ValueError, match="snapshot"):
+        AsyncSaver(snapshot="lazy")
+
+
 def test_max_in_flight_two_keeps_two_snapshots(tmp_path):
     with AsyncSaver(max_in_flight=2) as saver:
         a = {"w": torch.full((1 << 18,), 1.0)}
