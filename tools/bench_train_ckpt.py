@@ -63,9 +63,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--async-mode", default="thread", choices=("thread", "process"))
-    p.add_argument("--snapshot", default="sync", choices=("sync", "background"),
-                   help="async saves: copy the state before save() returns, or in the background until the next "
-                        "optimizer step (the engine waits for it there)")
+    p.add_argument("--snapshot", default="sync", choices=("sync", "background", "none"),
+                   help="async saves: copy the state before save() returns (sync), copy it in the background "
+                        "(background), or copy nothing and write straight from the tensors (none); the engine "
+                        "waits for the copy or write before its next optimizer step")
     p.add_argument("--writer-threads", type=int, default=None, help="aio thread_count for the writes")
     p.add_argument("--no-fsync", action="store_true", help="skip fdatasync of the data files")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -55,9 +55,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=1, help="save after every N steps (with --save-dir)")
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: asynchronously)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept under --save-dir")
-    p.add_argument("--snapshot", default="background", choices=("background", "sync"),
-                   help="async saves: copy the state while the next step's forward/backward run (the engine waits "
-                        "for the copy before its optimizer step), or before save() returns")
+    p.add_argument("--snapshot", default="background", choices=("background", "sync", "none"),
+                   help="async saves: copy the state while the next step's forward/backward run (background), "
+                        "before save() returns (sync), or write straight from the tensors (none); the engine waits "
+                        "for the copy or write before its optimizer step")
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
     return p.parse_args(argv)
 

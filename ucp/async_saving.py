@@ -50,6 +50,7 @@ from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .plan import PLAN_CACHE, SavePlan, plan_save
 from .saving import _check_args, save
 from .snapshot import local_tensor
+from .snapshot import snapshot as snapshot_views
 from .staging import Arena, StagingPool
 from .storage import LocalStorage, Storage, as_aio_config, open_storage
 from .tree import Leaf, encode_state
@@ -126,6 +127,11 @@ class AsyncSaver:
     oldest save has written its data file; the commit of one save may overlap
     the snapshot of the next. Saves are written and committed in call order.
 
+    ``snapshot="none"`` (thread mode): nothing is copied; the writer writes straight from the
+    tensors, and the caller must not change them until ``handle.wait_snapshot()`` returns (the
+    data file is written). No staging memory; the wait is the write, so it pays off when the
+    write fits in the time before the tensors change (a training step's forward and backward).
+
     ``snapshot="background"``: ``save`` returns before copying; the copy runs on a thread while
     the caller goes on, and the caller must not change the saved tensors until
     ``handle.wait_snapshot()`` returns (a training loop: before its optimizer step, so the copy
@@ -142,11 +148,13 @@ class AsyncSaver:
     def __init__(self, max_in_flight: int = 1, mode: Mode = "thread",
                  aio_config: AioConfig | dict[str, Any] | None = None, *, staging_dir: str = "/dev/shm",
                  commit_timeout: float = 1800.0, pipeline: bool = False,
-                 snapshot: Literal["sync", "background"] = "sync") -> None:
+                 snapshot: Literal["sync", "background", "none"] = "sync") -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
-        if snapshot not in ("sync", "background"):
-            raise ValueError(f"snapshot must be 'sync' or 'background', got {snapshot!r}")
+        if snapshot not in ("sync", "background", "none"):
+            raise ValueError(f"snapshot must be 'sync', 'background' or 'none', got {snapshot!r}")
+        if snapshot == "none" and mode != "thread":
+            raise ValueError("snapshot='none' writes from this process's memory: it needs mode='thread'")
         self.mode = mode
         self.snapshot = snapshot
         self._copier: ThreadPoolExecutor | None = None
@@ -218,7 +226,7 @@ class AsyncSaver:
             encoded = encode_state(state_dict)
             leaves, tree = encoded.leaves, encoded.tree
             plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
-            if plan.file is not None:
+            if plan.file is not None and self.snapshot != "none":
                 arena = self.pool.acquire(plan.file_size)
         except BaseException as exc:
             local_error = exc
@@ -323,6 +331,8 @@ class AsyncSaver:
         Returns the job's future and, when the copy runs in the background, the copy's.
         """
         progress = _bg.Progress(plan.file_size if plan.file is not None else 0)
+        if self.snapshot == "none" and plan.file is not None:
+            return self._run_from_tensors(job, plan, leaves, lock_fd, progress)
         if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
             return self._run_in_background(job, plan, leaves, arena, lock_fd, progress)
 
@@ -360,6 +370,19 @@ class AsyncSaver:
                     self._backend.abort(job.id, why)
             raise
         return (future if future is not None else submit()), None
+
+    def _run_from_tensors(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None,
+                          progress: _bg.Progress) -> tuple[Future, Future]:
+        """No copy: the writer thread writes straight from the tensors (O_DIRECT from their memory where the
+        plan put pieces in phase); the caller keeps them unchanged until the data file is written."""
+        try:
+            image = _bg.DirectImage(plan, snapshot_views(plan, leaves))
+            future = self._backend.submit(job, image, progress, lock_fd)
+        except BaseException:
+            _bg.close_fd(lock_fd)
+            _abandon(job)
+            raise
+        return future, image.written
 
     def _run_in_background(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena,
                            lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, Future]:

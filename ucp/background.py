@@ -54,6 +54,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -69,13 +70,29 @@ from .plan import SavePlan
 from .reader import read_manifest
 from .staging import Arena, SharedArena, StagingPool
 from .storage import LocalStorage, Storage, open_storage
-from .writer import CrcChain
+from .writer import CrcChain, write_rank_file
 
 log = logging.getLogger(__name__)
 
 REPORT_RE = re.compile(r"^\.report-rank-(\d{5})\.json$")
 POLL_MIN, POLL_MAX = 0.005, 0.1  # seconds between looks at the temporary directory
 PROGRESS_STEP = 8 << 20  # process mode: tell the writer about snapshot progress at most every this many bytes
+
+
+@dataclass
+class DirectImage:
+    """In-process writes only: the rank file is written straight from the caller's tensors (byte views in
+    plan order), with no staging copy. ``written`` resolves once the data file is durable (or the job
+    failed): until then the caller must not change the tensors."""
+
+    plan: SavePlan
+    views: list[memoryview]
+    written: Future = field(default_factory=Future)
+
+    def finished(self) -> None:
+        self.views = []
+        if not self.written.done():
+            self.written.set_result(None)
 
 
 def alive_name(rank: int) -> str:
@@ -416,7 +433,11 @@ def _execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Pro
         if job.plan is not None:
             assert arena is not None
             try:
-                records = write_image(storage, f"{job.temp}/{job.plan.file}", job.plan, arena, progress)
+                rel = f"{job.temp}/{job.plan.file}"
+                if isinstance(arena, DirectImage):
+                    records = write_rank_file(storage, rel, arena.plan, arena.views)
+                else:
+                    records = write_image(storage, rel, job.plan, arena, progress)
             finally:
                 release_arena()
         report = _commit.RankReport(
@@ -606,7 +627,8 @@ class ThreadBackend:
         self._storages = StorageCache()
         self._lock = threading.Lock()
 
-    def submit(self, job: WriteJob, arena: Arena | None, progress: Progress, lock_fd: int | None) -> Future:
+    def submit(self, job: WriteJob, arena: Arena | DirectImage | None, progress: Progress,
+               lock_fd: int | None) -> Future:
         fut: Future = Future()
         with self._lock:
             if self._thread is None:
@@ -625,10 +647,13 @@ class ThreadBackend:
                 continue
             released = threading.Event()
 
-            def release(arena: Arena | None = arena, released: threading.Event = released) -> None:
+            def release(arena: Arena | DirectImage | None = arena, released: threading.Event = released) -> None:
                 if arena is not None and not released.is_set():
                     released.set()
-                    self._pool.release(arena)
+                    if isinstance(arena, DirectImage):
+                        arena.finished()  # the caller's tensors are free again
+                    else:
+                        self._pool.release(arena)
 
             try:
                 storage, owned = self._storages.open(job)

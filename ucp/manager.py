@@ -309,15 +309,16 @@ class CheckpointManager:
     ``process_group`` is used for saves and loads; rank 0 does all file-system
     housekeeping. The root must be a local or mounted shared directory. ``commit_timeout``
     bounds how long an asynchronous save's ranks wait for each other (a rank that dies is
-    noticed at once on local storage; this is for ranks that hang). ``snapshot="background"``
-    (asynchronous saves): :meth:`save` returns before the state is copied, and the caller must call
+    noticed at once on local storage; this is for ranks that hang). ``snapshot="background"`` or
+    ``"none"`` (asynchronous saves, see :class:`~ucp.AsyncSaver`): :meth:`save` returns before the
+    state is copied (or, with "none", written straight from the tensors), and the caller must call
     ``handle.wait_snapshot()`` before changing it (``training.Engine`` does, before its optimizer step).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, async_save: bool = False,
                  mode: Mode = "thread", max_in_flight: int = 1, process_group: Any = None,
                  aio_config: AioConfig | dict[str, Any] | None = None, saver: AsyncSaver | None = None,
-                 commit_timeout: float = 1800.0, snapshot: Literal["sync", "background"] = "sync") -> None:
+                 commit_timeout: float = 1800.0, snapshot: Literal["sync", "background", "none"] = "sync") -> None:
         if "://" in os.fspath(root):
             raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")
         if keep_last is not None and keep_last < 1:

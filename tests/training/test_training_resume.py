@@ -45,8 +45,7 @@ def run_save(sc: dict) -> list[float]:
     e = engine(sc["mesh"], **sc["options"])
     losses = [e.train_step() for _ in range(SPLIT)]
     # the async save copies in the background while the next steps' forward/backward run
-    manager = ucp.CheckpointManager(sc["root"], async_save=sc.get("async", False),
-                                    snapshot="background" if sc.get("async") else "sync")
+    manager = ucp.CheckpointManager(sc["root"], async_save=sc.get("async", False), snapshot=sc.get("snapshot", "sync"))
     try:
         e.save(manager, SPLIT)
         losses += [e.train_step() for _ in range(SPLIT, STEPS)]  # changes the live pieces the save viewed
@@ -103,9 +102,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     e = engine({}, zero_stage=0, **DP1)
     losses = {"uninterrupted": [e.train_step() for _ in range(STEPS)]}
     losses |= spawn(2, [
-        save("save_dp2_z1", ck["dp2_z1"], {"dp": 2}, zero_stage=1, **DP2),
+        # async, written straight from the live tensors while training goes on (the engine waits for
+        # the write before its optimizer step)
+        save("save_dp2_z1", ck["dp2_z1"], {"dp": 2}, zero_stage=1, **DP2) | {"async": True, "snapshot": "none"},
+        # async, copied in the background
         save("save_dp2_z3_async", ck["dp2_z3_async"], {"dp": 2}, zero_stage=3, zero_alignment=4, **DP2)
-        | {"async": True},
+        | {"async": True, "snapshot": "background"},
         load("dp2_z3_to_dp2_z1", ck["dp2_z3_async"], {"dp": 2}, zero_stage=1, **DP2),
     ], base / "w2a")
     losses |= spawn(4, [

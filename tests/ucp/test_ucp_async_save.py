@@ -183,6 +183,26 @@ def test_a_failed_snapshot_raises_cleans_up_and_frees_its_staging(tmp_path, save
     assert sorted(os.listdir(tmp_path)) == ["ck2"]
 
 
+def test_no_snapshot_writes_from_the_tensors_and_frees_them_once_written(tmp_path):
+    state = awkward_state(8)
+    expected = clone_state(state)
+    with AsyncSaver(snapshot="none") as saver:
+        h = saver.save(state, tmp_path / "ck", step=4)
+        h.wait_snapshot(timeout=120)  # the data file is written: the tensors are free
+        assert h.snapshot_done() and saver.pool.created == 0  # no staging memory at all
+        scribble(state)
+        assert h.result(timeout=120).step == 4
+        # the same bytes as a synchronous save of the same tensors
+        h2 = saver.save(expected, tmp_path / "again")
+        h2.result(timeout=120)
+    ucp.save(expected, tmp_path / "sync")
+    name = "rank-00000.safetensors"
+    assert (tmp_path / "sync" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+    assert_same_state(expected, ucp.load(tmp_path / "ck"))
+    with pytest.raises(ValueError, match="mode='thread'"):
+        AsyncSaver(mode="process", snapshot="none")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_background_snapshot_returns_before_the_copy_and_saves_the_values_of_the_call(tmp_path, mode, monkeypatch):
     module = sys.modules["ucp.async_saving"]
