@@ -2,8 +2,9 @@
 
 1. **Train** the reference GPT with 4 processes (torchrun, gloo): TP 2 × DP 2, ZeRO-2, fp32,
    an asynchronous checkpoint every ``save_every`` steps through a ``ucp.CheckpointManager``.
-2. **Crash**: at the first checkpoint after step ``kill_at``, right after its snapshot, every
-   process is SIGKILLed — in the middle of writing that checkpoint, which must not matter.
+2. **Crash**: after step ``kill_at`` every process is SIGKILLed, whatever it is doing (a
+   checkpoint may be in flight: it must not matter). The repeated steps are then always at least
+   the crash step, whichever checkpoint turns out to be the latest complete one.
 3. **Resume** on 2 processes with another layout (TP 1 × DP 2, ZeRO-3): ``engine.load`` picks the
    latest *complete* checkpoint and reshards it while loading. The steps the first run had
    already done are computed again: their losses must equal the first run's.
@@ -18,15 +19,17 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
@@ -38,8 +41,8 @@ class DemoConfig(BaseModel):
     workdir: Path | None = None
     model: str = "small"
     total_steps: int = 16
-    save_every: int = 2
-    kill_at: int = 9
+    save_every: int = 3
+    kill_at: int = 10
     first_procs: int = 4
     first_layout: dict[str, int] = {"tp": 2, "dp": 2, "zero": 2}
     second_procs: int = 2
@@ -132,6 +135,28 @@ def crash(pid: int) -> None:
             pass
 
 
+def _lines(proc: subprocess.Popen, deadline: float) -> Iterator[str]:
+    """``proc``'s output lines as they come; TimeoutError once ``deadline`` passes, even if it prints
+    nothing more (a rank stuck in a collective)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError from None
+        if line is None:
+            return
+        yield line
+
+
 def train(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, resume: bool, kill_after: int | None,
           say: Say) -> RunLog:
     """Run training under torchrun, echoing progress; SIGKILL everything once step ``kill_after`` is logged."""
@@ -142,25 +167,26 @@ def train(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, re
                             start_new_session=True)
     deadline = time.monotonic() + cfg.timeout_s
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in _lines(proc, deadline):
             rec = log.take(line.rstrip("\n"))
             if rec is None:
                 continue
             if "loss" in rec:
                 say(f"  step {rec['step']:>3}  loss {rec['loss']:.6f}  ({rec['seconds']:.2f} s)")
             elif "checkpoint" in rec:
-                say(f"  checkpoint {rec['checkpoint']} snapshotted in {rec['stall'] * 1000:.0f} ms, written in the background")
+                say(f"  checkpoint {rec['checkpoint']}: save() returned in {rec['stall'] * 1000:.0f} ms, copy and write go on "
+                    "in the background")
             elif "resumed" in rec:
                 say(f"  resumed at step {rec['resumed']} ({rec['seconds']:.2f} s to load and reshard)")
-            if kill_after is not None and rec.get("checkpoint", -1) > kill_after:
-                crash(proc.pid)  # right after a snapshot: the checkpoint is being written
+            if kill_after is not None and rec.get("step") == kill_after:
+                crash(proc.pid)
                 log.killed = True
-                say(f"  CRASH: SIGKILL to torchrun and all {procs} ranks while checkpoint {rec['checkpoint']} "
-                    "is being written")
+                say(f"  CRASH: SIGKILL to torchrun and all {procs} ranks after step {kill_after} "
+                    "(a checkpoint still being written is lost; the previous one must do)")
                 break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"training did not finish within {cfg.timeout_s:.0f} s")
+    except TimeoutError:
+        crash(proc.pid)
+        raise TimeoutError(f"training did not finish within {cfg.timeout_s:.0f} s") from None
     finally:
         if proc.poll() is None and not log.killed:
             try:

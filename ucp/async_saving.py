@@ -340,7 +340,7 @@ class AsyncSaver:
             if arena is not None:
                 self.pool.release(arena)
             _bg.close_fd(lock_fd)
-            _abandon(job)
+            _bg.abandon(job)
 
         def submit() -> Future:
             try:
@@ -380,7 +380,7 @@ class AsyncSaver:
             future = self._backend.submit(job, image, progress, lock_fd)
         except BaseException:
             _bg.close_fd(lock_fd)
-            _abandon(job)
+            _bg.abandon(job)
             raise
         return future, image.written
 
@@ -392,7 +392,7 @@ class AsyncSaver:
         except BaseException:
             self.pool.release(arena)
             _bg.close_fd(lock_fd)
-            _abandon(job)
+            _bg.abandon(job)
             raise
 
         def copy() -> None:
@@ -431,19 +431,6 @@ def wait_all(handles: Sequence[SaveHandle]) -> None:
 def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> _bg.WriteJob:
     return _bg.WriteJob(id=job_id, path=os.fspath(path), name=name, temp=temp, rank=group.rank,
                         world_size=group.world_size)
-
-
-def _abandon(job: _bg.WriteJob) -> None:
-    """A job that never reached a writer: remove (rank 0) or report failure into (others) its temp dir."""
-    storage, _ = job.open_storage()
-    with storage:
-        if job.rank == 0:
-            _commit.abort(storage, job.temp)
-        else:
-            try:
-                _bg.publish_report(storage, job, _commit.RankReport(rank=job.rank, error="snapshot failed"))
-            except CommitError:
-                pass
 
 
 # -- the snapshot --------------------------------------------------------------------------------

@@ -115,8 +115,12 @@ def hold_alive(storage: Storage, job: "WriteJob") -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.rename(aside, final)  # appears already locked: a probe never sees it unlocked while we live
-    except OSError:
+    except OSError:  # no flock here (e.g. ENOLCK): no fast death detection, and no stray file left behind
         os.close(fd)
+        try:
+            os.unlink(aside)
+        except OSError:
+            pass
         return None
     return fd
 
@@ -125,14 +129,14 @@ def rank_dead(storage: Storage, job: "WriteJob", rank: int) -> bool:
     """Whether ``rank`` took its liveness lock for this save and no longer holds it (it died)."""
     if not isinstance(storage, LocalStorage):
         return False
-    try:
-        fd = os.open(storage.path(f"{job.temp}/{alive_name(rank)}"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:  # read-write: NFS emulates flock with fcntl locks, and an exclusive one needs a writable fd
+        fd = os.open(storage.path(f"{job.temp}/{alive_name(rank)}"), os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False  # not started yet (or done): keep waiting, bounded by commit_timeout
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+    except OSError:
+        return False  # held (alive), or locks do not work here: only a lock we got proves a death
     finally:
         os.close(fd)
     return True
@@ -489,6 +493,20 @@ def run_post_commit(spec: PostCommit, where: str) -> None:
                           f"{describe(exc)}") from exc
 
 
+def abandon(job: WriteJob, why: str = "snapshot failed") -> None:
+    """A job that never reached (or never ran on) a writer: remove its temp dir (rank 0), or report the
+    failure into it (other ranks) so rank 0 gives up at once."""
+    storage, _ = job.open_storage()
+    with storage:
+        if job.rank == 0:
+            _commit.abort(storage, job.temp)
+        else:
+            try:
+                publish_report(storage, job, _commit.RankReport(rank=job.rank, error=why))
+            except CommitError:
+                pass
+
+
 def publish_report(storage: Storage, job: WriteJob, report: _commit.RankReport) -> None:
     """Put this rank's report in the temporary directory, atomically (written aside, then renamed)."""
     final = f"{job.temp}/{report_name(job.rank)}"
@@ -643,7 +661,13 @@ class ThreadBackend:
             if item is None:
                 break
             job, arena, progress, lock_fd, fut = item
-            if not fut.set_running_or_notify_cancel():
+            if not fut.set_running_or_notify_cancel():  # cancelled while queued: give everything back
+                if isinstance(arena, DirectImage):
+                    arena.finished()
+                elif arena is not None:
+                    self._pool.release(arena)
+                close_fd(lock_fd)
+                abandon(job, "the save was cancelled")
                 continue
             released = threading.Event()
 

@@ -16,6 +16,7 @@ batches are read while batch k is checksummed and copied.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,15 +94,26 @@ class SourceIndex:
     """What repeated partial reads of one checkpoint share (e.g. a reshape's many batches).
 
     The pieces of each tensor with their files, which files' sizes and headers were already
-    checked, and which pieces' CRCs were already verified (later reads of those read only the
-    span they need).
+    checked, and which pieces' CRCs are being or have been verified: each piece is claimed for
+    verification by the first read that needs it (it reads the piece whole); concurrent and later
+    reads take only the span they need. Should the claimer find a bad CRC, its error fails the
+    whole operation, so nothing read from that piece is ever committed.
     """
 
     manifest: Manifest
     files: dict[str, list[FilePiece]]
     by_tensor: dict[str, list[tuple[str, FilePiece]]]
     checked_files: set[str] = field(default_factory=set)
-    verified: set[tuple[str, int]] = field(default_factory=set)
+    claimed: set[tuple[str, int]] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self, file: str, offset: int) -> bool:
+        """True for the first caller that asks to verify this piece."""
+        with self.lock:
+            if (file, offset) in self.claimed:
+                return False
+            self.claimed.add((file, offset))
+            return True
 
     @classmethod
     def of(cls, manifest: Manifest) -> "SourceIndex":
@@ -118,7 +130,7 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
     """Fill every target from the pieces that intersect it.
 
     ``index``: shared across calls on the same checkpoint (see :class:`SourceIndex`); a piece
-    whose CRC it records as verified is not checked again. ``staging_bytes``: reads are grouped
+    another call claimed for verification is not checked again. ``staging_bytes``: reads are grouped
     in batches of about this size; at most ``READ_AHEAD + 1`` batches of staging memory are held
     (a staged piece larger than that is read alone).
     """
@@ -134,7 +146,7 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
             wanting = [t for t in wanted if transfers(region, t.region, fp.shape)]
             if wanting:
                 at = _direct_offset(wanting[0], fp) if len(wanting) == 1 else None
-                check = verify and (file, fp.piece.offset) not in index.verified
+                check = verify and index.claim(file, fp.piece.offset)
                 needs[file].append(_Need(fp, wanting, direct=wanting[0] if at is not None else None,
                                          direct_at=at or 0, check=check))
     for file in sorted(needs):
@@ -145,7 +157,6 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
             read_and_check_header(storage, name, file, size, index.files[file])
             index.checked_files.add(file)
         _run(storage, f"{name}/{file}", file, _batches(file_needs, size, staging_bytes))
-        index.verified.update((file, nd.fp.piece.offset) for nd in file_needs if nd.check)
 
 
 def _span(need: _Need) -> tuple[int, int]:

@@ -16,9 +16,9 @@ How it runs, per target file (the files of several ranks in parallel, ``workers`
 3. the batch is written through the same file writer and on-the-way-out CRC-32C as a save;
 4. at the end the manifest is built and checked like a save's and committed atomically.
 
-Memory stays near the budget plus the read path's staging (whatever the checkpoint's size):
-only batches in flight are held. Each source piece's CRC is checked the first time it is read
-(read whole then); later partial reads of the same piece skip the check.
+Memory stays near the budget (whatever the checkpoint's size): only batches in flight and their
+read staging are held, plus, once per source piece, that piece whole: its CRC is checked by the
+first read that needs it, which reads all of it; other reads of the piece take only their span.
 """
 
 from __future__ import annotations

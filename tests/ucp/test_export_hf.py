@@ -264,3 +264,24 @@ def test_option_parsing() -> None:
     assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype("fp32") is torch.float32 and parse_dtype(None) is None
     with pytest.raises(ExportError, match="not a floating dtype"):
         parse_dtype(torch.int8)
+
+
+def test_a_failed_overwrite_puts_the_old_export_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ucp.exporters.output as output
+
+    ucp.save({"model": {"w": torch.arange(6.0)}}, tmp_path / "a")
+    ucp.save({"model": {"w": torch.zeros(6)}}, tmp_path / "b")
+    export(tmp_path / "a", tmp_path / "hf")
+    real = os.rename
+
+    def failing(src, dst):
+        if ".export-tmp-" in str(src):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(output.os, "rename", failing)
+    with pytest.raises(OSError):
+        export(tmp_path / "b", tmp_path / "hf", overwrite=True)
+    monkeypatch.setattr(output.os, "rename", real)
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], torch.arange(6.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "hf"]  # no temporary or old copies left

@@ -229,3 +229,24 @@ def test_consolidates_any_checkpoint(tmp_path: Path) -> None:
     reshape(tmp_path / "src", tmp_path / "dst", memory_budget=1 << 20)
     assert ucp.read_manifest(tmp_path / "dst").step == 7
     assert_same(flat(sd), flat(ucp.load(tmp_path / "dst")))
+
+
+def test_each_source_piece_is_verified_once_even_with_parallel_reads(sources: dict[str, str], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import ucp.partial as partial
+
+    checked: list[tuple[str, int]] = []
+    real = partial.check_crc
+
+    def counting(fp, file, data):
+        checked.append((file, fp.piece.offset))
+        return real(fp, file, data)
+
+    monkeypatch.setattr(partial, "check_crc", counting)
+    src = sources["plain"]
+    manifest = ucp.read_manifest(src)
+    base = recorded_layout(manifest).layout
+    target = base.replace(mesh=Mesh(tp=2, dp=2), zero=base.zero.model_copy(update={"stage": 1}))
+    reshape(src, tmp_path / "dst", layout=target, memory_budget=1 << 20, workers=2)  # many small batches in parallel
+    pieces = sum(len(t.pieces) for t in manifest.tensors.values())
+    assert len(checked) == len(set(checked)) == pieces

@@ -17,9 +17,8 @@ def demo_cmd(
                                                     "(default: a new temporary directory, kept).")] = None,
     model: Annotated[str, typer.Option("--model", help="Reference GPT preset.")] = "small",
     steps: Annotated[int, typer.Option("--steps", min=4, help="Steps of the whole run.")] = 16,
-    kill_at: Annotated[int, typer.Option("--kill-at", min=1, help="The crash comes at the first checkpoint after "
-                                         "this step, while it is written.")] = 9,
-    save_every: Annotated[int, typer.Option("--save-every", min=1, help="Checkpoint every N steps.")] = 2,
+    kill_at: Annotated[int, typer.Option("--kill-at", min=1, help="The crash comes right after this step.")] = 10,
+    save_every: Annotated[int, typer.Option("--save-every", min=1, help="Checkpoint every N steps.")] = 3,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Train, crash, resume elsewhere, reshape, export — UCP end to end on this machine (CPU, a few minutes)."""
@@ -54,7 +53,7 @@ def _print_summary(s) -> None:  # s: training.demo.DemoSummary
         t.add_row("async save stall", f"median {f['median_save_stall_s'] * 1000:.0f} ms per checkpoint "
                   f"({f['median_save_stall_s'] / f['median_step_s'] * 100:.1f}% of a step)")
     leftovers = [e["name"] for e in c["listing"] if e["status"] != "complete"]
-    t.add_row("crash", f"SIGKILL during a save after step {c['after_step']}; latest complete checkpoint: step "
+    t.add_row("crash", f"SIGKILL after step {c['after_step']}; latest complete checkpoint: step "
               f"{c['latest_complete']} ({gib:.2f} GiB)"
               + (f"; leftover of the killed save (never loaded): {', '.join(leftovers)}" if leftovers else ""))
     t.add_row("resume", f"{r['processes']} processes, tp={r['layout']['tp']} dp={r['layout']['dp']} "

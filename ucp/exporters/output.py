@@ -42,17 +42,33 @@ def staged_dir(dst: Path, *, overwrite: bool) -> Iterator[Path]:
     dst = check_destination(dst, overwrite=overwrite)
     tmp = dst.parent / f".{dst.name}.export-tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    old = None
     try:
         yield tmp
-        fsync_dir(str(tmp))
-        old = None
+        sync_tree(tmp)
         if dst.exists():
             old = dst.parent / f".{dst.name}.export-old-{uuid.uuid4().hex[:8]}"
             os.rename(dst, old)
         os.rename(tmp, dst)
         fsync_dir(str(dst.parent))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        if old is not None and not dst.exists():
+            os.rename(old, dst)  # the new export did not make it in: the old one goes back
+            old = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (zarr writes many small files through plain I/O), so
+    that after the rename a crash cannot leave the final name holding empty chunks."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
