@@ -465,3 +465,27 @@ def test_two_gloo_ranks_async_save_commit_through_files(tmp_path):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+def test_a_save_cancelled_while_queued_gives_everything_back(tmp_path, monkeypatch):
+    """The writer runs saves one at a time; one cancelled before its turn frees its tensors and temp dir."""
+    import threading
+
+    import ucp.background as bg
+
+    gate, real = threading.Event(), bg.write_rank_file
+
+    def slow(*args, **kw):  # the first save holds the writer until the test lets it go
+        assert gate.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bg, "write_rank_file", slow)
+    with AsyncSaver(snapshot="none", max_in_flight=2) as saver:
+        first = saver.save({"w": torch.ones(100)}, tmp_path / "a")
+        second = saver.save({"w": torch.ones(100)}, tmp_path / "b")
+        assert second.future.cancel()  # still queued behind the first
+        gate.set()
+        first.result(timeout=60)
+        second.wait_snapshot(timeout=60)  # its tensors were given back
+        saver.save({"w": torch.ones(100)}, tmp_path / "c").result(timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["a", "c"]  # no temporary directory of the cancelled save
