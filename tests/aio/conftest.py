@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -65,32 +63,15 @@ def shm_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-@contextmanager
-def _mounted(mnt: Path, fstype: str, options: str | None, why: str) -> Iterator[Path]:
-    """Mount a fresh ``fstype`` at ``mnt`` for one test (needs root); skip, saying why, when we cannot."""
-    if os.geteuid() != 0:
-        pytest.skip(f"mounting a {fstype} {why} needs root")
-    mnt.mkdir()
-    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(mnt)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype} {why}: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 @pytest.fixture
-def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+def tiny_fs(tmp_path: Path, mount_fs) -> Iterator[Path]:
     """A 4 MiB tmpfs mounted for this test, unmounted afterwards."""
-    with _mounted(tmp_path / "tiny", "tmpfs", "size=4m", "of 4 MiB to provoke ENOSPC") as mnt:
+    with mount_fs(tmp_path / "tiny", "tmpfs", "size=4m", "of 4 MiB to provoke ENOSPC") as mnt:
         yield mnt
 
 
 @pytest.fixture
-def no_direct_dir(tmp_path: Path) -> Iterator[Path]:
+def no_direct_dir(tmp_path: Path, mount_fs) -> Iterator[Path]:
     """A directory whose file system refuses O_DIRECT: /dev/shm on kernels before 6.6, else a ramfs mount."""
     if os.path.isdir("/dev/shm") and _fs_type("/dev/shm") == "tmpfs":
         d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ucp-aio-test-"))
@@ -100,7 +81,7 @@ def no_direct_dir(tmp_path: Path) -> Iterator[Path]:
                 return
         finally:
             shutil.rmtree(d, ignore_errors=True)
-    with _mounted(tmp_path / "ramfs", "ramfs", None, "(tmpfs takes O_DIRECT since Linux 6.6)") as mnt:
+    with mount_fs(tmp_path / "ramfs", "ramfs", None, "(tmpfs takes O_DIRECT since Linux 6.6)") as mnt:
         if _takes_o_direct(mnt):
             pytest.skip("even ramfs accepts O_DIRECT here; no file system to test the fallback on")
         yield mnt

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -50,25 +48,10 @@ def test_killed_trainers_with_a_writer_process_lose_no_returned_save(tmp_path):
 # -- out of space ---------------------------------------------------------------------------------
 
 
-@contextmanager
-def _tmpfs(mnt: Path, size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to provoke ENOSPC needs root")
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 @pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
+def small_fs(tmp_path: Path, mount_fs) -> Iterator[Path]:
     """An 8 MiB tmpfs for this test."""
-    with _tmpfs(tmp_path / "small", "8m") as mnt:
+    with mount_fs(tmp_path / "small", "tmpfs", "size=8m", "of 8 MiB to provoke ENOSPC") as mnt:
         yield mnt
 
 
