@@ -27,6 +27,7 @@ from .config import AioConfig
 from .engines import Engine, create_engine
 from .errors import AioError
 from .files import OpenFile, open_file, preallocate, sync_file, truncate
+from .prefetch import is_warm
 
 Bytes = memoryview | bytes | bytearray | np.ndarray | AlignedBuffer  # and contiguous CPU torch tensors
 _SINGLE = (memoryview, bytes, bytearray, np.ndarray, AlignedBuffer)
@@ -109,7 +110,7 @@ class AioHandle:
     # -- reading ----------------------------------------------------------------------
     def read_file(self, path: str | os.PathLike[str], out: AlignedBuffer | None = None) -> AlignedBuffer:
         """Read all of ``path`` into an aligned buffer (``out`` when given and large enough)."""
-        with open_file(path, "r", direct=self.config.use_direct) as f:
+        with open_file(path, "r", direct=self._read_direct(path)) as f:
             size = os.fstat(f.fd).st_size
             if out is None or out.capacity < size:
                 out = AlignedBuffer(size)
@@ -119,16 +120,20 @@ class AioHandle:
 
     def read_into(self, path: str | os.PathLike[str], offset: int, dest: Bytes) -> int:
         """Read ``len(dest)`` bytes of ``path`` from ``offset``; an error if the file is shorter."""
-        with open_file(path, "r", direct=self.config.use_direct) as f:
+        with open_file(path, "r", direct=self._read_direct(path)) as f:
             return self._read_into(f, offset, as_bytes_view(dest))
 
     def read_ranges(self, path: str | os.PathLike[str], ranges: Iterable[tuple[int, Bytes]]) -> None:
         """Read several ``(offset, dest)`` ranges of one file, all in flight together."""
-        with open_file(path, "r", direct=self.config.use_direct) as f:
+        with open_file(path, "r", direct=self._read_direct(path)) as f:
             futures = []
             for offset, dest in ranges:
                 futures.extend(self._submit_reads(f, offset, as_bytes_view(dest)))
             _wait_all(futures)
+
+    def _read_direct(self, path: str | os.PathLike[str]) -> bool:
+        """O_DIRECT for reads, except of files this process prefetched into the page cache (``aio.prefetch``)."""
+        return self.config.use_direct and not is_warm(path)
 
     def _read_into(self, f: OpenFile, offset: int, dest: memoryview) -> int:
         _wait_all(self._submit_reads(f, offset, dest))

@@ -10,52 +10,77 @@
 The format is specified in docs/format.md.
 """
 
-from .async_saving import AsyncSaver, SaveHandle, aload, asave, async_save
-from .errors import (
-    CheckpointError,
-    CommitError,
-    CorruptCheckpointError,
-    LayoutMismatchError,
-    ManifestError,
-    MissingDataError,
-    NotACheckpointError,
-    UnsupportedFormatError,
-    UnsupportedStateError,
-)
-from .loading import load, read_checkpoint_manifest as read_manifest
-from .manager import CheckpointInfo, CheckpointManager
-from .manifest import FORMAT_VERSION, Manifest, parse_manifest
-from .saving import save
-from .sharding import FlatShard, ShardedTensor, Shards
-from .verification import Problem, VerifyReport, verify
+from __future__ import annotations
 
-__all__ = [
-    "AsyncSaver",
-    "CheckpointInfo",
-    "CheckpointManager",
-    "SaveHandle",
-    "aload",
-    "asave",
-    "async_save",
-    "FORMAT_VERSION",
-    "CheckpointError",
-    "CommitError",
-    "CorruptCheckpointError",
-    "FlatShard",
-    "LayoutMismatchError",
-    "Manifest",
-    "ManifestError",
-    "MissingDataError",
-    "NotACheckpointError",
-    "Problem",
-    "ShardedTensor",
-    "Shards",
-    "UnsupportedFormatError",
-    "UnsupportedStateError",
-    "VerifyReport",
-    "load",
-    "parse_manifest",
-    "read_manifest",
-    "save",
-    "verify",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the submodule defining it. Resolved on first use (PEP 562), so that importing
+# ``ucp`` (or any of its submodules, e.g. the command line) does not import torch: commands that
+# read a whole checkpoint start prefetching it before they pay for that import.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "AsyncSaver": ("async_saving", "AsyncSaver"),
+    "SaveHandle": ("async_saving", "SaveHandle"),
+    "aload": ("async_saving", "aload"),
+    "asave": ("async_saving", "asave"),
+    "async_save": ("async_saving", "async_save"),
+    "CheckpointError": ("errors", "CheckpointError"),
+    "CommitError": ("errors", "CommitError"),
+    "CorruptCheckpointError": ("errors", "CorruptCheckpointError"),
+    "LayoutMismatchError": ("errors", "LayoutMismatchError"),
+    "ManifestError": ("errors", "ManifestError"),
+    "MissingDataError": ("errors", "MissingDataError"),
+    "NotACheckpointError": ("errors", "NotACheckpointError"),
+    "UnsupportedFormatError": ("errors", "UnsupportedFormatError"),
+    "UnsupportedStateError": ("errors", "UnsupportedStateError"),
+    "load": ("loading", "load"),
+    "read_manifest": ("loading", "read_checkpoint_manifest"),
+    "CheckpointInfo": ("manager", "CheckpointInfo"),
+    "CheckpointManager": ("manager", "CheckpointManager"),
+    "FORMAT_VERSION": ("manifest", "FORMAT_VERSION"),
+    "Manifest": ("manifest", "Manifest"),
+    "parse_manifest": ("manifest", "parse_manifest"),
+    "save": ("saving", "save"),
+    "FlatShard": ("sharding", "FlatShard"),
+    "ShardedTensor": ("sharding", "ShardedTensor"),
+    "Shards": ("sharding", "Shards"),
+    "Problem": ("verification", "Problem"),
+    "VerifyReport": ("verification", "VerifyReport"),
+    "verify": ("verification", "verify"),
+}
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from .async_saving import AsyncSaver, SaveHandle, aload, asave, async_save
+    from .errors import (
+        CheckpointError,
+        CommitError,
+        CorruptCheckpointError,
+        LayoutMismatchError,
+        ManifestError,
+        MissingDataError,
+        NotACheckpointError,
+        UnsupportedFormatError,
+        UnsupportedStateError,
+    )
+    from .loading import load, read_checkpoint_manifest as read_manifest
+    from .manager import CheckpointInfo, CheckpointManager
+    from .manifest import FORMAT_VERSION, Manifest, parse_manifest
+    from .saving import save
+    from .sharding import FlatShard, ShardedTensor, Shards
+    from .verification import Problem, VerifyReport, verify
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'ucp' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

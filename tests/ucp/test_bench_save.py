@@ -27,7 +27,7 @@ TINY = gpt_spec(2 << 20)  # 2 MiB of state: fast in-process worker tests
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchSaveResult, Path]:
     work = tmp_path_factory.mktemp("bench-save")
     result = runner.invoke(app, ["bench", "save", "--size-gib", "0.02", "--rounds", "1", "--ranks", "1,2", "--json",
-                                 "--dir", str(work)])
+                                 "--dir", str(work), "--async-compute-s", "0.05"])
     assert result.exit_code == 0, result.output
     return BenchSaveResult.model_validate(json.loads(result.stdout)), work
 
@@ -63,10 +63,12 @@ def test_checks_and_async_are_reported(bench: tuple[BenchSaveResult, Path]) -> N
     for n in (1, 2):
         for what in ("save_vs_raw", "load_vs_raw", "save_vs_torch", "save_vs_dcp", "load_vs_torch", "load_vs_dcp"):
             assert f"ucp_{what}_{n}r" in names
-        assert f"ucp_async_stall_{n}r" in names
+        assert f"ucp_async_stall_sync_{n}r" in names and f"ucp_async_stall_background_{n}r" in names
     assert all(isinstance(c.passed, bool) for c in res.checks if "async" not in c.name)
-    assert [a.ranks for a in res.async_save] == [1, 2]
+    assert [(a.ranks, a.snapshot) for a in res.async_save] == [(1, "sync"), (1, "background"), (2, "sync"),
+                                                              (2, "background")]
     for a in res.async_save:
+        assert a.compute_s == 0.05
         assert a.sync_save_s and a.sync_save_s > 0
         if find_async_save()[0] is not None:
             assert a.available and a.stall_s is not None and a.stall_vs_sync is not None and a.verified
@@ -167,6 +169,19 @@ def test_worker_async_save_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert calls == [str(tmp_path / "ckpt")]
     assert 0 <= reply["stall_s"] <= reply["seconds"] and reply["mismatch"] is None
     assert ucp.verify(tmp_path / "ckpt").ok
+
+
+def test_worker_async_save_background_snapshot(tmp_path: Path) -> None:
+    """A deferred snapshot: the stall is the call plus the wait after the simulated compute; the data is exact."""
+    w = _worker()
+    for rnd in range(2):  # the saver (and its staging) is reused across rounds
+        reply = w.handle({"op": "async_save", "dir": str(tmp_path / str(rnd)), "snapshot": "background",
+                          "compute_s": 0.02})
+        assert reply["mismatch"] is None
+        assert 0 <= reply["waited_s"] <= reply["stall_s"] <= reply["seconds"]
+        assert reply["seconds"] >= 0.02  # the compute ran between the call and the wait
+        assert ucp.verify(tmp_path / str(rnd) / "ckpt").ok
+    assert list(w._savers) == ["background"]
 
 
 def test_bench_save_modules_import_no_torch() -> None:

@@ -66,6 +66,12 @@ class BenchSaveOptions(BaseModel):
     drop_caches: bool = True
     aio: AioConfig = Field(default_factory=AioConfig, description="UCP's aio config; also fio's block size and depth")
     seed: int = 0
+    async_snapshots: list[Literal["sync", "background"]] = Field(
+        default_factory=lambda: ["sync", "background"],
+        description="async_save snapshot modes to time: sync copies before returning; background copies while "
+                    "the next step computes (stall = return + wait_snapshot before the step that changes the state)")
+    async_compute_s: float = Field(1.0, ge=0, description="the next training step's forward/backward, simulated by "
+                                   "this many seconds of CPU matrix products between async_save and wait_snapshot")
     op_timeout_s: int = Field(3600, description="a rank silent for this long during one operation fails the bench")
 
 
@@ -106,12 +112,16 @@ class MethodResult(BaseModel):
 
 class AsyncSample(BaseModel):
     round: int
-    stall_s: float = Field(description="until ucp.async_save returned (slowest rank)")
+    stall_s: float = Field(description="time the caller was held (slowest rank): until async_save returned, plus "
+                                       "wait_snapshot after the simulated compute")
+    waited_s: float = Field(0.0, description="the part of the stall spent in wait_snapshot (slowest rank)")
     total_s: float = Field(description="until its result was in on every rank")
 
 
 class AsyncResult(BaseModel):
     ranks: int
+    snapshot: str = "sync"
+    compute_s: float = 0.0
     available: bool
     note: str
     stall_s: float | None = None
@@ -325,7 +335,7 @@ class _Run:
         self.save: dict[tuple[str, int], list[OpSample]] = {}
         self.load: dict[tuple[str, str, int], list[OpSample]] = {}
         self.disk: dict[tuple[str, int], int] = {}
-        self.asyncs: dict[int, list[AsyncSample]] = {}
+        self.asyncs: dict[tuple[int, str], list[AsyncSample]] = {}
         self.cold = options.drop_caches
         self.cold_note = "page cache dropped before every load" if options.drop_caches else "page cache not dropped (--no-drop-caches)"
 
@@ -349,7 +359,7 @@ def _steps(options: BenchSaveOptions, has_raw: bool, has_async: bool) -> int:
             if m in ("ucp", "torch", "safetensors", "dcp"):
                 per_round += 1 + len(load_variants(m, n))
             elif m == "async" and has_async:
-                per_round += 1
+                per_round += len(options.async_snapshots)
     return per_round * options.rounds
 
 
@@ -477,19 +487,22 @@ def _round_method(run: _Run, world: World, method: str, n: int, workdir: Path, r
 
 
 def _round_async(run: _Run, world: World, n: int, workdir: Path, rnd: int) -> None:
-    directory = workdir / f"m-async-{n}r"
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir()
-    try:
-        run.tick(f"round {rnd}/{run.options.rounds}, {n} rank{'s' if n > 1 else ''}: ucp.async_save")
-        replies = world.call({"op": "async_save", "dir": str(directory)}, "ucp.async_save")
-        bad = [r["mismatch"] for r in replies if r.get("mismatch")]
-        if bad:
-            raise BenchError(f"ucp.async_save with {n} rank(s) wrote wrong data (round {rnd}): {bad[0]}")
-        run.asyncs.setdefault(n, []).append(
-            AsyncSample(round=rnd, stall_s=max(r["stall_s"] for r in replies), total_s=replies[0]["seconds"]))
-    finally:
+    for mode in run.options.async_snapshots:
+        directory = workdir / f"m-async-{mode}-{n}r"
         shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        try:
+            run.tick(f"round {rnd}/{run.options.rounds}, {n} rank{'s' if n > 1 else ''}: ucp.async_save ({mode} snapshot)")
+            replies = world.call({"op": "async_save", "dir": str(directory), "snapshot": mode,
+                                  "compute_s": run.options.async_compute_s}, "ucp.async_save")
+            bad = [r["mismatch"] for r in replies if r.get("mismatch")]
+            if bad:
+                raise BenchError(f"ucp.async_save ({mode} snapshot) with {n} rank(s) wrote wrong data (round {rnd}): {bad[0]}")
+            run.asyncs.setdefault((n, mode), []).append(
+                AsyncSample(round=rnd, stall_s=max(r["stall_s"] for r in replies),
+                            waited_s=max(r["waited_s"] for r in replies), total_s=replies[0]["seconds"]))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _sample(rnd: int, replies: list[dict[str, Any]]) -> OpSample:
@@ -566,17 +579,22 @@ def _async_results(options: BenchSaveOptions, run: _Run, has_async: bool, where:
     for n in options.ranks:
         sync = run.save.get(("ucp", n))
         sync_s = statistics.median(s.seconds for s in sync) if sync else None
-        samples = run.asyncs.get(n, [])
-        if not has_async or not samples:
-            out.append(AsyncResult(ranks=n, available=False, note=f"n/a: {where}", sync_save_s=sync_s))
-            continue
-        stall = statistics.median(s.stall_s for s in samples)
-        out.append(AsyncResult(
-            ranks=n, available=True,
-            note=f"{where}; stall = until it returned (slowest rank), total = until result() on every rank",
-            stall_s=stall, total_s=statistics.median(s.total_s for s in samples), sync_save_s=sync_s,
-            stall_vs_sync=stall / sync_s if sync_s else None, verified=True, samples=samples,
-        ))
+        for mode in options.async_snapshots:
+            samples = run.asyncs.get((n, mode), [])
+            compute = options.async_compute_s
+            if not has_async or not samples:
+                out.append(AsyncResult(ranks=n, snapshot=mode, compute_s=compute, available=False, note=f"n/a: {where}",
+                                       sync_save_s=sync_s))
+                continue
+            stall = statistics.median(s.stall_s for s in samples)
+            how = ("stall = until it returned (the copy is made first)" if mode == "sync" else
+                   f"stall = until it returned + wait_snapshot after {compute:g} s of simulated compute")
+            out.append(AsyncResult(
+                ranks=n, snapshot=mode, compute_s=compute, available=True,
+                note=f"{where}, snapshot={mode!r}; {how} (slowest rank); total = until result() on every rank",
+                stall_s=stall, total_s=statistics.median(s.total_s for s in samples), sync_save_s=sync_s,
+                stall_vs_sync=stall / sync_s if sync_s else None, verified=True, samples=samples,
+            ))
     return out
 
 
@@ -601,11 +619,11 @@ def _checks(methods: list[MethodResult], asyncs: list[AsyncResult], ranks: list[
             checks.append(Check(name=f"ucp_{attr}_{n}r", description=f"{text} ({n} rank{'s' if n > 1 else ''})", ranks=n,
                                 method=who, ratio=ratio, threshold=threshold,
                                 passed=None if ratio is None else ratio >= threshold))
-        a = next((x for x in asyncs if x.ranks == n), None)
-        if a is not None:
+        for a in (x for x in asyncs if x.ranks == n):
             ratio = a.stall_vs_sync
-            checks.append(Check(name=f"ucp_async_stall_{n}r",
-                                description=f"ucp.async_save stall <= 0.1x ucp.save ({n} rank{'s' if n > 1 else ''})",
+            checks.append(Check(name=f"ucp_async_stall_{a.snapshot}_{n}r",
+                                description=f"ucp.async_save stall <= 0.1x ucp.save ({n} rank{'s' if n > 1 else ''}, "
+                                            f"{a.snapshot} snapshot)",
                                 ranks=n, method="ucp-async" if a.available else None, ratio=ratio, threshold=0.1,
                                 at_most=True, passed=None if ratio is None else ratio <= 0.1))
     return checks
@@ -648,7 +666,9 @@ def _row(m: MethodResult, rounds: int) -> list[str]:
 
 
 def _async_line(a: AsyncResult) -> str:
-    who = f"{a.ranks} rank{'s' if a.ranks > 1 else ''}"
+    who = f"{a.ranks} rank{'s' if a.ranks > 1 else ''}, {a.snapshot} snapshot"
+    if a.snapshot != "sync":
+        who += f" (next step after {a.compute_s:g} s of compute)"
     if not a.available:
         sync = f" (ucp.save took {a.sync_save_s:.2f} s)" if a.sync_save_s else ""
         return f"async save, {who}: {a.note}{sync}"

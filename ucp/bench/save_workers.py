@@ -291,6 +291,7 @@ class Worker:
         self.state = build_state(cfg.spec, cfg.rank, cfg.world, cfg.seed)
         self.loaded: Any = None
         self._checks: list[tuple[tuple[Any, ...], Any]] = []  # (path, expected bytes) of the next check
+        self._savers: dict[str, Any] = {}  # AsyncSaver per snapshot mode, reused (its staging too) across rounds
 
     # -- helpers
 
@@ -373,19 +374,36 @@ class Worker:
         else:
             raise ValueError(f"unknown load method {method!r}")
 
-    def async_save(self, directory: str) -> tuple[float, float]:
-        """(stall, total) seconds of ``ucp.async_save``: until it returns, until its result is in."""
+    def async_save(self, directory: str, snapshot: str = "sync", compute_s: float = 0.0) -> tuple[float, float, float]:
+        """(stall, waited, total) seconds of an async save followed by a simulated training step.
+
+        ``snapshot="sync"`` uses ``ucp.async_save`` (it copies before it returns); other modes an
+        ``AsyncSaver(snapshot=...)``, whose copy runs while the step computes. The stall is the time
+        the caller was held: until the call returned, plus ``wait_snapshot`` after ``compute_s`` s
+        of CPU work (the forward/backward before the optimizer step changes the state).
+        """
         fn, _ = find_async_save()
         if fn is None:
             raise RuntimeError("ucp.async_save does not exist")
+        if snapshot != "sync":
+            import ucp
+
+            saver = self._savers.get(snapshot)
+            if saver is None:
+                saver = self._savers[snapshot] = ucp.AsyncSaver(snapshot=snapshot)
+            fn = saver.save
         self.comm.barrier()
         t0 = time.perf_counter()
         handle = fn(self.state.ucp, os.path.join(directory, "ckpt"), step=STEP, aio_config=self._aio())
-        stall = time.perf_counter() - t0
+        returned = time.perf_counter() - t0
+        busy_compute(compute_s)
+        t1 = time.perf_counter()
+        getattr(handle, "wait_snapshot", lambda: None)()
+        waited = time.perf_counter() - t1
         wait = getattr(handle, "result", None) or getattr(handle, "wait")
         wait()
         self.comm.barrier()
-        return stall, time.perf_counter() - t0
+        return returned + waited, waited, time.perf_counter() - t0
 
     # -- the bit-exact check
 
@@ -492,8 +510,8 @@ class Worker:
             return reply
         if op == "async_save":
             c0 = cpu_seconds()
-            stall, total = self.async_save(cmd["dir"])
-            return {"stall_s": stall, "seconds": total, "cpu_s": cpu_seconds() - c0,
+            stall, waited, total = self.async_save(cmd["dir"], cmd.get("snapshot", "sync"), cmd.get("compute_s", 0.0))
+            return {"stall_s": stall, "waited_s": waited, "seconds": total, "cpu_s": cpu_seconds() - c0,
                     "mismatch": self.check_saved_ucp(cmd["dir"])}
         if op == "has_async":
             fn, where = find_async_save()
@@ -507,6 +525,18 @@ def find_async_save() -> tuple[Callable[..., Any] | None, str]:
 
     fn = getattr(ucp, "async_save", None)
     return (fn, "ucp.async_save") if callable(fn) else (None, "ucp.async_save does not exist in this build")
+
+
+def busy_compute(seconds: float) -> None:
+    """Stand-in for a training step's forward/backward: ``seconds`` of matrix products on the CPU."""
+    if seconds <= 0:
+        return
+    import torch
+
+    a = torch.randn(512, 512)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
 
 
 def cpu_seconds() -> float:

@@ -1,5 +1,5 @@
 """``python -m ucp.cli`` runs the same app as the ``ucp`` console script."""
 
-from .main import app
+from .main import main
 
-app(prog_name="ucp")
+main()

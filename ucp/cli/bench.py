@@ -115,6 +115,14 @@ def bench_save(
     drop_caches: Annotated[
         bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every load (needs root).")
     ] = True,
+    async_snapshot: Annotated[
+        str, typer.Option("--async-snapshot", help="Comma list of async_save snapshot modes to time: sync (copy, then "
+                                                   "return), background (copy while the next step computes).")
+    ] = "sync,background",
+    async_compute_s: Annotated[
+        float, typer.Option("--async-compute-s", min=0.0, help="Simulated forward/backward (s of CPU work) between "
+                                                               "async_save and the wait before the next optimizer step.")
+    ] = 1.0,
 ) -> None:
     """Save and load a GPT-like training state with UCP, torch.save, safetensors and DCP, at 1 and N ranks.
 
@@ -134,6 +142,8 @@ def bench_save(
             fio_iomem=fio_iomem,
             aio=load_aio_config(aio_config),
             drop_caches=drop_caches,
+            async_snapshots=split_csv(async_snapshot) or [],
+            async_compute_s=async_compute_s,
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc

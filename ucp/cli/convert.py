@@ -7,11 +7,12 @@ not a readable checkpoint of the format (unknown format, missing file, unsafe pi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from .common import err, fail, out, progress_bar
+from .common import err, fail, out, prefetch_source, progress_bar
 
 EXIT_WRITE, EXIT_BAD_INPUT = 1, 2
 FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
@@ -35,6 +36,7 @@ def convert_cmd(
     if source_format not in FORMAT_CHOICES:
         raise fail(f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}",
                    EXIT_BAD_INPUT)
+    prefetch_source(_source_folder(src))
     import ucp
     from ucp.importers import convert
 
@@ -59,6 +61,16 @@ def convert_cmd(
     if trust_pickle:
         err.print("[yellow]note:[/yellow] --trust-pickle: any file outside the allow-list was fully unpickled",
                   highlight=False)
+
+
+def _source_folder(src: str) -> str:
+    """What to prefetch: a DeepSpeed root's current tag folder (it may hold many), else SRC itself."""
+    latest = Path(src) / "latest"
+    try:
+        tag = latest.read_text().strip() if latest.is_file() else ""
+    except OSError:
+        tag = ""
+    return str(Path(src) / tag) if tag and (Path(src) / tag).is_dir() else src
 
 
 def register(app: typer.Typer) -> None:

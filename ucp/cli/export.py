@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import fail, out, progress_bar
+from .common import fail, out, prefetch_source, progress_bar
 from .inspect import EXIT_BAD_INPUT, _one_line, human_bytes, parse_storage_options
 
 
@@ -53,6 +53,7 @@ def export_cmd(
     The output appears under DST only once complete (it is built under a temporary name next to it).
     """
     options = parse_storage_options(storage_options)
+    prefetch_source(src)
     import ucp
     from ucp.exporters import ExportError, export, parse_size
 

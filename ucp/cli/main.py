@@ -13,7 +13,11 @@ packages inside the command functions, so that ``ucp --help`` answers at once.
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
+import sys
+import threading
 
 import typer
 
@@ -35,8 +39,33 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
-    """Entry point for ``python -m ucp.cli.main``."""
-    app(prog_name="ucp")
+    """The ``ucp`` console script (and ``python -m ucp.cli``): run the command, then exit at once.
+
+    Every command has finished its work when it returns (files written, fsynced and committed);
+    what the interpreter would still do is tear down torch's modules, ~0.4 s on the reference VM,
+    a tenth of a small ``ucp convert``. So threads are joined and exit handlers run as at a normal
+    exit, output is flushed, and the process ends without that teardown.
+    """
+    code: int | str | None = 0
+    try:
+        app(prog_name="ucp")
+    except SystemExit as exc:
+        code = exc.code
+    # What interpreter shutdown does first, in its order: join non-daemon threads (which lets
+    # concurrent.futures and ucp.async_save finish work in flight), then run exit handlers.
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is not None:
+        shutdown_threads()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if isinstance(code, str):  # sys.exit("message") prints it and exits 1
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

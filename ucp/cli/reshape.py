@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import command_line, fail, out, parse_size, progress_bar
+from .common import command_line, fail, out, parse_size, prefetch_source, progress_bar
 
 EXIT_BAD_INPUT = 2
 
@@ -38,6 +38,7 @@ def reshape_cmd(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
+    prefetch_source(src)
     from reshard import LayoutError
 
     from ucp.errors import CheckpointError

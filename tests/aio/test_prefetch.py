@@ -1,0 +1,87 @@
+"""``aio.prefetch``: pulling files into the page cache, and buffered reads of the files it covers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aio import AioConfig, AioHandle, open_file
+from aio import prefetch as pf
+
+
+@pytest.fixture(autouse=True)
+def _no_warm_files():
+    pf.forget()
+    yield
+    pf.forget()
+
+
+def _files(root: Path, sizes: list[int]) -> list[Path]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i, n in enumerate(sizes):
+        p = root / "sub" / f"f{i}.bin" if i % 2 else root / f"f{i}.bin"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+        out.append(p)
+    return out
+
+
+def test_prefetch_covers_files_under_directories_and_marks_them_warm(tmp_path: Path) -> None:
+    files = _files(tmp_path, [5 << 20, 1 << 20, 12345])
+    job = pf.prefetch_files([tmp_path], max_bytes=1 << 30)
+    assert job.wait(60) and job.done
+    assert sorted(job.files) == sorted(map(str, files)) and job.nbytes == sum(f.stat().st_size for f in files)
+    assert job.skipped_bytes == 0
+    assert all(pf.is_warm(f) for f in files)
+    assert not pf.is_warm(tmp_path / "other.bin")
+    pf.forget([files[0]])
+    assert not pf.is_warm(files[0]) and pf.is_warm(files[1])
+
+
+def test_memory_share_bounds_what_is_prefetched(tmp_path: Path) -> None:
+    big, small = _files(tmp_path, [3 << 20, 1 << 20])
+    job = pf.prefetch_files([big, small], max_bytes=2 << 20)
+    job.wait(60)
+    assert job.files == [str(small)] and job.skipped_bytes == 3 << 20
+    assert not pf.is_warm(big) and pf.is_warm(small)
+    empty = pf.prefetch_files([big], max_bytes=0)
+    assert empty.done and empty.files == [] and empty.skipped_bytes == 3 << 20
+
+
+def test_urls_and_missing_paths_are_ignored(tmp_path: Path) -> None:
+    job = pf.prefetch_files(["memory://bucket/ckpt", tmp_path / "missing"], max_bytes=1 << 30)
+    assert job.wait(5) and job.files == [] and job.nbytes == 0
+
+
+def test_warm_files_are_read_buffered_with_the_same_bytes(tmp_path: Path) -> None:
+    cold, warm = _files(tmp_path, [4 << 20, 4 << 20 | 1000])
+    pf.prefetch_files([warm], max_bytes=1 << 30).wait(60)
+    with AioHandle(AioConfig(engine="threads", block_size=1 << 20)) as io:
+        with open_file(cold, "r") as f:
+            assert io._read_direct(cold) == f.direct  # O_DIRECT where the file system allows it
+        assert io._read_direct(warm) is False
+        for path in (cold, warm):
+            data = path.read_bytes()
+            assert bytes(io.read_file(path).view()) == data
+            dest = bytearray(300_000)
+            io.read_ranges(path, [(7, memoryview(dest)[:100_000]), (len(data) - 200_000, memoryview(dest)[100_000:])])
+            assert bytes(dest) == data[7:100_007] + data[-200_000:]
+
+
+def test_io_priority_call_does_not_fail() -> None:
+    assert pf.lower_io_priority() in (True, False)
+
+
+def test_importing_aio_prefetch_is_light() -> None:
+    """The CLI imports it before torch; it must not pull numpy or the engines in."""
+    probe = "import sys, aio.prefetch; print(sorted(m for m in ('numpy', 'torch', 'aio.handle') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONPATH": "."})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,73 @@
+"""The ``ucp`` package resolves its public names lazily, and the console script exits cleanly and at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_ucp_and_its_cli_does_not_import_torch() -> None:
+    out = _python("import sys, ucp, ucp.cli.main; print('torch' in sys.modules)")
+    assert out == "False"
+    assert _python("import sys, ucp; ucp.save; print('torch' in sys.modules)") == "True"
+
+
+def test_every_public_name_resolves() -> None:
+    for name in ucp.__all__:
+        assert getattr(ucp, name) is not None, name
+    assert ucp.save.__module__ == "ucp.saving" and ucp.read_manifest.__name__ == "read_checkpoint_manifest"
+    assert set(ucp.__all__) <= set(dir(ucp))
+    with pytest.raises(AttributeError, match="no attribute 'sav'"):
+        ucp.sav  # noqa: B018
+    from ucp import CheckpointManager, verify  # from-imports go through the same lookup
+
+    assert CheckpointManager.__name__ == "CheckpointManager" and callable(verify)
+
+
+def _ucp(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ucp.cli", *args], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_console_script_flushes_output_and_keeps_exit_codes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ucp.save({"w": torch.arange(10, dtype=torch.float32)}, ckpt, step=3)
+    ok = _ucp("inspect", str(ckpt), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["step"] == 3  # the whole JSON document came out before the fast exit
+    missing = _ucp("inspect", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "not a checkpoint" in missing.stderr
+    usage = _ucp("reshape")
+    assert usage.returncode == 2 and "Missing argument" in usage.stderr
+
+
+def test_reshape_with_prefetch_reads_warm_source_bit_exact(tmp_path: Path) -> None:
+    """The prefetch makes the reshape read its source buffered; the result is the same checkpoint."""
+    state = {"a": torch.randn(300, 257), "b": torch.arange(1000, dtype=torch.int64), "step": 1}
+    ucp.save(state, tmp_path / "src")
+    for prefetch in ("1", "0"):
+        out = tmp_path / f"dst{prefetch}"
+        done = subprocess.run([sys.executable, "-m", "ucp.cli", "reshape", str(tmp_path / "src"), str(out), "--json",
+                               "--verify"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "UCP_PREFETCH": prefetch})
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["verified"] is True
+        back = ucp.load(out)
+        assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])
