@@ -146,6 +146,12 @@ class AioHandle:
             return []
         bs, align = self.config.block_size, self.config.alignment
         futures: list[Future] = []
+        if f.direct and offset % align and (offset - address_of(dest)) % align == 0:
+            # In phase (file offset = address mod alignment, as a save lays large pieces out):
+            # stage the head up to the next aligned offset; the rest then reads straight in.
+            head = min(n, align - offset % align)
+            futures.append(self._staged_read(f, offset, dest[:head]))
+            return futures + self._submit_reads(f, offset + head, dest[head:])
         if not f.direct or (offset % align == 0 and address_of(dest) % align == 0):
             # Straight into the caller's memory; only an unaligned tail needs staging.
             direct_len = n if not f.direct else round_down(n, align)

@@ -64,3 +64,30 @@ def test_shared_handle_is_one_per_config() -> None:
     assert a is shared_handle(AioConfig())
     b = shared_handle(AioConfig(queue_depth=3))
     assert b is not a and b.config.queue_depth == 3
+
+
+@pytest.mark.parametrize("shift", [1, 64, 4095])
+def test_congruent_memory_is_read_into_without_copy(disk_dir: Path, engine: str, shift: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destination whose address ≡ file offset (mod 4096) gets all but its head and tail read straight in."""
+    data = np.random.default_rng(shift).integers(0, 256, 6 * MIB, dtype=np.uint8)
+    path = disk_dir / "rd.bin"
+    path.write_bytes(data.tobytes())
+    dest = AlignedBuffer(6 * MIB)
+    lo, hi = dest.address, dest.address + dest.capacity
+    n = 5 * MIB + 333
+    with AioHandle(AioConfig(engine=engine, block_size=1 * MIB, queue_depth=4)) as io:
+        seen: list[tuple[int, int]] = []
+        original = io.engine.submit_read
+
+        def spy(f, offset, buf):  # type: ignore[no-untyped-def]
+            seen.append((address_of(buf), buf.nbytes))
+            return original(f, offset, buf)
+
+        monkeypatch.setattr(io.engine, "submit_read", spy)
+        io.read_into(path, shift, dest.view(n, shift))  # offset `shift`, address ≡ shift: congruent
+        into_dest = sum(k for addr, k in seen if lo <= addr < hi)
+    assert into_dest >= n - 2 * 4096
+    assert bytes(dest.view(n, shift)) == data[shift:shift + n].tobytes()
+    assert bytes(dest.view(shift)) == bytes(shift)  # nothing written before the destination ...
+    assert not any(dest.view(dest.capacity - shift - n, shift + n))  # ... or after it
