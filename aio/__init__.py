@@ -45,16 +45,36 @@ if TYPE_CHECKING:
     from .handle import AioHandle, FileWriter, as_bytes_view, shared_handle
     from .prefetch import Prefetch, prefetch_files
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AioConfig",
+    "AioError",
+    "AioHandle",
+    "AlignedBuffer",
+    "BufferPool",
+    "Engine",
+    "FileWriter",
+    "LibaioEngine",
+    "OpenFile",
+    "Prefetch",
+    "ThreadEngine",
+    "as_bytes_view",
+    "create_engine",
+    "fsync_dir",
+    "libaio_status",
+    "open_file",
+    "prefetch_files",
+    "shared_handle",
+]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'aio' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
+if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve here
 
+    def __getattr__(name: str) -> Any:
+        if name not in _EXPORTS:
+            raise AttributeError(f"module 'aio' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(_EXPORTS))

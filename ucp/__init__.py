@@ -69,18 +69,48 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .sharding import FlatShard, ShardedTensor, Shards
     from .verification import Problem, VerifyReport, verify
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AsyncSaver",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CommitError",
+    "CorruptCheckpointError",
+    "FORMAT_VERSION",
+    "FlatShard",
+    "LayoutMismatchError",
+    "Manifest",
+    "ManifestError",
+    "MissingDataError",
+    "NotACheckpointError",
+    "Problem",
+    "SaveHandle",
+    "ShardedTensor",
+    "Shards",
+    "UnsupportedFormatError",
+    "UnsupportedStateError",
+    "VerifyReport",
+    "aload",
+    "asave",
+    "async_save",
+    "load",
+    "parse_manifest",
+    "read_manifest",
+    "save",
+    "verify",
+]
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module, attr = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module 'ucp' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f".{module}", __name__), attr)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
+if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve here
 
+    def __getattr__(name: str) -> Any:
+        try:
+            module, attr = _EXPORTS[name]
+        except KeyError:
+            raise AttributeError(f"module 'ucp' has no attribute {name!r}") from None
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(_EXPORTS))

@@ -91,3 +91,14 @@ def test_congruent_memory_is_read_into_without_copy(disk_dir: Path, engine: str,
     assert bytes(dest.view(n, shift)) == data[shift:shift + n].tobytes()
     assert bytes(dest.view(shift)) == bytes(shift)  # nothing written before the destination ...
     assert not any(dest.view(dest.capacity - shift - n, shift + n))  # ... or after it
+
+
+def test_congruent_read_past_the_end_of_file_fails(disk_dir: Path, engine: str) -> None:
+    path = disk_dir / "short.bin"
+    path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    dest = AlignedBuffer(3 * 4096)
+    with AioHandle(AioConfig(engine=engine, block_size=1 * MIB)) as io:
+        with pytest.raises(OSError, match="short.bin"):
+            io.read_into(path, 100, dest.view(3 * 4096 - 200, 100))  # in phase, ends past the file
+        io.read_into(path, 100, dest.view(10_000, 100))  # in phase, inside the file
+    assert bytes(dest.view(10_000, 100)) == path.read_bytes()[100:10_100]

@@ -58,11 +58,44 @@ def test_console_script_flushes_output_and_keeps_exit_codes(tmp_path: Path) -> N
     assert usage.returncode == 2 and "Missing argument" in usage.stderr
 
 
-def test_reshape_with_prefetch_reads_warm_source_bit_exact(tmp_path: Path) -> None:
-    """The prefetch makes the reshape read its source buffered; the result is the same checkpoint."""
+def _resident_fraction(path: Path) -> float:
+    """Share of ``path``'s pages in the page cache (mincore over a read-only mapping)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(addr, size, vec) == 0
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+def test_reshape_prefetches_its_source_and_stays_bit_exact(tmp_path: Path) -> None:
+    """With the prefetch the source's pages end up cached (read buffered); without it they do not
+    (O_DIRECT); both give the same checkpoint."""
+    from aio import open_file
+    from aio.tune import evict_file
+
     state = {"a": torch.randn(300, 257), "b": torch.arange(1000, dtype=torch.int64), "step": 1}
     ucp.save(state, tmp_path / "src")
-    for prefetch in ("1", "0"):
+    data = tmp_path / "src" / "rank-00000.safetensors"
+    with open_file(data, "r") as f:
+        if not f.direct:
+            pytest.skip("this file system refuses O_DIRECT: every read goes through the page cache")
+    resident = {}
+    for prefetch in ("0", "1"):
+        assert evict_file(data) and _resident_fraction(data) == 0.0
         out = tmp_path / f"dst{prefetch}"
         done = subprocess.run([sys.executable, "-m", "ucp.cli", "reshape", str(tmp_path / "src"), str(out), "--json",
                                "--verify"], capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -71,3 +104,5 @@ def test_reshape_with_prefetch_reads_warm_source_bit_exact(tmp_path: Path) -> No
         assert json.loads(done.stdout)["verified"] is True
         back = ucp.load(out)
         assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])
+        resident[prefetch] = _resident_fraction(data)
+    assert resident == {"0": 0.0, "1": 1.0}

@@ -379,7 +379,8 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
     workdir.mkdir(parents=True, exist_ok=True)
     worlds: dict[int, World] = {}
     try:
-        _check_resources(workdir, state_bytes, options.ranks, "async" in options.methods)
+        savers = len(options.async_snapshots) if "async" in options.methods else 0
+        _check_resources(workdir, state_bytes, options.ranks, savers)
         direct = direct_io_supported(workdir)
         # fio/dd move whole blocks: the state size rounded down to UCP's block size (< 0.5 % less
         # at 2 GiB), so that fio runs with the same request size as UCP's engine.
@@ -428,16 +429,16 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
                    started, command)
 
 
-def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], with_async: bool) -> None:
+def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], savers: int) -> None:
     free = shutil.disk_usage(workdir).free
     need = state_bytes + state_bytes // 8 + 256 * MIB
     if free < need:
         raise BenchError(f"{workdir} has {free / GIB:.2f} GiB free; the bench needs about {need / GIB:.2f} GiB")
-    # Resident: every world's state (bf16 weights replicated per rank), async_save's staging copy of
-    # it (kept for reuse), plus one full load at a time.
+    # Resident: every world's state (bf16 weights replicated per rank), a staging copy of it per
+    # async saver timed (each kept for reuse across rounds), plus one full load at a time.
     bf16 = state_bytes * 2 // BYTES_PER_PARAM
     per_world = [state_bytes + (n - 1) * bf16 for n in ranks]
-    resident = sum(per_world) * (2 if with_async else 1) + state_bytes + 512 * MIB
+    resident = sum(per_world) * (1 + savers) + state_bytes + 512 * MIB
     avail = _mem_available()
     if avail is not None and resident > avail:
         raise BenchError(f"the bench needs about {resident / GIB:.1f} GiB of memory, {avail / GIB:.1f} GiB is available; "

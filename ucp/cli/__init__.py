@@ -1,1 +1,1 @@
-"""The ``ucp`` command line (typer). ``ucp.cli.main:app`` is the console script."""
+"""The ``ucp`` command line (typer). ``ucp.cli.main:main`` is the console script."""

@@ -20,17 +20,43 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 
-def prefetch_source(*paths: str | os.PathLike[str]) -> None:
-    """Start pulling a local source into the page cache while the command imports torch (``aio.prefetch``).
+@contextmanager
+def prefetching(path: str | os.PathLike[str] | None, *, marker: str | None = "manifest.json") -> Iterator[None]:
+    """Pull a local source into the page cache while the command imports torch (``aio.prefetch``).
 
-    Call it first thing in a command that reads a whole checkpoint. URLs are left alone;
-    ``UCP_PREFETCH=0`` turns it off (e.g. when the page cache is better spent on something else).
+    Enter it first thing in a command that reads a whole checkpoint, and call
+    :func:`source_reads_start` once the heavy imports are done. Only a directory holding
+    ``marker`` (a checkpoint, not whatever path was typed) is prefetched; URLs are left alone;
+    ``UCP_PREFETCH=0`` turns it off; ``path=None`` means nothing to prefetch. A problem here never
+    fails the command: it only means no prefetch. On the way out the files stop counting as
+    prefetched.
     """
-    if os.environ.get("UCP_PREFETCH", "1").lower() in ("0", "false", "no", "off"):
-        return
-    from aio.prefetch import prefetch_files
+    started = False
+    if path is not None and os.environ.get("UCP_PREFETCH", "1").lower() not in ("0", "false", "no", "off"):
+        try:
+            from aio.prefetch import prefetch_files
 
-    prefetch_files([p for p in paths if "://" not in os.fspath(p)])
+            p = os.fspath(path)
+            if "://" not in p and (marker is None or os.path.isfile(os.path.join(p, marker))):
+                prefetch_files([p])
+                started = True
+        except Exception:  # noqa: BLE001 - an optimisation; the command reports real problems itself
+            pass
+    try:
+        yield
+    finally:
+        if started:
+            from aio.prefetch import forget, promote
+
+            promote()
+            forget()
+
+
+def source_reads_start() -> None:
+    """The command's own I/O begins: queue what is left of its prefetch at normal priority."""
+    module = sys.modules.get("aio.prefetch")
+    if module is not None:
+        module.promote()
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":

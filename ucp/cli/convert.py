@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from .common import err, fail, out, prefetch_source, progress_bar
+from .common import err, fail, out, prefetching, progress_bar, source_reads_start
 
 EXIT_WRITE, EXIT_BAD_INPUT = 1, 2
 FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
@@ -36,42 +36,52 @@ def convert_cmd(
     if source_format not in FORMAT_CHOICES:
         raise fail(f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}",
                    EXIT_BAD_INPUT)
-    prefetch_source(_source_folder(src))
-    import ucp
-    from ucp.importers import convert
+    with prefetching(_source_folder(src, source_format), marker=None):
+        import ucp
+        from ucp.importers import convert
 
-    from .inspect import human_bytes
+        from .inspect import human_bytes
 
+        source_reads_start()
+
+        try:
+            with progress_bar(f"convert ({source_format})", enabled=not json_output) as update:
+                report = convert(src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force,
+                                 progress=update)
+        except ucp.CheckpointError as exc:
+            raise fail(str(exc), EXIT_BAD_INPUT) from None
+        except OSError as exc:
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
+            raise fail(f"{exc}{where}", EXIT_WRITE) from None
+        if json_output:
+            typer.echo(report.model_dump_json(indent=2))
+            return
+        rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
+        out.print(f"[bold green]converted[/bold green] {report.format} {report.src} -> {report.dst}: "
+                  f"{report.tensors} tensors, {human_bytes(report.bytes)}, step {report.step}, "
+                  f"{report.seconds:.2f} s ({rate:.2f} GB/s)", highlight=False)
+        if trust_pickle:
+            err.print("[yellow]note:[/yellow] --trust-pickle: any file outside the allow-list was fully unpickled",
+                      highlight=False)
+
+
+def _source_folder(src: str, source_format: str) -> str | None:
+    """What to prefetch: SRC, or a DeepSpeed root's current tag folder (a root may hold many tags);
+    None when SRC does not look like a checkpoint (no ``*.pt``, ``*.safetensors``, ``*.distcp``,
+    ``.metadata`` or ``zero/`` at its top), so a mistyped path is not read into memory."""
+    root = Path(src)
+    pointer = "latest_universal" if source_format == "deepspeed-universal" else "latest"
     try:
-        with progress_bar(f"convert ({source_format})", enabled=not json_output) as update:
-            report = convert(src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force,
-                             progress=update)
-    except ucp.CheckpointError as exc:
-        raise fail(str(exc), EXIT_BAD_INPUT) from None
-    except OSError as exc:
-        where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
-        raise fail(f"{exc}{where}", EXIT_WRITE) from None
-    if json_output:
-        typer.echo(report.model_dump_json(indent=2))
-        return
-    rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
-    out.print(f"[bold green]converted[/bold green] {report.format} {report.src} -> {report.dst}: "
-              f"{report.tensors} tensors, {human_bytes(report.bytes)}, step {report.step}, "
-              f"{report.seconds:.2f} s ({rate:.2f} GB/s)", highlight=False)
-    if trust_pickle:
-        err.print("[yellow]note:[/yellow] --trust-pickle: any file outside the allow-list was fully unpickled",
-                  highlight=False)
-
-
-def _source_folder(src: str) -> str:
-    """What to prefetch: a DeepSpeed root's current tag folder (it may hold many), else SRC itself."""
-    latest = Path(src) / "latest"
-    try:
-        tag = latest.read_text().strip() if latest.is_file() else ""
+        tag = (root / pointer).read_text().strip() if (root / pointer).is_file() else ""
+        if tag and "/" not in tag and tag not in (".", "..") and (root / tag).is_dir():
+            root = root / tag
+        if root.is_file():
+            return str(root)
+        names = [p.name for p in root.iterdir()] if root.is_dir() else []
     except OSError:
-        tag = ""
-    return str(Path(src) / tag) if tag and (Path(src) / tag).is_dir() else src
-
+        return None
+    markers = (".pt", ".safetensors", ".distcp", ".metadata")
+    return str(root) if any(n.endswith(markers) or n == "zero" for n in names) else None
 
 def register(app: typer.Typer) -> None:
     app.command("convert")(convert_cmd)

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import fail, out, prefetch_source, progress_bar
+from .common import fail, out, prefetching, progress_bar, source_reads_start
 from .inspect import EXIT_BAD_INPUT, _one_line, human_bytes, parse_storage_options
 
 
@@ -53,46 +53,48 @@ def export_cmd(
     The output appears under DST only once complete (it is built under a temporary name next to it).
     """
     options = parse_storage_options(storage_options)
-    prefetch_source(src)
-    import ucp
-    from ucp.exporters import ExportError, export, parse_size
+    with prefetching(src):
+        import ucp
+        from ucp.exporters import ExportError, export, parse_size
 
-    kwargs: dict = {}
-    if format is ExportFormat.zarr:
-        kwargs = {"compressor": compressor.value, "level": level, "chunk_bytes": max(1, int(chunk_mb * (1 << 20)))}
-    else:
-        given = [name for name, value in (("--compressor", compressor is not CompressorName.zstd), ("--level", level is not None),
-                                          ("--chunk-mb", chunk_mb != 32.0)) if value]
-        if given:
-            raise fail(f"{', '.join(given)} apply to --format zarr only", EXIT_BAD_INPUT)
-    try:
-        budget = parse_size(memory_budget, option="--memory-budget")
-        shard = None if max_shard_size is None else parse_size(max_shard_size, option="--max-shard-size")
-    except ExportError as exc:
-        raise fail(str(exc), EXIT_BAD_INPUT) from None
-    try:
-        with progress_bar("export (MiB)", enabled=not json_output) as update:
+        source_reads_start()
 
-            def progress(done: int, total: int, name: str) -> None:
-                update(-(-done >> 20), -(-total >> 20), name)
+        kwargs: dict = {}
+        if format is ExportFormat.zarr:
+            kwargs = {"compressor": compressor.value, "level": level, "chunk_bytes": max(1, int(chunk_mb * (1 << 20)))}
+        else:
+            given = [name for name, value in (("--compressor", compressor is not CompressorName.zstd), ("--level", level is not None),
+                                              ("--chunk-mb", chunk_mb != 32.0)) if value]
+            if given:
+                raise fail(f"{', '.join(given)} apply to --format zarr only", EXIT_BAD_INPUT)
+        try:
+            budget = parse_size(memory_budget, option="--memory-budget")
+            shard = None if max_shard_size is None else parse_size(max_shard_size, option="--max-shard-size")
+        except ExportError as exc:
+            raise fail(str(exc), EXIT_BAD_INPUT) from None
+        try:
+            with progress_bar("export (MiB)", enabled=not json_output) as update:
 
-            report = export(src, dst, format=format.value, section=section, dtype=dtype, max_shard_size=shard,
-                            memory_budget=budget, overwrite=overwrite, verify=not no_verify, progress=progress,
-                            storage_options=options, **kwargs)
-    except ExportError as exc:
-        raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
-    except (ucp.NotACheckpointError, ucp.ManifestError, ucp.UnsupportedFormatError) as exc:
-        raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
-    except (ucp.CheckpointError, OSError) as exc:
-        raise fail(f"export failed, {dst} left unchanged: {_one_line(exc)}") from None
-    if json_output:
-        typer.echo(report.model_dump_json(indent=2))
-        return
-    cast = f", cast to {report.dtype}" if report.dtype else ""
-    what = f"section {report.section!r}" if report.section else "all tensors"
-    out.print(f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
-              f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
-              f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s", highlight=False)
+                def progress(done: int, total: int, name: str) -> None:
+                    update(-(-done >> 20), -(-total >> 20), name)
+
+                report = export(src, dst, format=format.value, section=section, dtype=dtype, max_shard_size=shard,
+                                memory_budget=budget, overwrite=overwrite, verify=not no_verify, progress=progress,
+                                storage_options=options, **kwargs)
+        except ExportError as exc:
+            raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
+        except (ucp.NotACheckpointError, ucp.ManifestError, ucp.UnsupportedFormatError) as exc:
+            raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
+        except (ucp.CheckpointError, OSError) as exc:
+            raise fail(f"export failed, {dst} left unchanged: {_one_line(exc)}") from None
+        if json_output:
+            typer.echo(report.model_dump_json(indent=2))
+            return
+        cast = f", cast to {report.dtype}" if report.dtype else ""
+        what = f"section {report.section!r}" if report.section else "all tensors"
+        out.print(f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
+                  f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
+                  f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Iterator, Optional
 import typer
 from pydantic import BaseModel, Field
 
-from .common import err, out, prefetch_source
+from .common import err, out
 from .inspect import EXIT_BAD_INPUT, _one_line, bad_input, human_bytes, parse_storage_options
 
 EXIT_OK, EXIT_PROBLEMS = 0, 1
@@ -136,7 +136,6 @@ def verify_cmd(
     Exit code 0: clean; 1: problems found (each named by tensor, file and offset); 2: not a readable checkpoint.
     """
     options = parse_storage_options(storage_options)
-    prefetch_source(path)
     import ucp
 
     t0 = time.perf_counter()
