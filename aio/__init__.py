@@ -10,30 +10,31 @@ Typical use::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
 
 # Public name -> submodule, resolved on first use (PEP 562): ``import aio.prefetch`` at the start
 # of a command stays cheap (no numpy, no engines), so the prefetch starts as early as it can.
-_EXPORTS: dict[str, str] = {
-    "AlignedBuffer": "buffers",
-    "BufferPool": "buffers",
-    "AioConfig": "config",
-    "Engine": "engines",
-    "LibaioEngine": "engines",
-    "ThreadEngine": "engines",
-    "create_engine": "engines",
-    "libaio_status": "engines",
-    "AioError": "errors",
-    "OpenFile": "files",
-    "fsync_dir": "files",
-    "open_file": "files",
-    "AioHandle": "handle",
-    "FileWriter": "handle",
-    "as_bytes_view": "handle",
-    "shared_handle": "handle",
-    "Prefetch": "prefetch",
-    "prefetch_files": "prefetch",
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "AlignedBuffer": ("buffers", "AlignedBuffer"),
+    "BufferPool": ("buffers", "BufferPool"),
+    "AioConfig": ("config", "AioConfig"),
+    "Engine": ("engines", "Engine"),
+    "LibaioEngine": ("engines", "LibaioEngine"),
+    "ThreadEngine": ("engines", "ThreadEngine"),
+    "create_engine": ("engines", "create_engine"),
+    "libaio_status": ("engines", "libaio_status"),
+    "AioError": ("errors", "AioError"),
+    "OpenFile": ("files", "OpenFile"),
+    "fsync_dir": ("files", "fsync_dir"),
+    "open_file": ("files", "open_file"),
+    "AioHandle": ("handle", "AioHandle"),
+    "FileWriter": ("handle", "FileWriter"),
+    "as_bytes_view": ("handle", "as_bytes_view"),
+    "shared_handle": ("handle", "shared_handle"),
+    "Prefetch": ("prefetch", "Prefetch"),
+    "prefetch_files": ("prefetch", "prefetch_files"),
 }
 
 if TYPE_CHECKING:
@@ -67,14 +68,5 @@ __all__ = [
 ]
 
 
-if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve here
-
-    def __getattr__(name: str) -> Any:
-        if name not in _EXPORTS:
-            raise AttributeError(f"module 'aio' has no attribute {name!r}")
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value  # later lookups are plain attribute reads
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted(set(globals()) | set(_EXPORTS))
+if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve on first use
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -12,8 +12,9 @@ The format is specified in docs/format.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from aio.lazy import lazy_exports
 
 # Public name -> the submodule defining it. Resolved on first use (PEP 562), so that importing
 # ``ucp`` (or any of its submodules, e.g. the command line) does not import torch: commands that
@@ -101,16 +102,5 @@ __all__ = [
 ]
 
 
-if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve here
-
-    def __getattr__(name: str) -> Any:
-        try:
-            module, attr = _EXPORTS[name]
-        except KeyError:
-            raise AttributeError(f"module 'ucp' has no attribute {name!r}") from None
-        value = getattr(importlib.import_module(f".{module}", __name__), attr)
-        globals()[name] = value  # later lookups are plain attribute reads
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted(set(globals()) | set(_EXPORTS))
+if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve on first use
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
