@@ -72,6 +72,7 @@ def test_checks_and_async_are_reported(bench: tuple[BenchSaveResult, Path]) -> N
         assert a.sync_save_s and a.sync_save_s > 0
         if find_async_save()[0] is not None:
             assert a.available and a.stall_s is not None and a.stall_vs_sync is not None and a.verified
+            assert a.first_stall_s is not None and a.first_stall_s >= 0 and len(a.samples) == 1
         else:
             assert not a.available and "n/a" in a.note and "async" in res.skipped
 
