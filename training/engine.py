@@ -261,6 +261,11 @@ class Engine:
             self._snapshot = result
         return result
 
+    def prepare_checkpoints(self, manager: ucp.CheckpointManager) -> int:
+        """Allocate an asynchronous manager's staging now, so the first checkpoint does not pay for it
+        mid-training (:meth:`ucp.CheckpointManager.prepare`); call on every rank. Returns its bytes."""
+        return manager.prepare(self.state_dict_for_checkpoint())
+
     def wait_snapshot(self) -> None:
         """Wait for the copy of the last asynchronous checkpoint (it may still run in the background:
         ``CheckpointManager(snapshot="background")``); the engine calls it before changing its state."""

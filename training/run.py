@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = engine.load(manager)
             emit({"resumed": first, "seconds": round(time.perf_counter() - t0, 4), "mesh": engine.mesh.as_dict(),
                   "zero": args.zero})
+        engine.prepare_checkpoints(manager)  # the first checkpoint then finds its staging ready
     last = args.total_steps if args.total_steps is not None else first + args.steps
     start = time.perf_counter()
     try:

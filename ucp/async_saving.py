@@ -274,6 +274,24 @@ class AsyncSaver:
         handle.add_done_callback(functools.partial(self._forget, temp_abs))
         return handle
 
+    def prepare(self, state_dict: dict[str, Any], *, process_group: Any = None) -> int:
+        """Allocate now the staging memory a save of ``state_dict`` will need; returns its bytes.
+
+        The first save otherwise allocates it while the caller waits (measured on the reference
+        VM: 0.6-5 s for 2 GiB, as freshly faulted memory is slow there); later saves reuse it.
+        Call it where a pause costs nothing, e.g. before the first training step. No collective.
+        """
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed")
+        if self.snapshot == "none":
+            return 0
+        group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
+        plan = plan_save(encode_state(state_dict).leaves, group.rank, group.world_size, cache=PLAN_CACHE)
+        if plan.file is None:
+            return 0
+        self.pool.release(self.pool.acquire(plan.file_size))
+        return plan.file_size
+
     def wait(self) -> None:
         """Wait for every save in flight; raises the first failure among them."""
         with self._lock:

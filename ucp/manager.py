@@ -337,6 +337,13 @@ class CheckpointManager:
     def path(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
 
+    def prepare(self, state_dict: dict[str, Any], *, process_group: Any = None) -> int:
+        """Allocate the asynchronous saver's staging for ``state_dict`` ahead of the first save
+        (:meth:`ucp.AsyncSaver.prepare`); 0 and nothing done for synchronous managers."""
+        if self.saver is None:
+            return 0
+        return self.saver.prepare(state_dict, process_group=self.process_group if process_group is None else process_group)
+
     def save(self, state_dict: dict[str, Any], step: int, *, metadata: dict[str, Any] | None = None,
              mesh: dict[str, int] | None = None) -> Manifest | SaveHandle:
         """Save step ``step``: a Manifest (synchronous manager) or a SaveHandle (``async_save=True``)."""

@@ -103,6 +103,23 @@ def test_checkpoint_holds_the_values_of_the_moment_of_the_call(tmp_path, savers,
     assert sorted(os.listdir(tmp_path / "ck")) == ["manifest.json", "rank-00000.safetensors"]
 
 
+@pytest.mark.parametrize("snapshot", ["sync", "background", "none"])
+def test_prepare_allocates_the_staging_the_first_save_then_uses(tmp_path, snapshot):
+    state = {"w": random_tensor(torch.float32, (512, 300), 2), "b": random_tensor(torch.bfloat16, (77,), 3), "step": 0}
+    with AsyncSaver(snapshot=snapshot) as saver:
+        reserved = saver.prepare(state)
+        assert saver.pool.created == (0 if snapshot == "none" else 1)
+        handle = saver.save(state, tmp_path / "ck", step=1)
+        handle.wait_snapshot()
+        handle.result(timeout=120)
+        assert saver.pool.created == (0 if snapshot == "none" else 1)  # the save found it: nothing new allocated
+    rank_file = (tmp_path / "ck" / "rank-00000.safetensors").stat().st_size
+    assert reserved == (0 if snapshot == "none" else rank_file)
+    assert_same_state(state, ucp.load(tmp_path / "ck"))
+    manager = ucp.CheckpointManager(tmp_path / "sync-root")
+    assert manager.prepare(state) == 0  # a synchronous manager stages nothing
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_staging_is_reused_and_saves_replace_each_other(tmp_path, savers, mode):
     saver = savers[mode]
