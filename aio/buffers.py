@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -141,11 +142,14 @@ class BufferPool:
 
 
 def _cuda_available() -> bool:
+    """Whether pinning is worth it: CUDA is there. A process that has not imported torch has no GPU
+    tensors to copy to or from, so it is not asked (and torch's ~1.5 s import is not paid for it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
     try:
-        import torch
-
         return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover - torch missing or broken CUDA
+    except Exception:  # pragma: no cover - broken CUDA
         return False
 
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Sequence
 
@@ -125,4 +124,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ucp.shutdown import exit_now
+
+    exit_now(main())  # all work is done (checkpoints waited for): skip the teardown that can abort

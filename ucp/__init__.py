@@ -35,7 +35,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "UnsupportedFormatError": ("errors", "UnsupportedFormatError"),
     "UnsupportedStateError": ("errors", "UnsupportedStateError"),
     "load": ("loading", "load"),
-    "read_manifest": ("loading", "read_checkpoint_manifest"),
+    "read_manifest": ("reader", "read_checkpoint_manifest"),
     "CheckpointInfo": ("manager", "CheckpointInfo"),
     "CheckpointManager": ("manager", "CheckpointManager"),
     "FORMAT_VERSION": ("manifest", "FORMAT_VERSION"),
@@ -63,7 +63,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
         UnsupportedFormatError,
         UnsupportedStateError,
     )
-    from .loading import load, read_checkpoint_manifest as read_manifest
+    from .loading import load
+    from .reader import read_checkpoint_manifest as read_manifest
     from .manager import CheckpointInfo, CheckpointManager
     from .manifest import FORMAT_VERSION, Manifest, parse_manifest
     from .saving import save

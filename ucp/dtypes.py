@@ -1,42 +1,62 @@
-"""torch dtypes <-> the dtype strings of safetensors (which the manifest uses too)."""
+"""The dtype strings of safetensors (which the manifest uses too) <-> torch dtypes.
+
+The names and their sizes need no torch: reading a manifest, planning and moving bytes
+(``ucp reshape``) work without importing it. The torch side is built on first use.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UnsupportedStateError
 
-# Names exactly as safetensors writes them; only dtypes that safetensors.safe_open reads back.
-_BY_NAME: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+if TYPE_CHECKING:
+    import torch
+
+# Names exactly as safetensors writes them (only dtypes that safetensors.safe_open reads back),
+# with their bytes per element and the torch attribute each stands for.
+_TABLE: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F32": (4, "float32"),
+    "F64": (8, "float64"),
+    "C64": (8, "complex64"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E4M3FNUZ": (1, "float8_e4m3fnuz"),
+    "F8_E5M2FNUZ": (1, "float8_e5m2fnuz"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
 }
-if hasattr(torch, "float8_e8m0fnu"):
-    _BY_NAME["F8_E8M0"] = torch.float8_e8m0fnu
 
-_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+DTYPE_NAMES: frozenset[str] = frozenset(_TABLE)
 
-DTYPE_NAMES: frozenset[str] = frozenset(_BY_NAME)
+_BY_NAME: dict[str, "torch.dtype"] = {}
+_BY_DTYPE: dict["torch.dtype", str] = {}
 
 
-def dtype_name(dtype: torch.dtype, *, tensor: str = "?") -> str:
+def _torch_tables() -> None:
+    import torch
+
+    for name, (_, attr) in _TABLE.items():
+        dtype = getattr(torch, attr, None)
+        if dtype is not None:  # an older torch may lack the newest float8 kinds
+            _BY_NAME[name] = dtype
+            _BY_DTYPE[dtype] = name
+
+
+def dtype_name(dtype: "torch.dtype", *, tensor: str = "?") -> str:
     """The safetensors name of ``dtype``; UnsupportedStateError when the format cannot hold it."""
+    if not _BY_DTYPE:
+        _torch_tables()
     try:
         return _BY_DTYPE[dtype]
     except KeyError:
@@ -45,10 +65,16 @@ def dtype_name(dtype: torch.dtype, *, tensor: str = "?") -> str:
         ) from None
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> "torch.dtype":
     """The torch dtype for a safetensors dtype string (callers validate ``name`` first)."""
-    return _BY_NAME[name]
+    if not _BY_NAME:
+        _torch_tables()
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UnsupportedStateError(f"dtype {name} is not available in this version of torch") from None
 
 
 def itemsize(name: str) -> int:
-    return _BY_NAME[name].itemsize
+    """Bytes per element of a safetensors dtype string."""
+    return _TABLE[name][0]

@@ -32,7 +32,7 @@ from .dtypes import torch_dtype
 from .errors import CheckpointError, LayoutMismatchError
 from .manifest import Manifest, TensorEntry, parse_manifest
 from .partial import Target, read_targets
-from .reader import FileBuffer, FilePiece, pieces_by_file, read_manifest, read_whole_file
+from .reader import FileBuffer, FilePiece, pieces_by_file, read_checkpoint_manifest, read_manifest, read_whole_file
 from .regions import copy_region
 from .sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
 from .storage import Storage, as_aio_config, open_storage
@@ -78,13 +78,6 @@ def _manifest(storage: Storage, name: str, process_group: Any) -> Manifest:
     if data is None:
         raise CheckpointError(f"rank 0 could not read the manifest: {error}")
     return parse_manifest(data, source=storage.describe(f"{name}/manifest.json"))
-
-
-def read_checkpoint_manifest(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Read and check the manifest of the checkpoint at ``path`` (no data is read)."""
-    storage, name = open_storage(path, storage_options=storage_options)
-    with storage:
-        return read_manifest(storage, name)
 
 
 # -- whole loads ----------------------------------------------------------------------------------

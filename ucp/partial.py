@@ -22,15 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 
 from reshard.box import Box, FlatRange, element_span, transfers
 
 from .dtypes import itemsize, torch_dtype
 from .manifest import Manifest
 from .reader import FileBuffer, FilePiece, check_crc, check_file_size, pieces_by_file, read_and_check_header
-from .regions import as_flat_range, copy_region, same_elements
-from .snapshot import tensor_bytes
+from .regions import Buffer, as_flat_range, copy_region, same_elements
 from .storage import Storage
 
 BATCH_BYTES = 128 << 20
@@ -40,10 +39,14 @@ ALIGN = 4096
 
 @dataclass
 class Target:
-    """A tensor (or part of one) to fill: ``buffer`` holds ``region`` of tensor ``name``."""
+    """A tensor (or part of one) to fill: ``buffer`` holds ``region`` of tensor ``name``.
+
+    ``buffer`` is a torch tensor (of any dtype: elements are cast), or a numpy array of the stored
+    dtype's item size (``numpy.dtype("V<n>")``: bytes moved as they are, no torch needed).
+    """
 
     name: str
-    buffer: torch.Tensor
+    buffer: Buffer
     region: Box | FlatRange
     path: tuple[Any, ...] = ()
 
@@ -78,7 +81,10 @@ def _direct_offset(t: Target, fp: FilePiece) -> int | None:
     whole tensor, a flat ZeRO partition inside a row block...).
     """
     b = t.buffer
-    if b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous() or b.requires_grad:
+    if isinstance(b, np.ndarray):
+        if b.itemsize != itemsize(fp.dtype) or not b.flags.c_contiguous or not b.flags.writeable:
+            return None
+    elif b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous() or b.requires_grad:
         return None
     region = fp.piece.region()
     if same_elements(t.region, region, fp.shape):
@@ -259,7 +265,16 @@ def _direct_bytes(nd: _Need) -> memoryview:
     """The bytes of the direct target that the piece fills."""
     assert nd.direct is not None
     start = nd.direct_at * itemsize(nd.fp.dtype)
-    return tensor_bytes(nd.direct.buffer)[start:start + nd.fp.piece.length]
+    return buffer_bytes(nd.direct.buffer)[start:start + nd.fp.piece.length]
+
+
+def buffer_bytes(buf: Buffer) -> memoryview:
+    """The bytes of a contiguous host buffer (torch tensor or numpy array), no copy."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(buf.reshape(-1).view(np.uint8))
+    from .snapshot import tensor_bytes
+
+    return tensor_bytes(buf)
 
 
 def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int) -> None:
@@ -270,7 +285,16 @@ def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int) -> None:
     if nd.check:
         check_crc(fp, file, buf.view(fp.piece.length, data_off))
     avail = (nd.read_len - nd.skip) // isz
-    dtype = torch_dtype(fp.dtype)
-    src = buf.tensor(avail * isz, data_off).view(dtype) if avail else torch.empty(0, dtype=dtype)
     for t in nd.targets:
-        copy_region(src, fp.piece.region(), nd.first, t.buffer, t.region, fp.shape)
+        copy_region(_staged_source(buf, data_off, avail, fp.dtype, t.buffer), fp.piece.region(), nd.first, t.buffer,
+                    t.region, fp.shape)
+
+
+def _staged_source(buf: FileBuffer, offset: int, count: int, dtype: str, like: Buffer) -> Buffer:
+    """``count`` stored elements at ``offset`` of a staging buffer, as the same kind of buffer as ``like``."""
+    if isinstance(like, np.ndarray):
+        return np.frombuffer(buf.view(count * like.itemsize, offset), dtype=like.dtype) if count else like[:0]
+    import torch
+
+    torch_type = torch_dtype(dtype)
+    return buf.tensor(count * itemsize(dtype), offset).view(torch_type) if count else torch.empty(0, dtype=torch_type)

@@ -35,9 +35,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from reshard.box import Box, FlatRange
 
@@ -46,6 +44,9 @@ from .errors import UnsupportedStateError
 from .manifest import FORMAT_VERSION
 from .sharding import FlatShard, ShardedTensor, Shards
 from .tree import ENTRY_SEP, PAD_PREFIX, Leaf, path_str
+
+if TYPE_CHECKING:
+    import torch
 
 DATA_ALIGNMENT = 4096
 DIRECT_MIN_BYTES = 256 << 10  # smaller pieces are copied through staging anyway: no phase
@@ -125,6 +126,8 @@ def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
     value = leaf.value if value is None else value
     local = value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
     where = f"{path_str(leaf.path)} (tensor {leaf.name!r})"
+    import torch  # a leaf holds torch tensors, so torch is loaded already
+
     if local.layout != torch.strided or local.is_nested or local.device.type == "meta":
         raise UnsupportedStateError(f"{where}: only dense (strided) tensors with data can be saved")
     dtype = dtype_name(local.dtype, tensor=leaf.name)
@@ -137,7 +140,7 @@ def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
     return LeafLayout(leaf.name, dtype, shape, Box.full(shape), 0, True, phase)
 
 
-def memory_phase(t: torch.Tensor) -> int | None:
+def memory_phase(t: "torch.Tensor") -> int | None:
     """Where a large host tensor's bytes sit within a 4 KiB page, if they will be written from in place."""
     if (t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
             or t.numel() * t.element_size() < DIRECT_MIN_BYTES):

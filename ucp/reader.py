@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from aio import AlignedBuffer
 
 from .errors import CorruptCheckpointError, MissingDataError, NotACheckpointError, where
 from .manifest import MANIFEST_NAME, Manifest, Piece, parse_manifest
-from .storage import Storage
+from .storage import Storage, open_storage
 from .tree import PAD_PREFIX
 
 if TYPE_CHECKING:
@@ -44,6 +45,13 @@ class FilePiece:
     def entry(self) -> str:
         """The piece's entry name in its file's safetensors header."""
         return self.piece.entry if self.piece.entry is not None else self.tensor
+
+
+def read_checkpoint_manifest(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read and check the manifest of the checkpoint at ``path`` (no data is read)."""
+    storage, name = open_storage(path, storage_options=storage_options)
+    with storage:
+        return read_manifest(storage, name)
 
 
 def read_manifest(storage: Storage, name: str) -> Manifest:

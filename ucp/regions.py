@@ -1,18 +1,24 @@
-"""Copying the elements two regions of a tensor share, between their local buffers (torch views, no I/O).
+"""Copying the elements two regions of a tensor share, between their local buffers (views, no I/O).
 
 A region's *buffer* is how a rank holds it: a box as a tensor of the box's shape,
 a flat range as a 1-d tensor. Source buffers may be a partial span of a stored
 piece (only the bytes a reader fetched), hence ``first``: the element of the
 region's buffer that the given source tensor starts at.
+
+Buffers are torch tensors (loads: any dtypes, cast on copy) or numpy arrays (``ucp reshape``,
+which moves elements of one dtype as opaque fixed-size items and never imports torch); both
+ends of one copy are of the same kind.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-import torch
+import numpy as np
 
 from reshard.box import Box, FlatRange, flat_index, flat_span, transfers
+
+Buffer = Any  # torch.Tensor | numpy.ndarray
 
 
 def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -23,32 +29,41 @@ def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def source_view(flat: torch.Tensor, first: int, block: tuple[int, Box], box: Box) -> torch.Tensor:
-    """``box`` (global coordinates) out of a contiguous 1-d tensor holding region elements from ``first``."""
+def source_view(flat: Buffer, first: int, block: tuple[int, Box], box: Box) -> Buffer:
+    """``box`` (global coordinates) out of a contiguous 1-d buffer holding region elements from ``first``."""
     off, b = block
     rel = box.relative_to(b)
     start = off + flat_index(b.shape, rel.offsets) - first
-    return flat.as_strided(rel.shape, row_major_strides(b.shape), flat.storage_offset() + start)
+    strides = row_major_strides(b.shape)
+    if isinstance(flat, np.ndarray):
+        return np.lib.stride_tricks.as_strided(flat[start:], rel.shape, [s * flat.itemsize for s in strides],
+                                               writeable=False)
+    return flat.as_strided(rel.shape, strides, flat.storage_offset() + start)
 
 
-def target_view(buf: torch.Tensor, region: Box | FlatRange, block: tuple[int, Box], box: Box) -> torch.Tensor:
+def target_view(buf: Buffer, region: Box | FlatRange, block: tuple[int, Box], box: Box) -> Buffer:
     """``box`` (global coordinates) inside a region's buffer (any strides)."""
     off, b = block
     rel = box.relative_to(b)
     if isinstance(region, Box):
         return buf[rel.slices()]
-    return buf[off : off + b.numel].view(b.shape)[rel.slices()]
+    flat = buf[off : off + b.numel]
+    return (flat.reshape(b.shape) if isinstance(flat, np.ndarray) else flat.view(b.shape))[rel.slices()]
 
 
-def copy_region(src: torch.Tensor, src_region: Box | FlatRange, first: int,
-                dst: torch.Tensor, dst_region: Box | FlatRange, shape: Sequence[int]) -> int:
+def copy_region(src: Buffer, src_region: Box | FlatRange, first: int,
+                dst: Buffer, dst_region: Box | FlatRange, shape: Sequence[int]) -> int:
     """Copy every element ``dst_region`` wants from ``src_region`` (casting dtypes); returns elements copied.
 
-    ``src`` is a contiguous 1-d tensor holding the source region's elements from ``first`` on.
+    ``src`` is a contiguous 1-d buffer holding the source region's elements from ``first`` on.
     """
     n = 0
     for t in transfers(src_region, dst_region, shape):
-        target_view(dst, dst_region, t.dst_block, t.box).copy_(source_view(src, first, t.src_block, t.box))
+        into, values = target_view(dst, dst_region, t.dst_block, t.box), source_view(src, first, t.src_block, t.box)
+        if isinstance(into, np.ndarray):
+            np.copyto(into, values, casting="no")
+        else:
+            into.copy_(values)
         n += t.box.numel
     return n
 

@@ -30,21 +30,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
+import numpy as np
 from pydantic import BaseModel
 
-from aio import AlignedBuffer
 from reshard import Box, FlatRange, Layout
 
 from . import commit as _commit
-from .dtypes import torch_dtype
+from .dtypes import itemsize
 from .errors import CheckpointError
 from .manifest import Manifest, now_utc
 from .partial import SourceIndex, Target, read_targets
 from .placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
 from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
-from .reader import read_manifest
-from .snapshot import tensor_bytes
+from .reader import FileBuffer, read_manifest
 from .storage import Storage, open_storage
 from .writer import write_rank_file
 
@@ -177,7 +175,7 @@ def _rank_layouts(manifest: Manifest, mine: list[Placement]) -> list[LeafLayout]
     for name, regions in by_tensor.items():
         e = manifest.tensors[name]
         for k, region in enumerate(regions):
-            nbytes = region.numel * torch_dtype(e.dtype).itemsize
+            nbytes = region.numel * itemsize(e.dtype)
             out.append(LeafLayout(name, e.dtype, tuple(e.shape), region, 0, False, _phase(nbytes),
                                   k if len(regions) > 1 else None))
     return out
@@ -206,14 +204,16 @@ def _slot(nbytes: int) -> int:
 def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Manifest,
           index: SourceIndex) -> list[memoryview]:
     """Read a batch's pieces from the source into fresh page-aligned memory; their byte views, in order."""
-    arena = AlignedBuffer(sum(_slot(p.length) for p in batch), pin=False)
+    # Not pre-faulted: pages are zero-filled as the reads land in them, in the reader threads,
+    # instead of all at once here (peak RSS 480-530 MiB against ~620 MiB pre-faulted, 2.09 GiB reshape).
+    arena = FileBuffer(sum(_slot(p.length) for p in batch))
     targets, views, pos = [], [], 0
     for p in batch:
-        dtype = torch_dtype(p.dtype)
-        flat = arena.tensor(p.length, pos).view(dtype) if p.length else torch.empty(0, dtype=dtype)
-        buf = flat.view(tuple(p.region.shape)) if isinstance(p.region, Box) else flat
+        item = np.dtype(f"V{itemsize(p.dtype)}")  # elements as opaque items: no torch, no casts
+        flat = np.frombuffer(arena.view(p.length, pos), dtype=item) if p.length else np.empty(0, dtype=item)
+        buf = flat.reshape(tuple(p.region.shape)) if isinstance(p.region, Box) else flat
         targets.append(Target(p.name, buf, p.region))
-        views.append(tensor_bytes(buf))
+        views.append(arena.view(p.length, pos))
         pos += _slot(p.length)
     staging = max(1 << 20, sum(p.length for p in batch) // STAGING_SHARE)
     read_targets(storage, name, manifest, targets, verify=True, index=index, staging_bytes=staging)

@@ -9,10 +9,12 @@ fill any other layout from it.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from reshard.box import Box, FlatRange
 
@@ -38,7 +40,7 @@ class ShardedTensor:
     replica_id: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.local, torch.Tensor):
+        if not _is_torch_tensor(self.local):
             raise TypeError(f"ShardedTensor.local must be a torch.Tensor, got {type(self.local).__name__}")
         self.global_shape = _ints(self.global_shape, "global_shape")
         self.offsets = _ints(self.offsets, "offsets")
@@ -77,7 +79,7 @@ class FlatShard:
     replica_id: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.local, torch.Tensor):
+        if not _is_torch_tensor(self.local):
             raise TypeError(f"FlatShard.local must be a torch.Tensor, got {type(self.local).__name__}")
         if self.local.dim() != 1:
             raise ValueError(f"FlatShard.local must be 1-d, got shape {list(self.local.shape)}")
@@ -141,11 +143,17 @@ class Shards:
         return f"Shards({len(self.parts)} parts of {list(self.global_shape)} {self.dtype})"
 
 
-TensorLike = torch.Tensor | ShardedTensor | FlatShard | Shards
+TensorLike = Union["torch.Tensor", ShardedTensor, FlatShard, Shards]
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    """isinstance(obj, torch.Tensor) without importing torch: where it was never imported, nothing is one."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def is_tensor_like(obj: object) -> bool:
-    return isinstance(obj, (torch.Tensor, ShardedTensor, FlatShard, Shards))
+    return isinstance(obj, (ShardedTensor, FlatShard, Shards)) or _is_torch_tensor(obj)
 
 
 def parts_of(value: TensorLike) -> tuple[torch.Tensor | ShardedTensor | FlatShard, ...]:

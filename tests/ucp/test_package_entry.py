@@ -106,3 +106,20 @@ def test_reshape_prefetches_its_source_and_stays_bit_exact(tmp_path: Path) -> No
         assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])
         resident[prefetch] = _resident_fraction(data)
     assert resident == {"0": 0.0, "1": 1.0}
+
+
+def test_reshape_runs_without_importing_torch(tmp_path: Path) -> None:
+    """``ucp reshape`` moves bytes with numpy only: no torch import (~1.5-2 s) before it can start."""
+    state = {"w": torch.randn(64, 33), "e": torch.randn(10, 7).to(torch.bfloat16)}
+    ucp.save(state, tmp_path / "src")
+    probe = (
+        "import sys\n"
+        "from ucp.cli.main import app\n"
+        f"sys.argv = ['ucp', 'reshape', {str(tmp_path / 'src')!r}, {str(tmp_path / 'dst')!r}, '--json']\n"
+        "try:\n    app(prog_name='ucp')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = _python(probe)
+    assert out.endswith("torch imported: False"), out
+    back = ucp.load(tmp_path / "dst")
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["e"], state["e"])

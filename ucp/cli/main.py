@@ -13,13 +13,11 @@ packages inside the command functions, so that ``ucp --help`` answers at once.
 
 from __future__ import annotations
 
-import atexit
 import importlib
-import os
-import sys
-import threading
 
 import typer
+
+from ucp.shutdown import exit_now
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
 # Planned: "demo".
@@ -43,32 +41,15 @@ def main() -> None:
 
     Every command has finished its work when it returns (files written, fsynced and committed);
     what the interpreter would still do after joining threads and running exit handlers is tear
-    down its modules (torch's take ~0.4 s on the reference VM, a tenth of a small ``ucp convert``).
-    So threads are joined and exit handlers run as at a normal exit, Python's output buffers are
-    flushed, and the process ends without that teardown.
+    down its modules (torch's take ~0.4 s on the reference VM, a tenth of a small ``ucp convert``),
+    so :func:`ucp.shutdown.exit_now` ends the process without that teardown.
     """
     code: int | str | None = 0
     try:
         app(prog_name="ucp")
     except SystemExit as exc:
         code = exc.code
-    # What interpreter shutdown does first, in its order: join non-daemon threads (which lets
-    # concurrent.futures and ucp.async_save finish work in flight), then run exit handlers.
-    shutdown_threads = getattr(threading, "_shutdown", None)
-    if shutdown_threads is not None:
-        shutdown_threads()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):  # as Python does: sys.exit("message") prints it and exits 1
-        print(code, file=sys.stderr, flush=True)
-        code = 1
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -38,40 +38,41 @@ def reshape_cmd(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
-    with prefetching(src):
-        from reshard import LayoutError
+    from reshard import LayoutError
 
-        from ucp.errors import CheckpointError
+    from ucp.errors import CheckpointError
 
-        budget = parse_size(memory_budget, "--memory-budget")
-        try:
-            target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
+    budget = parse_size(memory_budget, "--memory-budget")
+    try:
+        target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
+        with prefetching(src):
+            source_reads_start()
             report = _run(src, dst, target, budget, workers, overwrite, json_output)
-        except (LayoutError, CheckpointError, OSError) as exc:
-            raise fail(f"{type(exc).__name__}: {exc}", code=EXIT_BAD_INPUT) from None
-        peak_rss = _peak_rss()
-        problems = None
-        if verify:
-            import ucp
+    except (LayoutError, CheckpointError, OSError) as exc:
+        raise fail(f"{type(exc).__name__}: {exc}", code=EXIT_BAD_INPUT) from None
+    peak_rss = _peak_rss()
+    problems = None
+    if verify:
+        import ucp
 
-            problems = ucp.verify(dst).problems
-        doc = {**report.model_dump(mode="json"), "peak_rss_bytes": peak_rss, "command": command_line(),
-               "verified": None if problems is None else not problems}
-        if json_output:
-            typer.echo(json.dumps(doc, indent=2))
-        else:
-            what = "consolidated" if target is None else (
-                f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
-            gbps = report.bytes_written / max(report.seconds, 1e-9) / 1e9
-            out.print(f"[green]reshaped[/green] {src} -> {dst} ({what}): {report.files} files, {report.tensors} tensors, "
-                      f"{report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s ({gbps:.2f} GB/s), "
-                      f"peak RSS {peak_rss / 2**20:.0f} MiB", highlight=False)
-            if problems is not None:
-                out.print("verified: every CRC matches" if not problems else f"[red]{len(problems)} problems[/red]")
-        if problems:
-            for p in problems:
-                out.print(f"[red]{p.kind}[/red]: {p.message}", highlight=False)
-            raise typer.Exit(1)
+        problems = ucp.verify(dst).problems
+    doc = {**report.model_dump(mode="json"), "peak_rss_bytes": peak_rss, "command": command_line(),
+           "verified": None if problems is None else not problems}
+    if json_output:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        what = "consolidated" if target is None else (
+            f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
+        gbps = report.bytes_written / max(report.seconds, 1e-9) / 1e9
+        out.print(f"[green]reshaped[/green] {src} -> {dst} ({what}): {report.files} files, {report.tensors} tensors, "
+                  f"{report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s ({gbps:.2f} GB/s), "
+                  f"peak RSS {peak_rss / 2**20:.0f} MiB", highlight=False)
+        if problems is not None:
+            out.print("verified: every CRC matches" if not problems else f"[red]{len(problems)} problems[/red]")
+    if problems:
+        for p in problems:
+            out.print(f"[red]{p.kind}[/red]: {p.message}", highlight=False)
+        raise typer.Exit(1)
 
 
 def _peak_rss() -> int:
@@ -92,8 +93,8 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
     """The target layout from the options and what SRC recorded; None means consolidate."""
     from reshard import Layout, LayoutError
 
-    import ucp
     from ucp.placement import recorded_layout
+    from ucp.reader import read_checkpoint_manifest
 
     flags = {k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v is not None}
     if layout_file is None and not flags and zero is None:
@@ -110,7 +111,7 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
             raise LayoutError(f"--model {model!r} is not a preset ({', '.join(sorted(PRESETS))})")
         base = gpt_layout(PRESETS[model])
     else:
-        base = recorded_layout(ucp.read_manifest(src), source=f"{src}/manifest.json").layout
+        base = recorded_layout(read_checkpoint_manifest(src), source=f"{src}/manifest.json").layout
         if base is None:
             raise LayoutError(f"{src} records no layout (metadata.layout); give one with --layout FILE "
                               "or --model PRESET")
@@ -126,7 +127,6 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
 def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool, quiet: bool):
     from ucp.reshape import reshape
 
-    source_reads_start()
     with progress_bar("reshape", enabled=not quiet) as update:
         return reshape(src, dst, layout=target, memory_budget=budget, workers=workers, overwrite=overwrite,
                        progress=lambda done, total, what: update(done, total, what))
