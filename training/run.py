@@ -124,6 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import traceback
+
     from ucp.shutdown import exit_now
 
-    exit_now(main())  # all work is done (checkpoints waited for): skip the teardown that can abort
+    try:
+        code: int | str | None = main()
+    except SystemExit as exc:  # argparse, and --resume without --save-dir
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    exit_now(code)  # all work is done (checkpoints waited for): skip the teardown that can abort

@@ -1,11 +1,13 @@
 """The dtype strings of safetensors (which the manifest uses too) <-> torch dtypes.
 
 The names and their sizes need no torch: reading a manifest, planning and moving bytes
-(``ucp reshape``) work without importing it. The torch side is built on first use.
+(``ucp reshape``) work without importing it. The torch side is built on the first call that
+asks for it (``torch_dtype``, ``dtype_name``), which imports torch.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from .errors import UnsupportedStateError
@@ -39,26 +41,28 @@ _TABLE: dict[str, tuple[int, str]] = {
 
 DTYPE_NAMES: frozenset[str] = frozenset(_TABLE)
 
-_BY_NAME: dict[str, "torch.dtype"] = {}
-_BY_DTYPE: dict["torch.dtype", str] = {}
+_torch: "tuple[dict[str, torch.dtype], dict[torch.dtype, str]] | None" = None  # (by name, by dtype), built once
+_torch_lock = threading.Lock()
 
 
-def _torch_tables() -> None:
-    import torch
+def _torch_tables() -> "tuple[dict[str, torch.dtype], dict[torch.dtype, str]]":
+    """The torch side of the table, built on first use (whole, then published: threads never see half)."""
+    global _torch
+    if _torch is None:
+        with _torch_lock:
+            if _torch is None:
+                import torch
 
-    for name, (_, attr) in _TABLE.items():
-        dtype = getattr(torch, attr, None)
-        if dtype is not None:  # an older torch may lack the newest float8 kinds
-            _BY_NAME[name] = dtype
-            _BY_DTYPE[dtype] = name
+                by_name = {name: getattr(torch, attr) for name, (_, attr) in _TABLE.items()
+                           if getattr(torch, attr, None) is not None}  # an older torch may lack new float8 kinds
+                _torch = (by_name, {v: k for k, v in by_name.items()})
+    return _torch
 
 
 def dtype_name(dtype: "torch.dtype", *, tensor: str = "?") -> str:
     """The safetensors name of ``dtype``; UnsupportedStateError when the format cannot hold it."""
-    if not _BY_DTYPE:
-        _torch_tables()
     try:
-        return _BY_DTYPE[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise UnsupportedStateError(
             f"tensor {tensor!r} has dtype {dtype}, which safetensors (and so this format) cannot store"
@@ -67,12 +71,12 @@ def dtype_name(dtype: "torch.dtype", *, tensor: str = "?") -> str:
 
 def torch_dtype(name: str) -> "torch.dtype":
     """The torch dtype for a safetensors dtype string (callers validate ``name`` first)."""
-    if not _BY_NAME:
-        _torch_tables()
     try:
-        return _BY_NAME[name]
+        return _torch_tables()[0][name]
     except KeyError:
-        raise UnsupportedStateError(f"dtype {name} is not available in this version of torch") from None
+        if name in _TABLE:
+            raise UnsupportedStateError(f"dtype {name} is not available in this version of torch") from None
+        raise UnsupportedStateError(f"unknown dtype {name!r} (not a safetensors dtype)") from None
 
 
 def itemsize(name: str) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 from reshard.box import Box, FlatRange, element_span, transfers
 
 from .dtypes import itemsize, torch_dtype
+from .errors import CheckpointError
 from .manifest import Manifest
 from .reader import FileBuffer, FilePiece, check_crc, check_file_size, pieces_by_file, read_and_check_header
 from .regions import Buffer, as_flat_range, copy_region, same_elements
@@ -145,6 +146,10 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
     by_tensor: dict[str, list[Target]] = defaultdict(list)
     for t in targets:
         by_tensor[t.name].append(t)
+        entry = manifest.tensors.get(t.name)
+        if isinstance(t.buffer, np.ndarray) and entry is not None and t.buffer.itemsize != itemsize(entry.dtype):
+            raise CheckpointError(f"tensor {t.name!r}: a numpy target of {t.buffer.itemsize}-byte items cannot hold "
+                                  f"{entry.dtype} elements ({itemsize(entry.dtype)} bytes; numpy targets are not cast)")
     needs: dict[str, list[_Need]] = defaultdict(list)
     for tensor, wanted in by_tensor.items():
         for file, fp in index.by_tensor.get(tensor, ()):

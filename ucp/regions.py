@@ -36,7 +36,12 @@ def source_view(flat: Buffer, first: int, block: tuple[int, Box], box: Box) -> B
     start = off + flat_index(b.shape, rel.offsets) - first
     strides = row_major_strides(b.shape)
     if isinstance(flat, np.ndarray):
-        return np.lib.stride_tricks.as_strided(flat[start:], rel.shape, [s * flat.itemsize for s in strides],
+        # as_strided checks nothing (torch's does): make sure the box lies inside the buffer.
+        last = start + sum((n - 1) * st for n, st in zip(rel.shape, strides))
+        if rel.numel and not (0 <= start and last < flat.shape[0]):
+            raise ValueError(f"box {rel} of block {b} (elements {start}..{last}) is outside a buffer "
+                             f"of {flat.shape[0]} elements")
+        return np.lib.stride_tricks.as_strided(flat[max(start, 0):], rel.shape, [s * flat.itemsize for s in strides],
                                                writeable=False)
     return flat.as_strided(rel.shape, strides, flat.storage_offset() + start)
 
@@ -45,10 +50,12 @@ def target_view(buf: Buffer, region: Box | FlatRange, block: tuple[int, Box], bo
     """``box`` (global coordinates) inside a region's buffer (any strides)."""
     off, b = block
     rel = box.relative_to(b)
+    # The trailing Ellipsis keeps a 0-d numpy box an array view (``a[()]`` would be a scalar copy).
+    index = (*rel.slices(), Ellipsis)
     if isinstance(region, Box):
-        return buf[rel.slices()]
+        return buf[index]
     flat = buf[off : off + b.numel]
-    return (flat.reshape(b.shape) if isinstance(flat, np.ndarray) else flat.view(b.shape))[rel.slices()]
+    return (flat.reshape(b.shape) if isinstance(flat, np.ndarray) else flat.view(b.shape))[index]
 
 
 def copy_region(src: Buffer, src_region: Box | FlatRange, first: int,

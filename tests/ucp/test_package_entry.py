@@ -110,7 +110,10 @@ def test_reshape_prefetches_its_source_and_stays_bit_exact(tmp_path: Path) -> No
 
 def test_reshape_runs_without_importing_torch(tmp_path: Path) -> None:
     """``ucp reshape`` moves bytes with numpy only: no torch import (~1.5-2 s) before it can start."""
-    state = {"w": torch.randn(64, 33), "e": torch.randn(10, 7).to(torch.bfloat16)}
+    w = torch.randn(64, 33)
+    state = {"w": ucp.Shards([ucp.ShardedTensor(w[:, :20].contiguous(), (64, 33), (0, 0)),  # column blocks:
+                              ucp.ShardedTensor(w[:, 20:].contiguous(), (64, 33), (0, 20))]),  # staged box copies
+             "e": torch.randn(10, 7).to(torch.bfloat16), "s": torch.tensor(2.5)}
     ucp.save(state, tmp_path / "src")
     probe = (
         "import sys\n"
@@ -122,4 +125,5 @@ def test_reshape_runs_without_importing_torch(tmp_path: Path) -> None:
     out = _python(probe)
     assert out.endswith("torch imported: False"), out
     back = ucp.load(tmp_path / "dst")
-    assert torch.equal(back["w"], state["w"]) and torch.equal(back["e"], state["e"])
+    assert torch.equal(back["w"], w) and torch.equal(back["e"], state["e"]) and torch.equal(back["s"], state["s"])
+    assert len(ucp.read_manifest(tmp_path / "dst").tensors["w"].pieces) == 1  # consolidated from two column blocks
