@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from aio import AioConfig
 from aio.config import GIB, MIB
+from aio.prefetch import available_memory
 from aio.tune import drop_page_cache
 
 from .io import NO_FIO_ENV, BenchError, _environment
@@ -314,17 +315,6 @@ def _du(path: Path) -> int:
     return total
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class _Run:
     """Mutable state of one bench run: samples per (method, variant, ranks), cold-read status."""
 
@@ -442,7 +432,7 @@ def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], savers: 
     bf16 = state_bytes * 2 // BYTES_PER_PARAM
     per_world = [state_bytes + (n - 1) * bf16 for n in ranks]
     resident = sum(per_world) * (1 + savers) + state_bytes + 512 * MIB
-    avail = _mem_available()
+    avail = available_memory()
     if avail is not None and resident > avail:
         raise BenchError(f"the bench needs about {resident / GIB:.1f} GiB of memory, {avail / GIB:.1f} GiB is available; "
                          "use a smaller --size-gib or fewer --ranks")
