@@ -13,16 +13,17 @@ from aio.buffers import address_of
 MIB = 1 << 20
 
 
-def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Wrap the engine's submit_write to record (buffer address, length) of every request."""
+def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch,
+                    method: str = "submit_write") -> list[tuple[int, int]]:
+    """Wrap the engine's ``method`` (submit_write / submit_read) to record (buffer address, length) of every request."""
     seen: list[tuple[int, int]] = []
-    original = io.engine.submit_write
+    original = getattr(io.engine, method)
 
     def spy(f, offset, buf):  # type: ignore[no-untyped-def]
         seen.append((address_of(buf), buf.nbytes))
         return original(f, offset, buf)
 
-    monkeypatch.setattr(io.engine, "submit_write", spy)
+    monkeypatch.setattr(io.engine, method, spy)
     return seen
 
 
@@ -77,14 +78,7 @@ def test_congruent_memory_is_read_into_without_copy(disk_dir: Path, engine: str,
     lo, hi = dest.address, dest.address + dest.capacity
     n = 5 * MIB + 333
     with AioHandle(AioConfig(engine=engine, block_size=1 * MIB, queue_depth=4)) as io:
-        seen: list[tuple[int, int]] = []
-        original = io.engine.submit_read
-
-        def spy(f, offset, buf):  # type: ignore[no-untyped-def]
-            seen.append((address_of(buf), buf.nbytes))
-            return original(f, offset, buf)
-
-        monkeypatch.setattr(io.engine, "submit_read", spy)
+        seen = _record_submits(io, monkeypatch, "submit_read")
         io.read_into(path, shift, dest.view(n, shift))  # offset `shift`, address ≡ shift: congruent
         into_dest = sum(k for addr, k in seen if lo <= addr < hi)
     assert into_dest >= n - 2 * 4096
