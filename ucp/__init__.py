@@ -34,6 +34,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "NotACheckpointError": ("errors", "NotACheckpointError"),
     "UnsupportedFormatError": ("errors", "UnsupportedFormatError"),
     "UnsupportedStateError": ("errors", "UnsupportedStateError"),
+    "SnapshotChangedError": ("errors", "SnapshotChangedError"),
     "load": ("loading", "load"),
     "read_manifest": ("reader", "read_checkpoint_manifest"),
     "CheckpointInfo": ("manager", "CheckpointInfo"),
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
         ManifestError,
         MissingDataError,
         NotACheckpointError,
+        SnapshotChangedError,
         UnsupportedFormatError,
         UnsupportedStateError,
     )
@@ -89,6 +91,7 @@ __all__ = [
     "SaveHandle",
     "ShardedTensor",
     "Shards",
+    "SnapshotChangedError",
     "UnsupportedFormatError",
     "UnsupportedStateError",
     "VerifyReport",

@@ -49,7 +49,7 @@ from .errors import CommitError, NotACheckpointError, UnsupportedStateError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .plan import PLAN_CACHE, SavePlan, plan_save
 from .saving import _check_args, save
-from .snapshot import local_tensor
+from .snapshot import ChangeWatch, local_tensor
 from .snapshot import snapshot as snapshot_views
 from .staging import Arena, StagingPool
 from .storage import LocalStorage, Storage, as_aio_config, open_storage
@@ -137,6 +137,9 @@ class AsyncSaver:
     ``handle.wait_snapshot()`` returns (a training loop: before its optimizer step, so the copy
     overlaps forward and backward). Host tensors only (CUDA copies are already asynchronous).
     The writer follows the copy as with ``pipeline``.
+
+    In both deferred modes a tensor changed in place before it was read (its torch version counter
+    moved) fails the save with :class:`ucp.SnapshotChangedError` naming it; nothing is committed.
 
     ``pipeline=True``: the writer starts writing the chunks already copied while
     the snapshot is still running — durable 5–9% sooner, but the copy then shares
@@ -233,7 +236,12 @@ class AsyncSaver:
             if not group.distributed:
                 raise
 
-        storage, name = open_storage(path, storage_options=storage_opts, aio_config=cfg)
+        try:
+            storage, name = open_storage(path, storage_options=storage_opts, aio_config=cfg)
+        except BaseException:
+            if arena is not None:
+                self.pool.release(arena)
+            raise
         job_id = _bg.next_job_id()
         lock_fd: int | None = None
         try:
@@ -247,8 +255,9 @@ class AsyncSaver:
                 temp_abs = storage.path(temp) if isinstance(storage, LocalStorage) else storage.describe(temp)
                 if isinstance(storage, LocalStorage):
                     lock_fd = _bg.lock_dir(temp_abs)
-                job = _bg.WriteJob(
-                    id=job_id, path=os.fspath(path), name=name, temp=temp,
+                job = _bg.WriteJob(  # a local path made absolute: the writer may run in another directory
+                    id=job_id, path=storage.path(name) if isinstance(storage, LocalStorage) else os.fspath(path),
+                    name=name, temp=temp,
                     temp_identity=_bg.identity(storage, temp), storage_options=storage_opts,
                     aio_config=cfg.model_dump() if cfg is not None else None,
                     rank=group.rank, world_size=group.world_size,
@@ -394,7 +403,8 @@ class AsyncSaver:
         """No copy: the writer thread writes straight from the tensors (O_DIRECT from their memory where the
         plan put pieces in phase); the caller keeps them unchanged until the data file is written."""
         try:
-            image = _bg.DirectImage(plan, snapshot_views(plan, leaves))
+            watch = ChangeWatch(plan, leaves, aliased_only=True)
+            image = _bg.DirectImage(plan, snapshot_views(plan, leaves), watch=watch)
             future = self._backend.submit(job, image, progress, lock_fd)
         except BaseException:
             _bg.close_fd(lock_fd)
@@ -406,6 +416,7 @@ class AsyncSaver:
                            lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, Future]:
         """The writer starts now and follows the copy, which runs on the copier thread."""
         try:
+            watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
             future = self._backend.submit(job, arena, progress, lock_fd)
         except BaseException:
             self.pool.release(arena)
@@ -415,17 +426,20 @@ class AsyncSaver:
 
         def copy() -> None:
             try:
-                snapshot_into(plan, leaves, arena, progress, self._stream_for)
+                snapshot_into(plan, leaves, arena, progress, self._stream_for, watch=watch)
             except BaseException as exc:
+                watch.release()
                 why = f"snapshot failed: {_bg.describe(exc)}"
                 progress.fail(why)  # the job fails, cleans up and gives the arena back
                 if isinstance(self._backend, _bg.ProcessBackend):
                     self._backend.abort(job.id, why)
                 raise
 
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
-        return future, self._copier.submit(copy)
+        with self._lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
+            copier = self._copier
+        return future, copier.submit(copy)
 
     def _stream_for(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -455,7 +469,8 @@ def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, j
 
 
 def snapshot_into(plan: SavePlan, leaves: Sequence[Leaf], arena: Arena, progress: _bg.Progress,
-                  stream_for: Callable[[torch.device], Any], *, chunk: int | None = None) -> list[Any]:
+                  stream_for: Callable[[torch.device], Any], *, chunk: int | None = None,
+                  watch: ChangeWatch | None = None) -> list[Any]:
     """Copy the rank file's image (header, then every piece at its offset, zeros between) into ``arena``.
 
     Host tensors are copied chunk by chunk with ``Tensor.copy_`` (which splits
@@ -463,13 +478,22 @@ def snapshot_into(plan: SavePlan, leaves: Sequence[Leaf], arena: Arena, progress
     writer can follow. CUDA tensors are queued on a side stream (returned events mark
     their completion); the caller's current stream waits for those copies, so
     later kernels cannot change the bytes before they are copied.
+
+    ``watch`` (deferred snapshots, host tensors only): each piece's tensor is checked after its
+    copy, and all of them once more before the last byte is released to the writer, so a tensor
+    changed before its copy ended fails the save instead of being committed half old, half new.
     """
     chunk = chunk or COPY_CHUNK
+    hold = plan.file_size - 1 if watch is not None else plan.file_size  # the writer cannot finish before the check
+
+    def advance(n: int) -> None:
+        progress.advance(min(n, hold))
+
     arena.view(plan.data_start)[:] = plan.header
-    progress.advance(plan.data_start)
+    advance(plan.data_start)
     events: list[Any] = []
     pos = plan.data_start
-    for p in plan.pieces:
+    for i, p in enumerate(plan.pieces):
         if p.offset > pos:  # padding the plan put before this piece: zeros, as ucp.save writes them
             arena.tensor(p.offset - pos, pos).zero_()
         pos = p.offset + p.length
@@ -490,11 +514,18 @@ def snapshot_into(plan: SavePlan, leaves: Sequence[Leaf], arena: Arena, progress
             for a in range(0, flat.numel(), step):
                 b = min(a + step, flat.numel())
                 dst[a:b].copy_(flat[a:b])
-                progress.advance(p.offset + b * src.element_size())
+                if watch is not None:
+                    watch.check_piece(i)
+                advance(p.offset + b * src.element_size())
         else:
             dst.view(src.shape).copy_(src)
+            if watch is not None:
+                watch.check_piece(i)
             if not events:
-                progress.advance(p.offset + p.length)
+                advance(p.offset + p.length)
+    if watch is not None:
+        watch.check_all()
+        watch.release()
     if not events:
         progress.advance(plan.file_size)
     return events

@@ -55,7 +55,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -72,6 +72,9 @@ from .staging import Arena, SharedArena, StagingPool
 from .storage import LocalStorage, Storage, open_storage
 from .writer import CrcChain, write_rank_file
 
+if TYPE_CHECKING:
+    from .snapshot import ChangeWatch
+
 log = logging.getLogger(__name__)
 
 REPORT_RE = re.compile(r"^\.report-rank-(\d{5})\.json$")
@@ -87,10 +90,19 @@ class DirectImage:
 
     plan: SavePlan
     views: list[memoryview]
+    watch: "ChangeWatch | None" = None  # checked once the file is written, before the commit
+
     written: Future = field(default_factory=Future)
+
+    def check_unchanged(self) -> None:
+        """Raise SnapshotChangedError if the caller changed a tensor before the data file was written."""
+        if self.watch is not None:
+            self.watch.check_all()
 
     def finished(self) -> None:
         self.views = []
+        if self.watch is not None:
+            self.watch.release()
         if not self.written.done():
             self.written.set_result(None)
 
@@ -440,6 +452,7 @@ def _execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Pro
                 rel = f"{job.temp}/{job.plan.file}"
                 if isinstance(arena, DirectImage):
                     records = write_rank_file(storage, rel, arena.plan, arena.views)
+                    arena.check_unchanged()
                 else:
                     records = write_image(storage, rel, job.plan, arena, progress)
             finally:
@@ -722,7 +735,7 @@ class ProcessBackend:
         self._proc: subprocess.Popen[bytes] | None = None
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._pending: dict[int, tuple[Future, Arena | None, int | None]] = {}
+        self._pending: dict[int, tuple[Future, Arena | None, int | None, WriteJob]] = {}
         self._ready = threading.Event()
         pool.on_drop.append(self._drop_arena)
 
@@ -733,8 +746,13 @@ class ProcessBackend:
     def start(self, *, wait: bool = True, timeout: float = 120.0) -> int:
         """Start the writer process if needed (and wait until it is ready for work); its pid."""
         proc = self._ensure()
-        if wait and not self._ready.wait(timeout):
-            raise CommitError(f"the writer process (pid {proc.pid}) did not start within {timeout:.0f}s")
+        deadline = time.monotonic() + timeout
+        while wait and not self._ready.wait(0.05):
+            code = proc.poll()
+            if code is not None:
+                raise CommitError(f"the writer process (pid {proc.pid}) exited with code {code} while starting")
+            if time.monotonic() > deadline:
+                raise CommitError(f"the writer process (pid {proc.pid}) did not start within {timeout:.0f}s")
         return proc.pid
 
     def _ensure(self) -> subprocess.Popen[bytes]:
@@ -770,12 +788,14 @@ class ProcessBackend:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
         with self._state_lock:
-            self._pending[job.id] = (fut, arena, lock_fd)
+            self._pending[job.id] = (fut, arena, lock_fd, job)
         try:
             self._send(proc, {"op": "job", "job": job.model_dump(mode="json")})
         except BaseException:
             with self._state_lock:
-                self._pending.pop(job.id, None)
+                mine = self._pending.pop(job.id, None) is not None
+            if not mine:  # the writer died meanwhile and _read already failed the job and gave everything back
+                return fut
             raise
         sent = [0]
 
@@ -818,7 +838,7 @@ class ProcessBackend:
                 entry = self._pending.get(job_id)
             if entry is None:
                 continue
-            fut, arena, lock_fd = entry
+            fut, arena, lock_fd, _job = entry
             if op == "arena_free":
                 self._release(job_id)
                 continue
@@ -835,18 +855,22 @@ class ProcessBackend:
             pending, self._pending = self._pending, {}
             if self._proc is proc:
                 self._proc = None
-        for fut, arena, lock_fd in pending.values():
+        for fut, arena, lock_fd, job in pending.values():
             self._release_arena(arena)
             close_fd(lock_fd)
-            fut.set_exception(CommitError(f"the writer process (pid {proc.pid}) exited with code {code} "
-                                          "before finishing this save"))
+            why = f"the writer process (pid {proc.pid}) exited with code {code} before finishing this save"
+            try:
+                abandon(job, why)  # its temporary directory (rank 0), or a report that makes rank 0 give up
+            except Exception as exc:  # noqa: BLE001 - best effort: the save's error below says what happened
+                log.debug("could not clean up after the writer process: %s", exc)
+            fut.set_exception(CommitError(why))
 
     def _release(self, job_id: int) -> None:
         with self._state_lock:
             entry = self._pending.get(job_id)
             if entry is None or entry[1] is None:
                 return
-            self._pending[job_id] = (entry[0], None, entry[2])
+            self._pending[job_id] = (entry[0], None, entry[2], entry[3])
         self._release_arena(entry[1])
 
     def _release_arena(self, arena: Arena | None) -> None:

@@ -50,6 +50,10 @@ class UnsupportedStateError(CheckpointError):
     """The state dict holds something the format cannot store (a dtype, a value type, a key type)."""
 
 
+class SnapshotChangedError(UnsupportedStateError):
+    """A tensor changed in place while a deferred snapshot (``snapshot="background"`` / ``"none"``) read it."""
+
+
 class CommitError(CheckpointError):
     """A save could not be committed: a rank failed, or the ranks' pieces do not fit together."""
 

@@ -368,7 +368,8 @@ class CheckpointManager:
         handle = self.saver.save(state_dict, self.path(step), step=step, metadata=metadata,
                                  process_group=self.process_group, aio_config=self.aio_config, mesh=mesh,
                                  post_commit=hook)
-        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
+        self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
         return handle
 
     def wait(self) -> None:
@@ -432,3 +433,8 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _failed(handle: SaveHandle) -> bool:
+    """A finished save that raised (a cancelled one was stopped on purpose: nothing to report)."""
+    return not handle.future.cancelled() and handle.exception() is not None

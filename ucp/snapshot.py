@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import UnsupportedStateError
+from .errors import SnapshotChangedError, UnsupportedStateError
 from .plan import PlannedPiece, SavePlan
 from .sharding import FlatShard, ShardedTensor, Shards
 from .tree import Leaf
@@ -64,3 +64,65 @@ def piece_bytes(piece: PlannedPiece, leaf: Leaf) -> memoryview:
 def snapshot(plan: SavePlan, leaves: Sequence[Leaf]) -> list[memoryview]:
     """Byte views of every piece the plan writes, in plan order."""
     return [piece_bytes(p, leaves[p.leaf]) for p in plan.pieces]
+
+
+class ChangeWatch:
+    """Notices in-place changes to the tensors a deferred snapshot still has to read.
+
+    With ``AsyncSaver(snapshot="background" | "none")`` the tensors are read after ``save``
+    returned, and the caller promises not to change them before ``handle.wait_snapshot()``.
+    torch bumps a tensor's version counter after every in-place operation on it or on a view of
+    it (an optimizer step, ``copy_``, ``+=``), so comparing the counters taken at ``save`` with
+    those after the copy turns a broken promise into a failed save naming the tensor, instead
+    of a committed checkpoint mixing two steps. Not seen: writes torch does not count (through
+    ``.data``, numpy views or raw pointers), inference tensors (they have no counter), and an
+    operation still running when the last check is made.
+    """
+
+    def __init__(self, plan: SavePlan, leaves: Sequence[Leaf], *, aliased_only: bool = False) -> None:
+        """``aliased_only``: watch only pieces whose bytes are read in place (a writer that reads
+        the tensors' memory directly; other pieces were already copied by :func:`snapshot`)."""
+        self._watched: list[tuple[str, torch.Tensor, int]] = []
+        self._by_piece: dict[int, tuple[str, torch.Tensor, int]] = {}
+        for i, p in enumerate(plan.pieces):
+            t = local_tensor(leaves[p.leaf], p.part)
+            if t.device.type != "cpu" or (aliased_only and not _read_in_place(t)):
+                continue
+            version = _version(t)
+            if version is not None:
+                self._by_piece[i] = entry = (p.name, t, version)
+                self._watched.append(entry)
+
+    def check_piece(self, index: int) -> None:
+        """Raise :class:`SnapshotChangedError` if the tensor of piece ``index`` changed since the save began."""
+        entry = self._by_piece.get(index)
+        if entry is not None:
+            _check(*entry)
+
+    def check_all(self) -> None:
+        """Raise :class:`SnapshotChangedError` for the first watched tensor that changed."""
+        for entry in self._watched:
+            _check(*entry)
+
+    def release(self) -> None:
+        """Drop the references to the caller's tensors (the snapshot no longer reads them)."""
+        self._watched, self._by_piece = [], {}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    if t.is_inference():
+        return None
+    return int(t._version)
+
+
+def _read_in_place(t: torch.Tensor) -> bool:
+    """Whether :func:`host_contiguous` hands back ``t``'s own memory rather than a copy."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _check(name: str, t: torch.Tensor, version: int) -> None:
+    if int(t._version) != version:
+        raise SnapshotChangedError(
+            f"tensor {name!r} was changed in place while a deferred snapshot was still reading it "
+            f"(version {version} -> {int(t._version)}); call handle.wait_snapshot() before changing saved "
+            "tensors, or use snapshot='sync'", tensor=name)
