@@ -185,10 +185,7 @@ class Layout(BaseModel):
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            err = exc.errors(include_url=False)[0]
-            loc = ".".join(str(p) for p in err.get("loc", ()))
-            msg = str(err.get("msg", "")).removeprefix("Value error, ")
-            raise LayoutError(f"{source}: {loc + ': ' if loc else ''}{msg}") from None
+            raise LayoutError(f"{source}: {validation_line(exc)}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Layout":
@@ -253,3 +250,13 @@ class Layout(BaseModel):
         from .resolve import check_layout
 
         check_layout(self, shapes)
+
+
+def validation_line(exc: ValidationError) -> str:
+    """pydantic's first error as one line: ``mesh.tp: Input should be a valid integer`` (+ how many more)."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc + ': ' if loc else ''}{msg}{more}"

@@ -8,6 +8,8 @@ zeroed). Whoever executes it (ucp's reader) chooses how to batch the reads.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -134,8 +136,11 @@ def _check_slot(buf: LocalBuffer, slot: Slot, shape: Sequence[int]) -> None:
             raise PlanError(f"{where}: local box lies outside the buffer's shape {list(buf.shape)}")
     elif not 0 <= slot.local.start <= slot.local.stop <= buf.numel:
         raise PlanError(f"{where}: local range lies outside the buffer's {buf.numel} elements")
-    if isinstance(slot.glob, Box) and not slot.glob.within(shape):
-        raise PlanError(f"{where}: global box lies outside the tensor's shape {list(shape)}")
+    if isinstance(slot.glob, Box):
+        if not slot.glob.within(shape):
+            raise PlanError(f"{where}: global box lies outside the tensor's shape {list(shape)}")
+    elif not 0 <= slot.glob.start <= slot.glob.stop <= math.prod(shape):
+        raise PlanError(f"{where}: global range lies outside the tensor's {math.prod(shape)} elements")
 
 
 def plan(buffers: Sequence[LocalBuffer], sources: Mapping[str, Sequence[SourcePiece]],

@@ -106,7 +106,9 @@ def commit(storage: Storage, temp: str, name: str, manifest: Manifest, *,
     """Write the manifest into ``temp`` and make ``temp`` the checkpoint ``name``, replacing any old one.
 
     Returns the manifest bytes written. ``before_swap`` is a test hook called after the
-    manifest is durable, just before the rename.
+    manifest is durable, just before the rename. When ``name`` is a symlink (to a checkpoint or an
+    empty directory), the link itself is replaced by the new directory and removed; the directory
+    it pointed to is left as it was (see ``storage.remove_path``).
     """
     data = manifest.to_json()
     storage.write_small(f"{temp}/{MANIFEST_NAME}", data)

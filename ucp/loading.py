@@ -32,11 +32,11 @@ from .dtypes import torch_dtype
 from .errors import CheckpointError, LayoutMismatchError
 from .manifest import Manifest, TensorEntry, parse_manifest
 from .partial import Target, read_targets
-from .reader import FileBuffer, FilePiece, pieces_by_file, read_checkpoint_manifest, read_manifest, read_whole_file
+from .reader import FileBuffer, FilePiece, pieces_by_file, read_manifest, read_whole_file
 from .regions import copy_region
 from .sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
 from .storage import Storage, as_aio_config, open_storage
-from .tree import decode_state, dict_items, node_kind, path_str, tensor_refs
+from .tree import decode_state, dict_items, node_kind, path_str, plain_key, tensor_refs
 
 
 def load(path: str | os.PathLike[str], *, into: dict[str, Any] | None = None, verify: bool = True,
@@ -130,6 +130,9 @@ def load_full(storage: Storage, name: str, manifest: Manifest, *, verify: bool) 
 class IntoPlan:
     targets: list[Target] = field(default_factory=list)
     assigns: list[tuple[Any, Any, Any]] = field(default_factory=list)  # (container, key, stored node)
+    # tuples cannot change in place: one holding plain values is rebuilt around its (filled) tensors
+    # and put back into its container: (container, key, the tuple in ``into``, its stored node)
+    rebuilds: list[tuple[Any, Any, tuple, Any]] = field(default_factory=list)
 
 
 def _kind_text(node: Any) -> str:
@@ -150,24 +153,25 @@ def _is_container(v: Any) -> bool:
     return isinstance(v, (dict, list, tuple)) and not is_tensor_like(v)
 
 
-def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> None:
+def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> bool:
+    """Plan the filling of ``obj`` from ``node``; True when ``obj`` is a tuple that must be rebuilt."""
     here = path_str(path)
     kind = node_kind(node)
     if is_tensor_like(obj):
         if kind != "tensor":
             raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a tensor")
         plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(obj))
-        return
+        return False
     if isinstance(obj, dict):
         if kind not in ("dict", "items"):
             raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a dict")
-        stored = {(type(k), k): v for k, v in dict_items(node)}
+        stored = {_key(k): v for k, v in dict_items(node)}
         for k, v in obj.items():
-            child = stored.get((type(k), k))
-            if child is None and (type(k), k) not in stored:
+            child = stored.get(_key(k))
+            if child is None and _key(k) not in stored:
                 raise LayoutMismatchError(f"{path_str(path + (k,))} is not in the checkpoint")
             _child(m, obj, k, v, child, path + (k,), plan)
-        return
+        return False
     if isinstance(obj, (list, tuple)):
         want = "list" if isinstance(obj, list) else "tuple"
         items = node if kind == "list" else (node["tuple"] if kind == "tuple" else None)
@@ -175,17 +179,57 @@ def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPla
             raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a {want}")
         if len(items) != len(obj):
             raise LayoutMismatchError(f"{here}: the checkpoint's {want} has {len(items)} items, the target {len(obj)}")
-        for i, (v, child) in enumerate(zip(obj, items)):
-            _child(m, obj, i, v, child, path + (i,), plan)
-        return
+        stale = [_child(m, obj, i, v, child, path + (i,), plan) for i, (v, child) in enumerate(zip(obj, items))]
+        return isinstance(obj, tuple) and any(stale)
     raise AssertionError("plain values are handled by the parent")
 
 
-def _child(m: Manifest, parent: Any, key: Any, value: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> None:
+def _child(m: Manifest, parent: Any, key: Any, value: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> bool:
+    """Plan one entry of ``parent``; True when ``parent`` is a tuple that must be rebuilt for it."""
     if is_tensor_like(value) or _is_container(value):
-        _walk(m, value, node, path, plan)
-    elif not isinstance(parent, tuple):
-        plan.assigns.append((parent, key, node))
+        if not _walk(m, value, node, path, plan):
+            return False
+        if isinstance(parent, tuple):
+            return True
+        plan.rebuilds.append((parent, key, value, node))
+        return False
+    if isinstance(parent, tuple):
+        return True
+    plan.assigns.append((parent, key, node))
+    return False
+
+
+def _key(key: Any) -> tuple[type, Any]:
+    """How a key of ``into`` is matched with a stored one: by its plain value and type (str or int), so
+    that an enum member finds what it was saved as, and 0 never matches "0"."""
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        k = plain_key(key)
+        return type(k), k
+    return type(key), key
+
+
+def _plain_nodes(obj: tuple, node: Any) -> list[Any]:
+    """The stored nodes of the plain values of a tuple to rebuild (nested tuples included)."""
+    out = []
+    for v, child in zip(obj, node["tuple"]):
+        if isinstance(v, tuple) and not is_tensor_like(v):
+            out.extend(_plain_nodes(v, child))
+        elif not (is_tensor_like(v) or _is_container(v)):
+            out.append(child)
+    return out
+
+
+def _rebuilt(obj: tuple, node: Any, tensor: Any) -> tuple:
+    """``obj`` again with its plain values replaced by the stored ones; its tensors, dicts and lists
+    (filled in place) are the same objects. Named tuples and ``torch.Size`` keep their type."""
+    items = [
+        _rebuilt(v, child, tensor) if isinstance(v, tuple) and not is_tensor_like(v)
+        else v if is_tensor_like(v) or _is_container(v) else decode_state(child, tensor)
+        for v, child in zip(obj, node["tuple"])
+    ]
+    if hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*items)
+    return type(obj)(items)
 
 
 def _target(m: Manifest, name: str, obj: Any, path: tuple[Any, ...]) -> Target:
@@ -201,7 +245,22 @@ def _target(m: Manifest, name: str, obj: Any, path: tuple[Any, ...]) -> Target:
         raise LayoutMismatchError(
             f"{path_str(path)} (tensor {name!r}): the checkpoint's shape is {list(shape)}, the target's {list(gshape)}"
         )
-    return Target(name, buffer, region, path)
+    return Target(name, _fillable(buffer, f"{path_str(path)} (tensor {name!r})"), region, path)
+
+
+def _fillable(buffer: torch.Tensor, where: str) -> torch.Tensor:
+    """The tensor to write into: refuses targets that cannot hold data, detaches ones that require grad.
+
+    A parameter is filled in place like ``load_state_dict`` does (outside autograd, which refuses
+    in-place writes to leaves that require grad); it keeps ``requires_grad``.
+    """
+    if buffer.device.type == "meta":
+        raise LayoutMismatchError(f"{where}: the target is on the meta device, which holds no data; "
+                                  "allocate it first (e.g. module.to_empty(device='cpu'))")
+    if any(st == 0 and n > 1 for st, n in zip(buffer.stride(), buffer.shape)):
+        raise LayoutMismatchError(f"{where}: the target's elements share memory (a stride of 0, e.g. from "
+                                  "expand()); it cannot hold distinct values")
+    return buffer.detach() if buffer.requires_grad else buffer
 
 
 def load_into(storage: Storage, name: str, manifest: Manifest, into: dict[str, Any], *, verify: bool) -> dict[str, Any]:
@@ -209,12 +268,17 @@ def load_into(storage: Storage, name: str, manifest: Manifest, into: dict[str, A
     # Values that replace plain entries of ``into`` may reference tensors: load those in full.
     full: dict[str, torch.Tensor] = {}
     targets = list(plan.targets)
-    for _, _, node in plan.assigns:
+    plain = [node for _, _, node in plan.assigns] + [n for _, _, tup, node in plan.rebuilds for n in _plain_nodes(tup, node)]
+    for node in plain:
         for ref in tensor_refs(node):
+            if ref in full:
+                continue
             entry = manifest.tensors[ref]
             full[ref] = empty_tensor(entry)
             targets.append(Target(ref, full[ref], Box.full(tuple(entry.shape)), ()))
     read_targets(storage, name, manifest, targets, verify=verify)
     for container, key, node in plan.assigns:
         container[key] = decode_state(node, full.__getitem__)
+    for container, key, tup, node in plan.rebuilds:
+        container[key] = _rebuilt(tup, node, full.__getitem__)
     return into

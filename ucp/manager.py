@@ -45,6 +45,7 @@ from .dist import resolve_group
 from .errors import CheckpointError, NotACheckpointError
 from .loading import load as _load
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
+from .reader import read_regular_file
 from .saving import save as _save
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,14 @@ class CheckpointInfo(BaseModel):
 
 
 def read_latest(root: str | os.PathLike[str]) -> tuple[int, str] | None:
-    """(step, name) from ``root/latest``; None when it is missing or unreadable."""
+    """(step, name) from ``root/latest``; None when it is missing, unreadable, or its step and name disagree."""
     try:
         with open(os.path.join(root, LATEST), "rb") as f:
             data = json.loads(f.read())
         step, name = data["step"], data["name"]
-        if isinstance(step, int) and not isinstance(step, bool) and isinstance(name, str) and STEP_RE.match(name):
+        match = STEP_RE.match(name) if isinstance(name, str) else None
+        # the step must be the one the name says: latest() checks the name, load() goes by the step
+        if isinstance(step, int) and not isinstance(step, bool) and match and int(match.group(1)) == step:
             return step, name
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -132,12 +135,11 @@ def _dir_size(path: str) -> int:
 
 def check_complete(path: str) -> tuple[Status, Manifest | None, str | None]:
     """Cheap completeness check of one checkpoint directory: manifest parses, data files have their sizes."""
-    try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            data = f.read()
+    try:  # a FIFO named manifest.json must not hang a listing
+        data = read_regular_file(os.path.join(path, MANIFEST_NAME), os.path.join(path, MANIFEST_NAME))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return "incomplete", None, f"no {MANIFEST_NAME}"
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:
         return "corrupt", None, str(exc)
     try:
         manifest = parse_manifest(data, source=os.path.join(path, MANIFEST_NAME))
@@ -221,6 +223,16 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
     order = {"complete": 0, "corrupt": 0, "incomplete": 0, "saving": 1, "temp": 2, "old": 3}
     out.sort(key=lambda i: (i.step, order[i.status], i.name))
     return out
+
+
+def resume_choice(infos: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """What a resume loads among ``list_checkpoints``' entries: the one ``latest`` names (marked only
+    when complete), else the newest complete one, else None."""
+    named = next((i for i in infos if i.latest), None)
+    if named is not None:
+        return named
+    complete = [i for i in infos if i.status == "complete"]
+    return max(complete, key=lambda i: i.step) if complete else None
 
 
 def clean_leftovers(root: str | os.PathLike[str], *, keep: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
@@ -385,8 +397,8 @@ class CheckpointManager:
         pointer = read_latest(self.root)
         if pointer is not None and check_complete(os.path.join(self.root, pointer[1]))[0] == "complete":
             return pointer[0]
-        steps = [i.step for i in self.list() if i.status == "complete"]
-        return max(steps) if steps else None
+        info = resume_choice(self.list())
+        return info.step if info is not None else None
 
     def load(self, step: int | None = None, *, into: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:
         """Load ``step``, or by default the latest: ``latest``'s checkpoint, else the newest complete one that loads.

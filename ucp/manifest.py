@@ -252,7 +252,10 @@ def check_manifest(m: Manifest, *, source: str = MANIFEST_NAME) -> None:
             if nxt is not None and nxt[0] < end:
                 raise fail(f"{where(nxt[2], fname, nxt[0])}: overlaps the bytes of tensor {name!r} [{start}, {end})")
 
-    refs = check_tree(m.state)
+    try:
+        refs = check_tree(m.state)
+    except ManifestError as exc:  # it names the node ("state['k']: ..."); say which manifest too
+        raise fail(str(exc)) from None
     counts: dict[str, int] = defaultdict(int)
     for r in refs:
         counts[r] += 1

@@ -85,7 +85,8 @@ def _direct_offset(t: Target, fp: FilePiece) -> int | None:
     if isinstance(b, np.ndarray):
         if b.itemsize != itemsize(fp.dtype) or not b.flags.c_contiguous or not b.flags.writeable:
             return None
-    elif b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous() or b.requires_grad:
+    elif (b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous() or b.requires_grad
+          or b.is_conj() or b.is_neg()):  # conjugate/negative views: their memory is not the values
         return None
     region = fp.piece.region()
     if same_elements(t.region, region, fp.shape):

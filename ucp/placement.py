@@ -17,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
+from pydantic import ValidationError
+
 from reshard import Box, FlatRange, Layout, LayoutError, Resolver, merge_slots
+from reshard.layout import validation_line
 
 from .errors import LayoutMismatchError
 from .manifest import Manifest
@@ -56,6 +59,8 @@ def recorded_layout(manifest: Manifest, source: str = "manifest.json") -> Record
     if meta.get("layout") is not None:
         try:
             layout = Layout.model_validate(meta["layout"])
+        except ValidationError as exc:
+            raise LayoutError(f"{source}: metadata.layout is not a valid layout: {validation_line(exc)}") from None
         except ValueError as exc:
             raise LayoutError(f"{source}: metadata.layout is not a valid layout: {exc}") from None
     shapes = None

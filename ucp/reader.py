@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ import crc32c as _crc32c
 
 from aio import AlignedBuffer
 
-from .errors import CorruptCheckpointError, MissingDataError, NotACheckpointError, where
+from .errors import CorruptCheckpointError, ManifestError, MissingDataError, NotACheckpointError, where
 from .manifest import MANIFEST_NAME, Manifest, Piece, parse_manifest
-from .storage import Storage, open_storage
+from .storage import LocalStorage, Storage, open_storage
 from .tree import PAD_PREFIX
 
 if TYPE_CHECKING:
@@ -58,13 +59,43 @@ def read_manifest(storage: Storage, name: str) -> Manifest:
     """Read and check ``<name>/manifest.json``; NotACheckpointError when absent."""
     rel = f"{name}/{MANIFEST_NAME}"
     try:
-        data = storage.read_small(rel)
+        data = _read_manifest_bytes(storage, rel)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise NotACheckpointError(
             f"{storage.describe(name)} is not a checkpoint: no {MANIFEST_NAME} (not a checkpoint, "
             "or a save that never committed)"
         ) from None
     return parse_manifest(data, source=storage.describe(rel))
+
+
+def _read_manifest_bytes(storage: Storage, rel: str) -> bytes:
+    """The manifest's bytes. A local manifest must be a regular file: opening a FIFO named
+    manifest.json would block forever, a device would never end. So the file is opened without
+    blocking and checked (fstat) before it is read; a directory counts as no manifest."""
+    if not isinstance(storage, LocalStorage):
+        return storage.read_small(rel)
+    return read_regular_file(storage.path(rel), storage.describe(rel))
+
+
+def read_regular_file(path: str, where: str) -> bytes:
+    """A local file's bytes, refusing anything but a regular file without blocking on it
+    (IsADirectoryError for a directory, ManifestError naming ``where`` for a FIFO, device...)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(mode):
+            raise ManifestError(f"{where}: is not a regular file ({file_type(mode)})")
+        os.set_blocking(fd, True)
+        return f.read()
+
+
+def file_type(mode: int) -> str:
+    """What a non-regular file is, for messages: 'a directory', 'a FIFO', ..."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((word for test, word in kinds if test(mode)), "a special file")
 
 
 def pieces_by_file(manifest: Manifest) -> dict[str, list[FilePiece]]:
@@ -82,9 +113,18 @@ def pieces_by_file(manifest: Manifest) -> dict[str, list[FilePiece]]:
 
 
 def check_file_size(storage: Storage, name: str, file: str, expected: int) -> None:
+    """The data file exists, is a regular file (locally: not a directory, FIFO, ...) and has the
+    manifest's size."""
     rel = f"{name}/{file}"
     try:
-        size = storage.size(rel)
+        if isinstance(storage, LocalStorage):
+            st = os.stat(storage.path(rel))
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{where(file=file)}: data file {storage.describe(rel)} is not a "
+                                             f"regular file but {file_type(st.st_mode)}", file=file)
+            size = st.st_size
+        else:
+            size = storage.size(rel)
     except FileNotFoundError:
         raise MissingDataError(f"{where(file=file)}: data file {storage.describe(rel)} is missing", file=file) from None
     if size != expected:

@@ -47,6 +47,7 @@ from .storage import Storage, open_storage
 from .writer import write_rank_file
 
 DEFAULT_MEMORY_BUDGET = 384 << 20
+MIN_MEMORY_BUDGET = 1 << 20  # the smallest --memory-budget reshape accepts
 READ_AHEAD = 2  # batches of a file being read while the previous one is written
 STAGING_SHARE = 4  # a batch's reads are staged a quarter batch at a time (3 quarters held at most)
 # Memory per file written at once, in batches: READ_AHEAD + 1 batches of data, plus the read
@@ -88,7 +89,7 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
     checkpoint, replaced atomically).
     """
     started = time.perf_counter()
-    if memory_budget < 1 << 20:
+    if memory_budget < MIN_MEMORY_BUDGET:
         raise ValueError(f"memory budget {memory_budget} bytes is below the 1 MiB minimum")
     src_storage, src_name = open_storage(src)
     dst_storage, dst_name = open_storage(dst)

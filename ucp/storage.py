@@ -134,7 +134,7 @@ class LocalStorage(Storage):
         os.makedirs(self.path(rel), exist_ok=True)
 
     def remove_tree(self, rel: str) -> None:
-        shutil.rmtree(self.path(rel), ignore_errors=True)
+        remove_path(self.path(rel))
 
     def listdir(self, rel: str) -> list[str]:
         return sorted(os.listdir(self.path(rel)))
@@ -179,6 +179,22 @@ class LocalStorage(Storage):
     def close(self) -> None:
         with self._io_lock:
             self._io = None  # the shared handle lives on for the next storage
+
+
+def remove_path(path: str | os.PathLike[str]) -> None:
+    """Delete a directory tree, best effort; a symlink is unlinked, never followed.
+
+    A checkpoint (or export) destination that is a symlink is replaced as a link: the commit
+    swaps the new directory in under the link's name and then removes the link, so what the link
+    pointed to is left untouched. ``shutil.rmtree`` refuses symlinks, hence this helper.
+    """
+    if os.path.islink(path):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 _RENAME_EXCHANGE = 2

@@ -45,6 +45,11 @@ class EncodedState:
     leaves: list[Leaf] = field(default_factory=list)
 
 
+def plain_key(key: str | int) -> str | int:
+    """A dict key as stored: the plain str or int value of a key of a subclass (e.g. an enum member)."""
+    return str.__str__(key) if isinstance(key, str) else int(key)
+
+
 def path_str(path: tuple[Any, ...]) -> str:
     """A readable key path for error messages: ``optimizer['state'][0]['exp_avg']``."""
     return "state_dict" + "".join(f"[{k!r}]" for k in path)
@@ -90,13 +95,8 @@ def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], nam
                     f"{path_str(path)}: key {k!r} of type {type(k).__name__} is not supported (only str and int keys)"
                 )
         if all(isinstance(k, str) for k in keys):
-            return {"dict": {str(k): _encode(v, path + (k,), depth + 1, leaves, names) for k, v in obj.items()}}
-        return {
-            "items": [
-                [str(k) if isinstance(k, str) else int(k), _encode(v, path + (k,), depth + 1, leaves, names)]
-                for k, v in obj.items()
-            ]
-        }
+            return {"dict": {plain_key(k): _encode(v, path + (k,), depth + 1, leaves, names) for k, v in obj.items()}}
+        return {"items": [[plain_key(k), _encode(v, path + (k,), depth + 1, leaves, names)] for k, v in obj.items()]}
     if isinstance(obj, list):
         return [_encode(v, path + (i,), depth + 1, leaves, names) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
@@ -109,7 +109,7 @@ def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], nam
 
 def _unique_name(path: tuple[Any, ...], names: set[str]) -> str:
     # '#' would let a name equal another tensor's "<name>#<k>" entry: replace it, so no saved name holds one
-    base = ".".join(str(k) for k in path).replace(ENTRY_SEP, "_")
+    base = ".".join(str(plain_key(k)) if isinstance(k, (str, int)) else str(k) for k in path).replace(ENTRY_SEP, "_")
     if base.startswith(PAD_PREFIX):  # no suffix can make it legal: move it out of the reserved prefix
         base = "_" + base
     name, n = base, 1
@@ -135,10 +135,11 @@ def node_kind(node: Any) -> str:
 def check_tree(tree: Any) -> list[str]:
     """Check a manifest's state tree; returns the tensor names it references, in order.
 
-    Raises ManifestError naming the path of the first malformed node.
+    Raises ManifestError naming the path of the first malformed node (``state['a'][0]: ...``);
+    the manifest reader prefixes the manifest's location.
     """
     if not (isinstance(tree, dict) and len(tree) == 1 and next(iter(tree)) in ("dict", "items")):
-        raise ManifestError("manifest 'state': the root must be a dict node ({'dict': ...} or {'items': ...})")
+        raise ManifestError("state: the root must be a dict node ({'dict': ...} or {'items': ...})")
     refs: list[str] = []
     _check(tree, "state", 0, refs)
     return refs
@@ -146,7 +147,7 @@ def check_tree(tree: Any) -> list[str]:
 
 def _check(node: Any, where: str, depth: int, refs: list[str]) -> None:
     if depth > 2 * MAX_DEPTH + 8:
-        raise ManifestError(f"manifest {where}: state tree nested too deeply")
+        raise ManifestError(f"{where}: state tree nested too deeply")
     if node is None or isinstance(node, (bool, int, float, str)):
         return
     if isinstance(node, list):
@@ -154,38 +155,38 @@ def _check(node: Any, where: str, depth: int, refs: list[str]) -> None:
             _check(v, f"{where}[{i}]", depth + 1, refs)
         return
     if not isinstance(node, dict) or len(node) != 1 or next(iter(node)) not in TAGS:
-        raise ManifestError(f"manifest {where}: a state node must be a JSON scalar, a list, or one of {TAGS}")
+        raise ManifestError(f"{where}: a state node must be a JSON scalar, a list, or one of {TAGS}")
     tag, value = next(iter(node.items()))
     if tag == "dict":
         if not isinstance(value, dict):
-            raise ManifestError(f"manifest {where}: 'dict' must hold a JSON object")
+            raise ManifestError(f"{where}: 'dict' must hold a JSON object")
         for k, v in value.items():
             _check(v, f"{where}[{k!r}]", depth + 1, refs)
     elif tag == "items":
         if not isinstance(value, list):
-            raise ManifestError(f"manifest {where}: 'items' must hold a list of [key, value] pairs")
+            raise ManifestError(f"{where}: 'items' must hold a list of [key, value] pairs")
         seen: set[tuple[type, Any]] = set()
         for i, item in enumerate(value):
             if not (isinstance(item, list) and len(item) == 2):
-                raise ManifestError(f"manifest {where}: 'items' entry {i} is not a [key, value] pair")
+                raise ManifestError(f"{where}: 'items' entry {i} is not a [key, value] pair")
             k = item[0]
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise ManifestError(f"manifest {where}: 'items' key {k!r} must be a string or an integer")
+                raise ManifestError(f"{where}: 'items' key {k!r} must be a string or an integer")
             if (type(k), k) in seen:
-                raise ManifestError(f"manifest {where}: duplicate key {k!r}")
+                raise ManifestError(f"{where}: duplicate key {k!r}")
             seen.add((type(k), k))
             _check(item[1], f"{where}[{k!r}]", depth + 1, refs)
     elif tag == "tuple":
         if not isinstance(value, list):
-            raise ManifestError(f"manifest {where}: 'tuple' must hold a list")
+            raise ManifestError(f"{where}: 'tuple' must hold a list")
         for i, v in enumerate(value):
             _check(v, f"{where}[{i}]", depth + 1, refs)
     elif tag == "float":
         if value not in ("nan", "inf", "-inf"):
-            raise ManifestError(f"manifest {where}: 'float' must be 'nan', 'inf' or '-inf', got {value!r}")
+            raise ManifestError(f"{where}: 'float' must be 'nan', 'inf' or '-inf', got {value!r}")
     else:  # tensor
         if not isinstance(value, str):
-            raise ManifestError(f"manifest {where}: 'tensor' must name a tensor")
+            raise ManifestError(f"{where}: 'tensor' must name a tensor")
         refs.append(value)
 
 

@@ -58,13 +58,13 @@ def test_ls_warns_when_latest_is_not_complete(tmp_path):
     assert result.exit_code == 0, result.output
     assert "incomplete" in result.stdout and "falls back" in result.stdout
     doc = json.loads(runner.invoke(app, ["ls", str(tmp_path), "--json"]).stdout)
-    assert doc["latest"] is None and doc["latest_pointer"]["step"] == 200
+    assert doc["latest"] == 100 and doc["latest_pointer"]["step"] == 200  # what a resume loads: the newest complete
 
 
 def test_ls_empty_and_missing_roots(tmp_path):
     result = runner.invoke(app, ["ls", str(tmp_path)])
     assert result.exit_code == 0 and "no checkpoints" in result.stdout
     result = runner.invoke(app, ["ls", str(tmp_path / "nope")])
-    assert result.exit_code == 1 and "not a directory" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "not a directory" in " ".join(result.output.split())
     result = runner.invoke(app, ["--help"])
     assert " ls " in result.stdout

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 # Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.
@@ -61,8 +62,10 @@ def source_reads_start() -> None:
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":
-    """Print an error to stderr and return the Exit to raise."""
-    err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    """Print a one-line error to stderr (never wrapped, so scripts can grep it) and return the Exit to raise.
+
+    The message is printed as is: brackets in it ("[key, value]") are not rich markup."""
+    err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

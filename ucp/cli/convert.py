@@ -1,8 +1,11 @@
 """``ucp convert SRC DST``: turn a DeepSpeed (native or universal), PyTorch DCP or Hugging Face
 safetensors checkpoint into a UCP checkpoint.
 
+SRC is a local path; DST a local path or an fsspec URL (``s3://bucket/ckpt``), written by ``ucp.save``.
+
 Exit codes: 0 converted; 1 the conversion failed while writing (storage error); 2 the input is
-not a readable checkpoint of the format (unknown format, missing file, unsafe pickle), or DST exists.
+not a readable checkpoint of the format (unknown format, missing file, unsafe pickle, a URL SRC),
+or DST exists (without --force, or is not a UCP checkpoint, or holds SRC).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
 def convert_cmd(
     src: Annotated[str, typer.Argument(help="Foreign checkpoint: a DeepSpeed root or tag folder, a universal "
                                             "folder, a DCP folder, or safetensors (file, index or folder).")],
-    dst: Annotated[str, typer.Argument(help="Where to write the UCP checkpoint (must not exist unless --force).")],
+    dst: Annotated[str, typer.Argument(help="Where to write the UCP checkpoint: a path or fsspec URL "
+                                            "(must not exist unless --force).")],
     source_format: Annotated[str, typer.Option("--from", help="Source format: " + " | ".join(FORMAT_CHOICES))] = "auto",
     trust_pickle: Annotated[bool, typer.Option(
         "--trust-pickle", help="Allow a full unpickle of files that need classes outside the safe allow-list "
@@ -40,7 +44,7 @@ def convert_cmd(
         import ucp
         from ucp.importers import convert
 
-        from .inspect import human_bytes
+        from .inspect import _one_line, human_bytes
 
         source_reads_start()
 
@@ -49,10 +53,9 @@ def convert_cmd(
                 report = convert(src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force,
                                  progress=update)
         except ucp.CheckpointError as exc:
-            raise fail(str(exc), EXIT_BAD_INPUT) from None
+            raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
         except OSError as exc:
-            where = f" ({exc.filename})" if getattr(exc, "filename", None) and str(exc.filename) not in str(exc) else ""
-            raise fail(f"{exc}{where}", EXIT_WRITE) from None
+            raise fail(_one_line(exc), EXIT_WRITE) from None
         if json_output:
             typer.echo(report.model_dump_json(indent=2))
             return

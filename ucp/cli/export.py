@@ -2,12 +2,14 @@
 
 Exit codes: 0 done; 1 the export failed while reading or writing (corrupt data,
 disk full — the message names the tensor or file); 2 bad input (unknown option
-value or section, not a checkpoint, DST not empty without --overwrite).
+value or section, not a checkpoint, DST not empty without --overwrite, DST is SRC
+or holds it or lies inside it).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import Annotated, Optional
 
 import typer
@@ -56,12 +58,13 @@ def export_cmd(
     with prefetching(src):
         import ucp
         from ucp.exporters import ExportError, export, parse_size
+        from ucp.exporters.output import check_destination
 
         source_reads_start()
 
         kwargs: dict = {}
         if format is ExportFormat.zarr:
-            kwargs = {"compressor": compressor.value, "level": level, "chunk_bytes": max(1, int(chunk_mb * (1 << 20)))}
+            kwargs = {"compressor": compressor.value, "level": level, "chunk_bytes": _chunk_bytes(chunk_mb)}
         else:
             given = [name for name, value in (("--compressor", compressor is not CompressorName.zstd), ("--level", level is not None),
                                               ("--chunk-mb", chunk_mb != 32.0)) if value]
@@ -73,6 +76,7 @@ def export_cmd(
         except ExportError as exc:
             raise fail(str(exc), EXIT_BAD_INPUT) from None
         try:
+            check_destination(dst, overwrite=overwrite, src=src)  # before reading: DST must not overlap SRC
             with progress_bar("export (MiB)", enabled=not json_output) as update:
 
                 def progress(done: int, total: int, name: str) -> None:
@@ -95,6 +99,15 @@ def export_cmd(
         out.print(f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
                   f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
                   f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s", highlight=False)
+
+
+def _chunk_bytes(chunk_mb: float) -> int:
+    """--chunk-mb in bytes; exit 2 unless it is a finite number of MiB of at least one byte."""
+    size = chunk_mb * (1 << 20)
+    if not math.isfinite(size) or size < 1:
+        raise fail(f"--chunk-mb must be a finite number of MiB greater than 0 (at least one byte), got {chunk_mb}",
+                   EXIT_BAD_INPUT)
+    return int(size)
 
 
 def register(app: typer.Typer) -> None:

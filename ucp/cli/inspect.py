@@ -4,6 +4,10 @@ Shows every tensor (dtype, global shape, where its pieces lie), the data files,
 the saving job's topology, step, creator and format version, the non-tensor part
 of the state dict and the user metadata. ``--json`` prints the same as one
 :class:`InspectReport`. Works for local paths and fsspec URLs (``s3://...``).
+
+Exit codes: 0 shown (also when ``--tensor`` matches no tensor: a note says so on stderr),
+2 the input is not a readable checkpoint (no manifest, invalid manifest, unreachable
+storage) or an option is invalid.
 """
 
 from __future__ import annotations
@@ -16,15 +20,16 @@ from typing import Annotated, Any, Optional
 import typer
 from pydantic import BaseModel, Field
 
-from .common import err, out
+from rich.markup import escape
+
+from .common import err, fail, out
 
 EXIT_BAD_INPUT = 2  # not a checkpoint, unreadable or invalid manifest
 
 
 def bad_input(message: str) -> typer.Exit:
-    """Print a one-line error (never wrapped, so scripts can grep it) and return the exit-2 to raise."""
-    err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(EXIT_BAD_INPUT)
+    """Print a one-line error and return the exit-2 (bad input) to raise."""
+    return fail(message, EXIT_BAD_INPUT)
 
 
 class PieceInfo(BaseModel):
@@ -201,7 +206,7 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
     from rich.table import Table
 
     mesh = "" if not report.mesh else " (mesh " + " x ".join(f"{k}={v}" for k, v in report.mesh.items()) + ")"
-    out.print(f"[bold]{report.path}[/bold]", highlight=False)
+    out.print(f"[bold]{escape(report.path)}[/bold]", highlight=False)
     out.print(
         f"format version {report.format_version}, created {report.created} by {report.creator}, "
         f"step {report.step if report.step is not None else '-'}, world size {report.world_size}{mesh}",
@@ -221,14 +226,15 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
         shown = [f"{p.file}: {p.placement()}" for p in t.pieces[:max_pieces]]
         if len(t.pieces) > max_pieces:
             shown.append(f"… (+{len(t.pieces) - max_pieces} more)")
-        table.add_row(t.name, t.dtype, str(t.shape), str(len(t.pieces)), "\n".join(shown), human_bytes(t.bytes))
+        table.add_row(escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)),
+                      human_bytes(t.bytes))
     out.print(table)
 
     files = Table(title="data files", title_justify="left")
     for col in ("file", "rank", "size", "pieces", "tensor bytes"):
         files.add_column(col, justify="left" if col == "file" else "right")
     for f in report.files:
-        files.add_row(f.name, str(f.rank), human_bytes(f.size), str(f.pieces), human_bytes(f.tensor_bytes))
+        files.add_row(escape(f.name), str(f.rank), human_bytes(f.size), str(f.pieces), human_bytes(f.tensor_bytes))
     out.print(files)
 
     if report.state:
@@ -236,22 +242,31 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
         for col in ("key", "type", "value"):
             state.add_column(col, overflow="fold")
         for v in report.state:
-            state.add_row(v.path, v.type, _short(v.value))
+            state.add_row(escape(v.path), v.type, escape(_short(v.value)))
         out.print(state)
-    out.print("metadata: " + (json.dumps(report.metadata, ensure_ascii=False) if report.metadata else "none"), highlight=False)
+    metadata = json.dumps(report.metadata, ensure_ascii=False) if report.metadata else "none"
+    out.print("metadata: " + escape(metadata), highlight=False)
 
 
-def parse_storage_options(text: str | None) -> dict[str, Any] | None:
-    """``--storage-options`` JSON -> dict (fsspec keyword arguments)."""
+def load_storage_options(text: str | None) -> dict[str, Any] | None:
+    """``--storage-options`` JSON -> dict (fsspec keyword arguments); ValueError saying what is wrong."""
     if text is None:
         return None
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise bad_input(f"--storage-options is not valid JSON: {exc}") from None
+        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise bad_input("--storage-options must be a JSON object")
+        raise ValueError("--storage-options must be a JSON object")
     return value
+
+
+def parse_storage_options(text: str | None) -> dict[str, Any] | None:
+    """:func:`load_storage_options`, a bad value printed as a one-line error (exit 2)."""
+    try:
+        return load_storage_options(text)
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
 
 
 def inspect_cmd(
@@ -267,7 +282,8 @@ def inspect_cmd(
 ) -> None:
     """Show what a checkpoint holds: tensors and their placements, files, topology, state, metadata.
 
-    Reads only [bold]manifest.json[/bold] (fully checked). Exit code 2 when PATH is not a readable checkpoint.
+    Reads only [bold]manifest.json[/bold] (fully checked). Exit code 2 when PATH is not a readable checkpoint;
+    0 otherwise, also when --tensor matches nothing (a note on stderr says so).
     """
     options = parse_storage_options(storage_options)
     import ucp
@@ -275,10 +291,13 @@ def inspect_cmd(
     try:
         manifest = ucp.read_manifest(path, storage_options=options)
     except (ucp.CheckpointError, OSError, ValueError, ImportError) as exc:
-        raise bad_input(_one_line(exc)) from None
+        raise bad_input(unreadable_message(path, exc)) from None
     report = build_report(path, manifest)
     if tensor is not None:
         report.tensors = [t for t in report.tensors if fnmatch.fnmatchcase(t.name, tensor)]
+        if not report.tensors:  # an empty answer, not an error; but a typo should not pass unnoticed
+            err.print(f"[yellow]note:[/yellow] no tensor matches {escape(repr(tensor))} "
+                      f"(the checkpoint holds {report.tensor_count})", highlight=False, soft_wrap=True)
     if json_output:
         typer.echo(report.model_dump_json(indent=2))
     else:
@@ -291,6 +310,18 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
         text = f"{exc.filename}: {text}"
     return text or type(exc).__name__
+
+
+def unreadable_message(path: str, exc: BaseException) -> str:
+    """Why the checkpoint at ``path`` cannot be read, as one line naming it. UCP's errors name the
+    manifest already; others (an unknown URL protocol, a missing fsspec backend) get the path."""
+    from ucp.errors import CheckpointError
+
+    text = _one_line(exc)
+    if not isinstance(exc, CheckpointError) and not (isinstance(exc, OSError) and exc.filename is not None) \
+            and path not in text:
+        text = f"{path}: {text}"
+    return text
 
 
 def register(app: typer.Typer) -> None:

@@ -1,14 +1,28 @@
-"""``ucp ls ROOT``: the checkpoints under a CheckpointManager root — step, size, status, which is latest."""
+"""``ucp ls ROOT``: the checkpoints under a CheckpointManager root — step, size, status, which is latest.
+
+"Latest" is what a resume loads (:meth:`ucp.CheckpointManager.latest`): the checkpoint the
+``latest`` pointer names if it is complete, else the newest complete one. When the pointer is
+missing, unreadable or names a checkpoint that is not complete, a note says so (``notes`` in
+``--json``).
+
+Exit codes: 0 listed (also when some entries are corrupt: their status says so), 2 ROOT is not
+a local directory (missing, a file, or a URL).
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Annotated
+import os
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
-from .common import fail, out
+from .common import out
+from .inspect import bad_input
+
+if TYPE_CHECKING:
+    from ucp.manager import CheckpointInfo
 
 
 def human_size(n: int) -> str:
@@ -20,39 +34,66 @@ def human_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def resume_latest(root: str, infos: list[CheckpointInfo],
+                  pointer: tuple[int, str] | None) -> tuple[CheckpointInfo | None, str | None]:
+    """(the entry a resume loads, a note when that is not simply what the pointer names)."""
+    from ucp.manager import LATEST, resume_choice
+
+    choice = resume_choice(infos)
+    if choice is None or choice.latest:
+        if choice is None and infos:
+            return None, "no checkpoint is complete: loading finds nothing to resume from"
+        return choice, None
+    if pointer is not None:
+        why = f"'latest' names {pointer[1]}, which is not complete"
+    elif os.path.lexists(os.path.join(root, LATEST)):
+        why = "the 'latest' pointer cannot be read"
+    else:
+        why = "there is no 'latest' pointer"
+    return choice, f"{why}; loading falls back to the newest complete checkpoint, {choice.name}"
+
+
 def ls_cmd(
-    root: Annotated[Path, typer.Argument(help="A CheckpointManager root (holding step-NNNNNNNN/ directories).")],
+    root: Annotated[str, typer.Argument(help="A CheckpointManager root (holding step-NNNNNNNN/ directories).")],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")] = False,
 ) -> None:
     """List the checkpoints under ROOT: step, size, status (complete / saving / temp leftovers ...), latest.
 
     Only [bold]complete[/bold] checkpoints are ever loaded; [bold]temp[/bold] and [bold]old[/bold] entries
-    are leftovers of interrupted saves, removed by the next save.
+    are leftovers of interrupted saves, removed by the next save. Exit code 2 when ROOT is not a local directory.
     """
     from rich.table import Table
 
     from ucp.manager import list_checkpoints, read_latest
 
-    if not root.is_dir():
-        raise fail(f"{root} is not a directory")
-    infos = list_checkpoints(root)
+    if "://" in root:
+        raise bad_input(f"{root}: ls works on local directories only (a CheckpointManager root), not URLs")
+    if not os.path.isdir(root):
+        raise bad_input(f"{root} is not a directory" + ("" if os.path.exists(root) else " (it does not exist)"))
+    try:
+        infos = list_checkpoints(root)
+    except OSError as exc:  # e.g. no permission to list it
+        raise bad_input(f"{root}: cannot list it: {exc.strerror or exc}") from None
     pointer = read_latest(root)
-    latest = next((i for i in infos if i.latest), None)
+    latest, note = resume_latest(root, infos, pointer)
+    if latest is not None and not latest.latest:
+        infos = [i.model_copy(update={"latest": True}) if i is latest else i for i in infos]
     if json_output:
         doc = {
-            "root": str(root),
+            "root": root,
             "latest": latest.step if latest else None,
             "latest_pointer": {"step": pointer[0], "name": pointer[1]} if pointer else None,
+            "notes": [note] if note else [],
             "checkpoints": [i.model_dump(mode="json") for i in infos],
         }
         typer.echo(json.dumps(doc, indent=2))
         return
     if not infos:
-        out.print(f"no checkpoints under {root}")
+        out.print(f"no checkpoints under {escape(root)}", highlight=False)
         return
     styles = {"complete": "green", "saving": "cyan", "temp": "yellow", "old": "dim", "incomplete": "red",
               "corrupt": "bold red"}
-    table = Table(title=str(root), title_justify="left")
+    table = Table(title=escape(root), title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("name")
     table.add_column("size", justify="right")
@@ -62,14 +103,14 @@ def ls_cmd(
     for i in infos:
         status = f"[{styles[i.status]}]{i.status}[/]"
         created = i.created.strftime("%Y-%m-%d %H:%M:%S") if i.created else ""
-        table.add_row(str(i.step), i.name, human_size(i.size), status, created, "← latest" if i.latest else "")
+        mark = "← latest" if i.latest else ""
+        table.add_row(str(i.step), escape(i.name), human_size(i.size), status, created, mark)
     out.print(table)
-    if pointer is not None and latest is None:
-        out.print(f"[yellow]note:[/yellow] 'latest' names {pointer[1]}, which is not complete; "
-                  "loading falls back to the newest complete checkpoint")
+    if note:
+        out.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
     problems = [i for i in infos if i.detail and i.status in ("corrupt", "incomplete")]
     for i in problems:
-        out.print(f"[red]{i.name}[/red]: {i.detail}", highlight=False)
+        out.print(f"[red]{escape(i.name)}[/red]: {escape(i.detail)}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

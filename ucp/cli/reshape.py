@@ -4,6 +4,12 @@ The target is the layout SRC recorded (the training engine records it) with the 
 ZeRO stage given on the command line changed, or a layout file (``--layout``), or, for a
 checkpoint that recorded none (an imported one), the reference GPT preset (``--model``). With no
 target at all, the checkpoint is consolidated: one piece per tensor, one file.
+
+Exit codes: 0 written (and with ``--verify`` read back clean); 1 the ``--verify`` read-back found
+problems (listed on stdout, or as ``problems`` in the ``--json`` object); 2 bad input: an invalid
+option or target layout, SRC not a readable and intact checkpoint, DST already there (without
+``--overwrite``) or not writable. Errors are one ``error:`` line on stderr (a layout pattern error
+adds the pattern with a caret under the part at fault).
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ from __future__ import annotations
 import json
 import resource
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from pydantic import ValidationError
+from rich.markup import escape
 
-from .common import command_line, fail, out, parse_size, prefetching, progress_bar, source_reads_start
+from .common import command_line, out, parse_size, prefetching, progress_bar, source_reads_start
+from .inspect import _one_line, bad_input
 
-EXIT_BAD_INPUT = 2
+EXIT_PROBLEMS = 1  # --verify found problems in what was written (bad input: 2, inspect.bad_input)
 
 
 def reshape_cmd(
@@ -41,38 +50,58 @@ def reshape_cmd(
     from reshard import LayoutError
 
     from ucp.errors import CheckpointError
+    from ucp.reshape import MIN_MEMORY_BUDGET
 
     budget = parse_size(memory_budget, "--memory-budget")
+    if budget < MIN_MEMORY_BUDGET:
+        raise bad_input(f"--memory-budget {memory_budget}: the memory budget must be at least 1 MiB")
     try:
         target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
         with prefetching(src):
             source_reads_start()
             report = _run(src, dst, target, budget, workers, overwrite, json_output)
     except (LayoutError, CheckpointError, OSError) as exc:
-        raise fail(f"{type(exc).__name__}: {exc}", code=EXIT_BAD_INPUT) from None
+        raise bad_input(f"{type(exc).__name__}: {_one_line_keeping_diagram(exc)}") from None
     peak_rss = _peak_rss()
-    problems = None
-    if verify:
-        import ucp
-
-        problems = ucp.verify(dst).problems
+    problems = _read_back(dst) if verify else None
     doc = {**report.model_dump(mode="json"), "peak_rss_bytes": peak_rss, "command": command_line(),
-           "verified": None if problems is None else not problems}
+           "verified": None if problems is None else not problems, "problems": problems}
     if json_output:
         typer.echo(json.dumps(doc, indent=2))
     else:
         what = "consolidated" if target is None else (
             f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
         gbps = report.bytes_written / max(report.seconds, 1e-9) / 1e9
-        out.print(f"[green]reshaped[/green] {src} -> {dst} ({what}): {report.files} files, {report.tensors} tensors, "
-                  f"{report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s ({gbps:.2f} GB/s), "
-                  f"peak RSS {peak_rss / 2**20:.0f} MiB", highlight=False)
+        out.print(f"[green]reshaped[/green] {escape(src)} -> {escape(dst)} ({what}): {report.files} files, "
+                  f"{report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s "
+                  f"({gbps:.2f} GB/s), peak RSS {peak_rss / 2**20:.0f} MiB", highlight=False)
         if problems is not None:
             out.print("verified: every CRC matches" if not problems else f"[red]{len(problems)} problems[/red]")
+        for p in problems or ():
+            out.print(f"[red]{p['kind']}[/red]: {escape(p['message'])}", highlight=False, soft_wrap=True)
     if problems:
-        for p in problems:
-            out.print(f"[red]{p.kind}[/red]: {p.message}", highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+def _read_back(dst: str) -> list[dict[str, Any]]:
+    """Verify what was written (every CRC): its problems as JSON objects, [] when clean. Failing to
+    read it back at all is a problem too."""
+    import ucp
+
+    try:
+        report = ucp.verify(dst)
+    except (OSError, ValueError) as exc:  # ucp.CheckpointError is a ValueError
+        return [{"kind": type(exc).__name__, "message": _one_line(exc)}]
+    return [{"kind": p.kind, "message": p.message, **{k: getattr(p, k, None) for k in ("file", "tensor", "offset")}}
+            for p in report.problems]
+
+
+def _one_line_keeping_diagram(exc: BaseException) -> str:
+    """An error's message; multi-line only for a layout pattern error, whose further lines show the
+    pattern with a caret under the part at fault."""
+    from reshard import PatternError
+
+    return str(exc) if isinstance(exc, PatternError) else _one_line(exc)
 
 
 def _peak_rss() -> int:
@@ -92,6 +121,7 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
                    layout_file: Path | None, model: str | None):  # -> reshard.Layout | None
     """The target layout from the options and what SRC recorded; None means consolidate."""
     from reshard import Layout, LayoutError
+    from reshard.layout import validation_line
 
     from ucp.placement import recorded_layout
     from ucp.reader import read_checkpoint_manifest
@@ -111,17 +141,17 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
             raise LayoutError(f"--model {model!r} is not a preset ({', '.join(sorted(PRESETS))})")
         base = gpt_layout(PRESETS[model])
     else:
-        base = recorded_layout(read_checkpoint_manifest(src), source=f"{src}/manifest.json").layout
+        manifest, source = read_checkpoint_manifest(src), f"{src}/manifest.json"
+        base = recorded_layout(manifest, source=source).layout
         if base is None:
             raise LayoutError(f"{src} records no layout (metadata.layout); give one with --layout FILE "
                               "or --model PRESET")
-    mesh = base.mesh.model_copy(update=flags)
-    try:
-        mesh = type(base.mesh).model_validate(mesh.model_dump())
-    except ValueError as exc:
-        raise LayoutError(f"target mesh: {exc}") from None
     stage = base.zero.stage if zero is None else zero
-    return base.replace(mesh=mesh, zero=base.zero.model_copy(update={"stage": stage}))
+    try:
+        mesh = type(base.mesh).model_validate(base.mesh.model_copy(update=flags).model_dump())
+        return base.replace(mesh=mesh, zero=base.zero.model_copy(update={"stage": stage}))
+    except ValidationError as exc:
+        raise LayoutError(f"target layout: {validation_line(exc)}") from None
 
 
 def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool, quiet: bool):

@@ -2,7 +2,8 @@
 every piece's CRC-32C — and say exactly what is wrong.
 
 Exit codes: 0 clean, 1 problems found in the data, 2 the input is not a readable
-checkpoint (no manifest, invalid manifest, unreachable storage).
+checkpoint (no manifest, invalid manifest, unreachable storage) or an option is invalid.
+With ``--json`` stdout always holds one :class:`VerifyOutput`, whatever the exit code.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Annotated, Any, Callable, Iterator, Optional
 import typer
 from pydantic import BaseModel, Field
 
+from rich.markup import escape
+
 from .common import err, out
-from .inspect import EXIT_BAD_INPUT, _one_line, bad_input, human_bytes, parse_storage_options
+from .inspect import EXIT_BAD_INPUT, human_bytes, load_storage_options, unreadable_message
 
 EXIT_OK, EXIT_PROBLEMS = 0, 1
 # Problems that mean "this is not a readable checkpoint" rather than "its data is damaged".
@@ -113,15 +116,42 @@ def _print(result: VerifyOutput) -> None:
         )
         return
     if result.exit_code == EXIT_BAD_INPUT:
-        for p in result.problems:
-            err.print(f"[bold red]error:[/bold red] {p.message}", highlight=False, soft_wrap=True)
+        _print_errors(result)
         return
-    out.print(f"[bold red]PROBLEMS[/bold red] {result.path}: {len(result.problems)} file(s) failed the check "
-              f"({result.files_checked} files passed)", highlight=False)
+    out.print(f"[bold red]PROBLEMS[/bold red] {escape(result.path)}: {len(result.problems)} file(s) failed the "
+              f"check ({result.files_checked} files passed)", highlight=False)
     for p in result.problems:
         # UCP's messages start with their location (tensor, file, offset); add the file when one does not.
         text = p.message if p.file is None or repr(p.file) in p.message else f"file {p.file!r}: {p.message}"
-        out.print(f"  [red]{p.kind}[/red]: {text}", highlight=False, soft_wrap=True)
+        out.print(f"  [red]{p.kind}[/red]: {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def _print_errors(result: VerifyOutput) -> None:
+    """An unreadable checkpoint's problems as ``error:`` lines on stderr."""
+    for p in result.problems:
+        err.print(f"[bold red]error:[/bold red] {escape(p.message)}", highlight=False, soft_wrap=True)
+
+
+def _bad_input(path: str, kind: str, message: str, seconds: float = 0.0) -> VerifyOutput:
+    """The output when nothing could be checked (a bad option, a checkpoint that cannot be opened): exit 2."""
+    return VerifyOutput(path=path, ok=False, exit_code=EXIT_BAD_INPUT, seconds=round(seconds, 3),
+                        problems=[ProblemOut(kind=kind, message=message)])
+
+
+def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:
+    """Run ``ucp.verify`` (with a progress bar on a terminal); exit 2 when it cannot even start."""
+    import ucp
+
+    t0 = time.perf_counter()
+    try:
+        with _byte_progress("verify") as progress:
+            if progress is not None and "progress" in inspect.signature(ucp.verify).parameters:
+                report = ucp.verify(path, storage_options=options, progress=progress)
+            else:
+                report = ucp.verify(path, storage_options=options)
+    except (OSError, ValueError, ImportError) as exc:  # ucp.CheckpointError is a ValueError
+        return _bad_input(path, type(exc).__name__, unreadable_message(path, exc), time.perf_counter() - t0)
+    return to_output(report, time.perf_counter() - t0)
 
 
 def verify_cmd(
@@ -135,24 +165,16 @@ def verify_cmd(
 
     Exit code 0: clean; 1: problems found (each named by tensor, file and offset); 2: not a readable checkpoint.
     """
-    options = parse_storage_options(storage_options)
-    import ucp
-
-    t0 = time.perf_counter()
     try:
-        with _byte_progress("verify") as progress:
-            if progress is not None and "progress" in inspect.signature(ucp.verify).parameters:
-                report = ucp.verify(path, storage_options=options, progress=progress)
-            else:
-                report = ucp.verify(path, storage_options=options)
-    except (ucp.CheckpointError, OSError, ValueError, ImportError) as exc:
-        raise bad_input(_one_line(exc)) from None
-    result = to_output(report, time.perf_counter() - t0)
+        options = load_storage_options(storage_options)
+    except ValueError as exc:  # the message names the option
+        result = _bad_input(path, "UsageError", str(exc))
+    else:
+        result = _verify(path, options)
     if json_output:
         typer.echo(result.model_dump_json(indent=2))
         if result.exit_code == EXIT_BAD_INPUT:  # say it on stderr too: scripts often show only that
-            for p in result.problems:
-                err.print(f"[bold red]error:[/bold red] {p.message}", highlight=False, soft_wrap=True)
+            _print_errors(result)
     else:
         _print(result)
     raise typer.Exit(result.exit_code)

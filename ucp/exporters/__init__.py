@@ -79,7 +79,7 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: 
         from .zarr_export import codecs
 
         codecs(zarr_options.get("compressor", "zstd"), zarr_options.get("level"))  # bad values fail before any work
-    check_destination(dst, overwrite=overwrite)
+    check_destination(dst, overwrite=overwrite, src=src)
     t0 = time.perf_counter()
     storage, name = open_storage(src, storage_options=storage_options)
     with storage:

@@ -3,7 +3,12 @@
 A killed or failed export thus never leaves a partial file under the destination
 name: either the destination is untouched, or it holds the complete export. An
 existing destination is replaced only when it is empty or ``overwrite`` is given
-(it is renamed aside, the new one renamed in, then the old one deleted).
+(it is renamed aside, the new one renamed in, then the old one deleted), and never
+when it is, or holds, the checkpoint being exported.
+
+A destination that is a symlink to a directory is replaced as a link: the export
+takes the link's name and the link is removed; the directory it pointed to is left
+untouched (like a checkpoint commit, see ``ucp.storage.remove_path``).
 """
 
 from __future__ import annotations
@@ -17,15 +22,20 @@ from typing import Iterator
 
 from aio import fsync_dir
 
+from ..storage import remove_path
 from .options import ExportError
 
 
-def check_destination(dst: str | os.PathLike[str], *, overwrite: bool) -> Path:
-    """The destination as an absolute path; ExportError if it is a file, or a non-empty directory without ``overwrite``."""
+def check_destination(dst: str | os.PathLike[str], *, overwrite: bool,
+                      src: str | os.PathLike[str] | None = None) -> Path:
+    """The destination as an absolute path; ExportError if it is a file, a non-empty directory without
+    ``overwrite``, or overlaps the local checkpoint ``src`` (replacing it would delete the source)."""
     text = os.fspath(dst)
     if "://" in text:
         raise ExportError(f"destination {text!r}: exports are written to local paths only")
     path = Path(text).absolute()
+    if src is not None:
+        check_no_overlap(src, path)
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise ExportError(f"destination {str(path)!r} exists and is not a directory")
@@ -34,6 +44,22 @@ def check_destination(dst: str | os.PathLike[str], *, overwrite: bool) -> Path:
     if not path.parent.is_dir():
         raise ExportError(f"destination {str(path)!r}: parent directory {str(path.parent)!r} does not exist")
     return path
+
+
+def check_no_overlap(src: str | os.PathLike[str], dst: Path) -> None:
+    """ExportError when ``dst`` is the local checkpoint ``src``, a folder holding it, or a folder inside it
+    (symlinks resolved). URL sources cannot overlap a local destination."""
+    text = os.fspath(src)
+    if "://" in text:
+        return
+    source, target = Path(text).resolve(), dst.resolve()
+    if target == source:
+        raise ExportError(f"destination {str(dst)!r} is the source checkpoint {text!r}; export elsewhere")
+    if target in source.parents:
+        raise ExportError(f"destination {str(dst)!r} contains the source checkpoint {text!r}; replacing it would "
+                          "delete the source")
+    if source in target.parents:
+        raise ExportError(f"destination {str(dst)!r} is inside the source checkpoint {text!r}; export elsewhere")
 
 
 @contextmanager
@@ -46,19 +72,19 @@ def staged_dir(dst: Path, *, overwrite: bool) -> Iterator[Path]:
     try:
         yield tmp
         sync_tree(tmp)
-        if dst.exists():
+        if os.path.lexists(dst):
             old = dst.parent / f".{dst.name}.export-old-{uuid.uuid4().hex[:8]}"
-            os.rename(dst, old)
+            os.rename(dst, old)  # a symlink is moved as the link itself
         os.rename(tmp, dst)
         fsync_dir(str(dst.parent))
     except BaseException:
-        if old is not None and not dst.exists():
+        if old is not None and not os.path.lexists(dst):
             os.rename(old, dst)  # the new export did not make it in: the old one goes back
             old = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
 
 
 def sync_tree(root: Path) -> None:

@@ -48,7 +48,7 @@ def detect(path: str | os.PathLike[str]) -> str:
 
     A DeepSpeed root holding both its native tag and a universal conversion is "deepspeed".
     """
-    p = Path(path)
+    p = _local_source(path)
     if not p.exists():
         raise UnknownFormatError(f"{str(p)!r}: no such file or directory", file=str(p))
     if p.is_file():
@@ -78,6 +78,7 @@ def detect(path: str | os.PathLike[str]) -> str:
 def read(src: str | os.PathLike[str], source_format: str = "auto", *, trust_pickle: bool = False,
          progress: Progress | None = None) -> tuple[str, Imported]:
     """Read a foreign checkpoint into memory-mapped leaves; ``(format, Imported)``."""
+    src = _local_source(src)
     fmt = detect(src) if source_format == "auto" else source_format
     if fmt == "ucp":
         raise UnknownFormatError(f"{str(src)!r} is already a UCP checkpoint", file=str(src))
@@ -99,28 +100,58 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, source_
             progress: Callable[[int, int, str], None] | None = None) -> ConvertReport:
     """Convert the checkpoint at ``src`` into a UCP checkpoint at ``dst`` (written atomically).
 
-    ``dst`` must not exist unless ``overwrite`` (then only a UCP checkpoint there is replaced), so a
-    typo cannot swap away a folder of other data. ``progress(done, total, what)`` is called while
-    reading, then once before and after writing.
+    ``src`` is a local path; ``dst`` a local path or an fsspec URL (``s3://...``: written by
+    ``ucp.save``). ``dst`` must not exist unless ``overwrite`` (then only a UCP checkpoint there is
+    replaced, and never one holding ``src``), so a typo cannot swap away a folder of other data. A
+    ``dst`` that is a symlink to a checkpoint is replaced as a link; its target is left untouched.
+    ``progress(done, total, what)`` is called while reading, then once before and after writing.
     """
     from ..saving import save
 
     t0 = time.perf_counter()
-    s, d = Path(src), Path(dst)
-    if d.exists() or d.is_symlink():
-        if not overwrite:
-            raise ForeignCheckpointError(f"destination {str(d)!r} already exists (overwrite=True / --force replaces "
-                                         "a UCP checkpoint there)", file=str(d))
-        if not (d / "manifest.json").is_file():
-            raise ForeignCheckpointError(f"destination {str(d)!r} exists and is not a UCP checkpoint; not replacing it",
-                                         file=str(d))
-    if s.exists() and d.exists() and s.resolve() == d.resolve():
-        raise ForeignCheckpointError(f"source and destination are the same path {str(s)!r}", file=str(s))
+    s, d = _local_source(src), os.fspath(dst)
+    _check_destination(s, d, overwrite=overwrite)
     fmt, imported = read(s, source_format, trust_pickle=trust_pickle, progress=progress)
+    name = d.rstrip("/").rsplit("/", 1)[-1]
     if progress:
-        progress(0, 1, f"writing {d.name}")
+        progress(0, 1, f"writing {name}")
     manifest = save(imported.state, d, step=imported.step, metadata=imported.metadata)
     if progress:
-        progress(1, 1, f"wrote {d.name}")
-    return ConvertReport(format=fmt, src=str(s), dst=str(d), step=manifest.step, tensors=len(manifest.tensors),
+        progress(1, 1, f"wrote {name}")
+    return ConvertReport(format=fmt, src=str(s), dst=d, step=manifest.step, tensors=len(manifest.tensors),
                          bytes=sum(f.size for f in manifest.files.values()), seconds=round(time.perf_counter() - t0, 3))
+
+
+def _local_source(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a local Path; UnknownFormatError for a URL (foreign checkpoints are read from local paths)."""
+    text = os.fspath(src)
+    if "://" in text:
+        raise UnknownFormatError(f"source {text!r}: foreign checkpoints are read from local paths only "
+                                 "(copy it to a local folder first)", file=text)
+    return Path(text)
+
+
+def _check_destination(src: Path, dst: str, *, overwrite: bool) -> None:
+    """ForeignCheckpointError unless ``dst`` is free, or (``overwrite``) a UCP checkpoint not holding ``src``."""
+    from ..storage import open_storage
+
+    try:
+        storage, name = open_storage(dst)
+    except (ValueError, ImportError) as exc:  # unknown protocol, fsspec backend not installed
+        raise ForeignCheckpointError(f"destination {dst!r}: {exc}", file=dst) from None
+    with storage:
+        local = storage.local
+        exists = storage.exists(name) or (local and os.path.islink(dst))  # a dangling link exists too
+        if not exists:
+            return
+        if not overwrite:
+            raise ForeignCheckpointError(f"destination {dst!r} already exists (overwrite=True / --force replaces "
+                                         "a UCP checkpoint there)", file=dst)
+        if not storage.exists(f"{name}/manifest.json"):
+            raise ForeignCheckpointError(f"destination {dst!r} exists and is not a UCP checkpoint; not replacing it",
+                                         file=dst)
+    if local:
+        source, target = src.resolve(), Path(dst).resolve()
+        if target == source or target in source.parents:
+            raise ForeignCheckpointError(f"destination {dst!r} is or holds the source {str(src)!r}; replacing it "
+                                         "would delete the source", file=dst)

@@ -20,10 +20,11 @@ class UnknownFormatError(ForeignCheckpointError):
 class UnsafePickleError(ForeignCheckpointError):
     """A pickle wants globals outside the allow-list; ``--trust-pickle`` would run a full unpickle."""
 
-    def __init__(self, file: str, globals_: list[str]) -> None:
+    def __init__(self, file: str, globals_: list[str], *, where: str | None = None) -> None:
+        """``where`` describes the pickle when it is not a whole file (e.g. a byte range of one)."""
         names = ", ".join(globals_) if globals_ else "(classes it rebuilds dynamically)"
         super().__init__(
-            f"file {file!r} needs classes outside the safe allow-list: {names}. Loading it would run "
+            f"{where or f'file {file!r}'} needs classes outside the safe allow-list: {names}. Loading it would run "
             "arbitrary code from the file; if you trust it, pass --trust-pickle (trust_pickle=True) "
             "to allow a full unpickle", file=file)
         self.globals = list(globals_)

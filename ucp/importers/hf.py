@@ -86,7 +86,14 @@ def _mapped(file: Path) -> dict[str, torch.Tensor]:
 
 
 def read_hf(path: str | os.PathLike[str], *, trust_pickle: bool = False, progress: Progress | None = None) -> Imported:
-    """Read safetensors weights into ``{"model": {name: tensor}}`` (``trust_pickle`` is unused: no pickles)."""
+    """Read safetensors weights into ``{"model": {name: tensor}}`` (``trust_pickle`` is unused: no pickles).
+
+    A UCP checkpoint folder is refused: its data files are safetensors too, but importing them as
+    weights would drop its state tree, step and sharding.
+    """
+    if (Path(path) / "manifest.json").is_file():
+        raise UnknownFormatError(f"{str(path)!r} is a UCP checkpoint already (it holds manifest.json); "
+                                 "there is nothing to import", file=str(path))
     files = weight_files(path)
     model: dict[str, torch.Tensor] = {}
     for i, file in enumerate(files):

@@ -11,7 +11,9 @@ unpickle runs whatever code the file names. Here:
   unpickler whose ``find_class`` resolves only the names it is given.
 
 Anything else raises :class:`UnsafePickleError` naming the file and the classes it wants;
-``trust_pickle=True`` then allows a full unpickle (logged as a warning).
+``trust_pickle=True`` then allows a full unpickle (logged as a warning). A file that is not a
+torch.save archive at all (neither a zip nor a legacy torch file), or a damaged one, raises
+:class:`ForeignCheckpointError` and is never unpickled.
 """
 
 from __future__ import annotations
@@ -73,39 +75,77 @@ def load_torch(path: str | os.PathLike[str], *, trust_pickle: bool = False, mmap
     ``trust_pickle`` is off; ForeignCheckpointError when the file is not a readable torch archive.
     """
     name = os.fspath(path)
-    try:
-        with torch.serialization.safe_globals(DEEPSPEED_STAND_INS):
-            try:
-                return torch.load(name, weights_only=True, map_location="cpu", mmap=mmap)
-            except RuntimeError as exc:
-                if not (mmap and "mmap can only be used" in str(exc)):
-                    raise
-                return torch.load(name, weights_only=True, map_location="cpu")  # legacy (non-zip) file
-    except pickle.UnpicklingError as exc:
-        if not trust_pickle:
-            raise UnsafePickleError(name, _unsafe_globals(name)) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise ForeignCheckpointError(f"file {name!r} is not a readable torch.save archive: {exc}", file=name) from exc
-    _full_unpickle_warning(name)
-    try:
-        return torch.load(name, weights_only=False, map_location="cpu", mmap=mmap)
-    except (ImportError, AttributeError) as exc:
-        raise ForeignCheckpointError(f"file {name!r}: full unpickle failed: {exc}", file=name) from exc
+    return _load_archive(name, where=f"file {name!r}", file=name, trust_pickle=trust_pickle, mmap=mmap)
 
 
 def load_torch_bytes(data: bytes | memoryview, *, where: str, trust_pickle: bool = False) -> Any:
     """``torch.load`` of a ``torch.save`` archive held in memory (a DCP item); ``where`` names it in errors."""
-    buf = io.BytesIO(data)
+    return _load_archive(io.BytesIO(data), where=where, file=where, trust_pickle=trust_pickle, mmap=False)
+
+
+# How a torch.save archive starts: a zip (torch >= 1.6), or a legacy file whose first pickle is a magic
+# number (opcode LONG1, 10 bytes little-endian) right after the pickle's protocol (and frame) header.
+_ZIP_START = b"PK\x03\x04"
+_LEGACY_MAGIC = b"\x8a\x0a" + torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+
+
+def _is_torch_archive(source: str | io.BytesIO) -> bool:
+    """Whether ``source`` starts like a torch.save archive (it may still be damaged further on)."""
+    if isinstance(source, io.BytesIO):
+        head = source.getvalue()[:32]
+    else:
+        with open(source, "rb") as fh:
+            head = fh.read(32)
+    return head.startswith(_ZIP_START) or _LEGACY_MAGIC in head
+
+
+def _load_archive(source: str | io.BytesIO, *, where: str, file: str, trust_pickle: bool, mmap: bool) -> Any:
+    """Allow-listed load, then (only if ``trust_pickle``) a full unpickle; ``where`` names the source in errors.
+
+    A file that is not a torch archive at all is reported as such, and never unpickled: no
+    allow-list could make it load, so "pass --trust-pickle" would be the wrong advice.
+    """
+    if not _is_torch_archive(source):
+        raise ForeignCheckpointError(f"{where} is not a readable torch.save archive (neither a zip archive nor a "
+                                     "legacy torch file)", file=file)
     try:
-        return torch.load(buf, weights_only=True, map_location="cpu")
+        with torch.serialization.safe_globals(DEEPSPEED_STAND_INS):
+            return _torch_load(source, where=where, file=file, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if not trust_pickle:
-            raise UnsafePickleError(where, _unsafe_globals(io.BytesIO(data))) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise ForeignCheckpointError(f"{where} is not a readable torch.save archive: {exc}", file=where) from exc
+            raise UnsafePickleError(file, _unsafe_globals(source), where=where) from exc
     _full_unpickle_warning(where)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False, map_location="cpu")
+    return _torch_load(source, where=where, file=file, weights_only=False, mmap=mmap)
+
+
+def _torch_load(source: str | io.BytesIO, *, where: str, file: str, weights_only: bool, mmap: bool) -> Any:
+    """``torch.load`` to CPU, reading a legacy (non-zip) archive without mmap, which torch cannot map.
+
+    Failures become ForeignCheckpointError naming ``where``, except that an allow-listed load
+    (``weights_only``) lets pickle.UnpicklingError through: a global outside the allow-list.
+    """
+    def load(use_mmap: bool) -> Any:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        return torch.load(source, weights_only=weights_only, map_location="cpu", mmap=use_mmap)
+
+    try:
+        try:
+            return load(mmap)
+        except RuntimeError as exc:
+            if not (mmap and "mmap can only be used" in str(exc)):
+                raise
+            return load(False)
+    except pickle.UnpicklingError as exc:
+        if weights_only:
+            raise
+        raise ForeignCheckpointError(f"{where}: full unpickle failed: {exc}", file=file) from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise ForeignCheckpointError(f"{where} is not a readable torch.save archive: {exc}", file=file) from exc
+    except Exception as exc:  # noqa: BLE001 - a trusted full unpickle runs the file's code, which may raise anything
+        if weights_only:
+            raise
+        raise ForeignCheckpointError(f"{where}: full unpickle failed: {type(exc).__name__}: {exc}", file=file) from exc
 
 
 class _Refused:
