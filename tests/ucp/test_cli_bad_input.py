@@ -22,6 +22,7 @@ import ucp
 from ucp.cli.main import app
 from ucp.cli.verify import VerifyOutput
 from ucp.manager import CheckpointManager
+from ucp_helpers import cli_error_line
 
 runner = CliRunner()
 W = torch.arange(12.0).reshape(3, 4)
@@ -37,17 +38,6 @@ def _strict_json(text: str):
 def _no_traceback(result) -> None:  # noqa: ANN001 - click's Result
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output + result.stderr
-
-
-def _one_line_error(result, code: int, *needles: str) -> str:  # noqa: ANN001
-    """The result failed with ``code`` and exactly one ``error:`` line on stderr holding every needle."""
-    _no_traceback(result)
-    assert result.exit_code == code, result.output + result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture()
@@ -80,8 +70,8 @@ def test_unparseable_manifest_is_one_line_exit_2(ckpt: Path, case: str) -> None:
     data, words = BAD_MANIFESTS[case]
     (ckpt / "manifest.json").write_bytes(data)
     manifest = str(ckpt / "manifest.json")
-    _one_line_error(runner.invoke(app, ["inspect", str(ckpt)]), 2, manifest, words)
-    _one_line_error(runner.invoke(app, ["verify", str(ckpt)]), 2, manifest, words)
+    cli_error_line(runner.invoke(app, ["inspect", str(ckpt)]), 2, manifest, words)
+    cli_error_line(runner.invoke(app, ["verify", str(ckpt)]), 2, manifest, words)
     js = runner.invoke(app, ["verify", str(ckpt), "--json"])
     assert js.exit_code == 2
     out = VerifyOutput.model_validate(_strict_json(js.stdout))
@@ -100,13 +90,13 @@ def test_unparseable_manifest_is_one_line_exit_2(ckpt: Path, case: str) -> None:
 def test_invalid_manifest_values_name_manifest_and_key(ckpt: Path, edit, words: str) -> None:  # noqa: ANN001
     _edit_manifest(ckpt, edit)
     manifest = str(ckpt / "manifest.json")
-    _one_line_error(runner.invoke(app, ["inspect", str(ckpt), "--json"]), 2, manifest, words)
-    _one_line_error(runner.invoke(app, ["verify", str(ckpt)]), 2, manifest, words)
+    cli_error_line(runner.invoke(app, ["inspect", str(ckpt), "--json"]), 2, manifest, words)
+    cli_error_line(runner.invoke(app, ["verify", str(ckpt)]), 2, manifest, words)
 
 
 def test_bad_state_tree_error_names_the_manifest(ckpt: Path) -> None:
     _edit_manifest(ckpt, lambda m: m.update(state={"tensor": "nope"}))
-    _one_line_error(runner.invoke(app, ["inspect", str(ckpt)]), 2, str(ckpt / "manifest.json"), "state")
+    cli_error_line(runner.invoke(app, ["inspect", str(ckpt)]), 2, str(ckpt / "manifest.json"), "state")
 
 
 @pytest.mark.parametrize("target", ["missing", "empty-dir", "plain-file"])
@@ -117,12 +107,12 @@ def test_not_a_checkpoint(tmp_path: Path, target: str) -> None:
     elif target == "plain-file":
         path.write_text("hello")
     for cmd in ("inspect", "verify"):
-        _one_line_error(runner.invoke(app, [cmd, str(path)]), 2, str(path), "not a checkpoint")
+        cli_error_line(runner.invoke(app, [cmd, str(path)]), 2, str(path), "not a checkpoint")
 
 
 def test_storage_options_must_be_a_json_object(ckpt: Path) -> None:
-    _one_line_error(runner.invoke(app, ["inspect", str(ckpt), "--storage-options", "[1]"]), 2, "--storage-options")
-    _one_line_error(runner.invoke(app, ["verify", str(ckpt), "--storage-options", "nope"]), 2, "not valid JSON")
+    cli_error_line(runner.invoke(app, ["inspect", str(ckpt), "--storage-options", "[1]"]), 2, "--storage-options")
+    cli_error_line(runner.invoke(app, ["verify", str(ckpt), "--storage-options", "nope"]), 2, "not valid JSON")
 
 
 @pytest.mark.parametrize("case", ["symlink-loop", "unknown-protocol"])
@@ -184,9 +174,9 @@ def test_verify_data_file_that_is_a_directory(ckpt: Path) -> None:
 
 
 def test_ls_bad_roots_and_corrupt_entries(tmp_path: Path) -> None:
-    _one_line_error(runner.invoke(app, ["ls", str(tmp_path / "nope")]), 2, str(tmp_path / "nope"))
+    cli_error_line(runner.invoke(app, ["ls", str(tmp_path / "nope")]), 2, str(tmp_path / "nope"))
     (tmp_path / "f").write_text("x")
-    _one_line_error(runner.invoke(app, ["ls", str(tmp_path / "f")]), 2, "is not a directory")
+    cli_error_line(runner.invoke(app, ["ls", str(tmp_path / "f")]), 2, "is not a directory")
     root = tmp_path / "root"
     m = CheckpointManager(root, keep_last=5)
     for step in (1, 2):
@@ -209,7 +199,7 @@ def test_ls_latest_agrees_with_the_manager_without_a_pointer(tmp_path: Path) -> 
 
 def test_ls_url_is_named_as_given() -> None:
     result = runner.invoke(app, ["ls", "memory://ucp-review-ls/root"])
-    _one_line_error(result, result.exit_code if result.exit_code in (1, 2) else 1, "memory://ucp-review-ls/root")
+    cli_error_line(result, result.exit_code if result.exit_code in (1, 2) else 1, "memory://ucp-review-ls/root")
 
 
 # -- convert ------------------------------------------------------------------------------------------
@@ -237,7 +227,7 @@ def test_convert_corrupt_safetensors_names_file_and_leaves_no_dst(tmp_path: Path
     for name, path in _safetensors_variants(tmp_path).items():
         dst = tmp_path / f"out-{name}"
         result = runner.invoke(app, ["convert", str(path), str(dst), "--json"])
-        _one_line_error(result, 2, path.name, "not a readable safetensors file")
+        cli_error_line(result, 2, path.name, "not a readable safetensors file")
         assert result.stdout == "" and not dst.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp leftovers
 
@@ -246,15 +236,15 @@ def test_convert_foreign_folder_errors_name_the_file(tmp_path: Path) -> None:
     ds = tmp_path / "ds"
     ds.mkdir()
     (ds / "latest").write_text("global_step9")
-    _one_line_error(runner.invoke(app, ["convert", str(ds), str(tmp_path / "o1")]), 2, "global_step9", "missing")
+    cli_error_line(runner.invoke(app, ["convert", str(ds), str(tmp_path / "o1")]), 2, "global_step9", "missing")
     dcp = tmp_path / "dcp"
     dcp.mkdir()
     (dcp / ".metadata").write_bytes(b"garbage")
-    _one_line_error(runner.invoke(app, ["convert", str(dcp), str(tmp_path / "o2")]), 2, ".metadata")
+    cli_error_line(runner.invoke(app, ["convert", str(dcp), str(tmp_path / "o2")]), 2, ".metadata")
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001.safetensors"}}))
-    _one_line_error(runner.invoke(app, ["convert", str(hf), str(tmp_path / "o3")]), 2, "model-00001.safetensors")
+    cli_error_line(runner.invoke(app, ["convert", str(hf), str(tmp_path / "o3")]), 2, "model-00001.safetensors")
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
 
 
@@ -277,7 +267,7 @@ def test_convert_trust_pickle_on_garbage_pt_is_a_clean_error(tmp_path: Path) -> 
 
 def test_convert_garbage_pt_is_not_called_an_unsafe_pickle(tmp_path: Path) -> None:
     src = _garbage_deepspeed(tmp_path / "ds")
-    line = _one_line_error(runner.invoke(app, ["convert", str(src), str(tmp_path / "out")]), 2,
+    line = cli_error_line(runner.invoke(app, ["convert", str(src), str(tmp_path / "out")]), 2,
                            "mp_rank_00_model_states.pt")
     assert "--trust-pickle" not in line and "not a readable" in line
 
@@ -286,8 +276,8 @@ def test_convert_destination_checks(tmp_path: Path) -> None:
     src = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(2)}, src)
     (tmp_path / "plain").write_text("keep")
-    _one_line_error(runner.invoke(app, ["convert", str(src), str(tmp_path / "plain")]), 2, "already exists")
-    _one_line_error(runner.invoke(app, ["convert", str(src), str(tmp_path / "plain"), "--force"]), 2,
+    cli_error_line(runner.invoke(app, ["convert", str(src), str(tmp_path / "plain")]), 2, "already exists")
+    cli_error_line(runner.invoke(app, ["convert", str(src), str(tmp_path / "plain"), "--force"]), 2,
                     "not a UCP checkpoint")
     assert (tmp_path / "plain").read_text() == "keep"
 
@@ -308,7 +298,7 @@ def test_convert_url_destination_is_not_written_as_a_local_folder(tmp_path: Path
 
 def test_convert_from_hf_refuses_a_ucp_checkpoint(ckpt: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["convert", str(ckpt), str(tmp_path / "out"), "--from", "hf"])
-    _one_line_error(result, 2, str(ckpt))
+    cli_error_line(result, 2, str(ckpt))
 
 
 # -- export -------------------------------------------------------------------------------------------
@@ -322,23 +312,23 @@ def test_convert_from_hf_refuses_a_ucp_checkpoint(ckpt: Path, tmp_path: Path) ->
     (["--level", "3"], "--level apply to --format zarr only"),
 ])
 def test_export_bad_options_exit_2(ckpt: Path, tmp_path: Path, args: list[str], words: str) -> None:
-    _one_line_error(runner.invoke(app, ["export", str(ckpt), str(tmp_path / "o"), *args]), 2, words)
+    cli_error_line(runner.invoke(app, ["export", str(ckpt), str(tmp_path / "o"), *args]), 2, words)
     assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-5"])
 def test_export_chunk_mb_must_be_a_positive_number(ckpt: Path, tmp_path: Path, value: str) -> None:
     result = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "o"), "--format", "zarr", "--chunk-mb", value])
-    _one_line_error(result, 2, "--chunk-mb")
+    cli_error_line(result, 2, "--chunk-mb")
     assert not (tmp_path / "o").exists()
 
 
 def test_export_destination_checks(ckpt: Path, tmp_path: Path) -> None:
-    _one_line_error(runner.invoke(app, ["export", str(ckpt), "memory://ucp-review-export/o"]), 2, "local paths only")
+    cli_error_line(runner.invoke(app, ["export", str(ckpt), "memory://ucp-review-export/o"]), 2, "local paths only")
     (tmp_path / "plain").write_text("keep")
-    _one_line_error(runner.invoke(app, ["export", str(ckpt), str(tmp_path / "plain"), "--overwrite"]), 2,
+    cli_error_line(runner.invoke(app, ["export", str(ckpt), str(tmp_path / "plain"), "--overwrite"]), 2,
                     "not a directory")
-    _one_line_error(runner.invoke(app, ["export", str(tmp_path / "nothing"), str(tmp_path / "o")]), 2, "nothing")
+    cli_error_line(runner.invoke(app, ["export", str(tmp_path / "nothing"), str(tmp_path / "o")]), 2, "nothing")
     assert sorted(os.listdir(tmp_path)) == ["ck", "plain"]
 
 
@@ -346,7 +336,7 @@ def test_export_damaged_source_exit_1_leaves_nothing(ckpt: Path, tmp_path: Path)
     os.truncate(ckpt / "rank-00000.safetensors", 0)
     for fmt in ("hf", "zarr"):
         result = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "o"), "--format", fmt])
-        _one_line_error(result, 1, "rank-00000.safetensors", "truncated")
+        cli_error_line(result, 1, "rank-00000.safetensors", "truncated")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -387,25 +377,25 @@ def test_convert_force_onto_a_symlink_leaves_no_leftover(ckpt: Path, tmp_path: P
 ], ids=["truncated", "missing", "flipped"])
 def test_reshape_damaged_source_fails_cleanly(ckpt: Path, tmp_path: Path, damage, words: str) -> None:  # noqa: ANN001
     damage(ckpt)
-    _one_line_error(runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o")]), 2, "rank-00000.safetensors", words)
+    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o")]), 2, "rank-00000.safetensors", words)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
 def test_reshape_bad_targets(ckpt: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{bad")
     o = str(tmp_path / "o")
-    _one_line_error(runner.invoke(app, ["reshape", str(ckpt), o, "--tp", "2"]), 2, "records no layout")
-    _one_line_error(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "nofile.json")]), 2,
+    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--tp", "2"]), 2, "records no layout")
+    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "nofile.json")]), 2,
                     "nofile.json")
-    _one_line_error(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "bad.json")]), 2,
+    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "bad.json")]), 2,
                     "bad.json")
-    _one_line_error(runner.invoke(app, ["reshape", str(ckpt), str(ckpt)]), 2, "already exists")
+    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), str(ckpt)]), 2, "already exists")
     assert sorted(os.listdir(tmp_path)) == ["bad.json", "ck"]
 
 
 def test_reshape_memory_budget_below_minimum(ckpt: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o"), "--memory-budget", "512KiB"])
-    _one_line_error(result, 2, "memory budget")
+    cli_error_line(result, 2, "memory budget")
     assert not (tmp_path / "o").exists()
 
 

@@ -18,19 +18,9 @@ import ucp
 from ucp.cli.main import app
 from ucp.cli.verify import VerifyOutput
 from ucp.manager import CheckpointManager
+from ucp_helpers import cli_error_line
 
 runner = CliRunner()
-
-
-def _error_line(result, code: int, *needles: str) -> str:  # noqa: ANN001 - click's Result
-    """``result`` exited with ``code`` and printed exactly one ``error:`` line holding every needle."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == code, result.output + result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def _verify_json(*args: str) -> tuple[VerifyOutput, object]:
@@ -69,7 +59,7 @@ def test_verify_json_bad_storage_options(ckpt: Path) -> None:
 def test_verify_json_unopenable_url_names_it(url: str) -> None:
     out, result = _verify_json(url)
     assert result.exit_code == 2 and out.problems and url in out.problems[0].message
-    _error_line(runner.invoke(app, ["verify", url]), 2, url)
+    cli_error_line(runner.invoke(app, ["verify", url]), 2, url)
 
 
 def test_verify_json_unreadable_manifest_names_it(ckpt: Path) -> None:
@@ -112,7 +102,7 @@ def test_manifest_that_is_a_fifo_is_refused_not_waited_on(ckpt: Path) -> None:
     manifest.unlink()
     os.mkfifo(manifest)
     result = _run_with_deadline(lambda: runner.invoke(app, ["inspect", str(ckpt)]), unblock=manifest)
-    _error_line(result, 2, str(manifest), "not a regular file (a FIFO)")
+    cli_error_line(result, 2, str(manifest), "not a regular file (a FIFO)")
     out, _ = _run_with_deadline(lambda: _verify_json(str(ckpt)), unblock=manifest)
     assert out.exit_code == 2 and str(manifest) in out.problems[0].message
 
@@ -137,7 +127,7 @@ def test_manifest_that_is_a_directory_is_no_checkpoint(ckpt: Path) -> None:
 def test_state_tree_errors_name_the_manifest_and_node(ckpt: Path, state: dict, words: str) -> None:
     _edit_manifest(ckpt, lambda m: m.update(state=state))
     manifest = str(ckpt / "manifest.json")
-    line = _error_line(runner.invoke(app, ["inspect", str(ckpt)]), 2, words)
+    line = cli_error_line(runner.invoke(app, ["inspect", str(ckpt)]), 2, words)
     assert line.startswith(f"error: {manifest}: state")
     out, _ = _verify_json(str(ckpt))
     assert out.exit_code == 2 and out.problems[0].message.startswith(f"{manifest}: state")
@@ -169,7 +159,7 @@ def test_inspect_prints_names_and_values_as_written(tmp_path: Path) -> None:
 @pytest.mark.parametrize("budget", ["0", "1", "512KiB", "0.5MiB"])
 def test_reshape_budget_below_the_minimum_is_a_bad_option(ckpt: Path, tmp_path: Path, budget: str) -> None:
     result = runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o"), "--memory-budget", budget])
-    _error_line(result, 2, f"--memory-budget {budget}", "at least 1 MiB")
+    cli_error_line(result, 2, f"--memory-budget {budget}", "at least 1 MiB")
     assert not (tmp_path / "o").exists()
 
 
@@ -214,7 +204,7 @@ def test_reshape_verify_clean_has_no_problems(ckpt: Path, tmp_path: Path) -> Non
 def test_reshape_bad_recorded_layout_is_one_line(tmp_path: Path, metadata: dict, words: str) -> None:
     src = tmp_path / "src"
     ucp.save({"model": {"w": torch.ones(4, 4)}}, src, metadata=metadata)
-    line = _error_line(runner.invoke(app, ["reshape", str(src), str(tmp_path / "o"), "--tp", "2"]), 2,
+    line = cli_error_line(runner.invoke(app, ["reshape", str(src), str(tmp_path / "o"), "--tp", "2"]), 2,
                        str(src / "manifest.json"), words)
     assert "pydantic" not in line
     assert not (tmp_path / "o").exists()
@@ -266,11 +256,11 @@ def test_ls_nothing_complete(tmp_path: Path) -> None:
 
 def test_ls_bad_roots_exit_2(tmp_path: Path) -> None:
     nope = str(tmp_path / "nope")
-    _error_line(runner.invoke(app, ["ls", nope]), 2, nope, "is not a directory (it does not exist)")
+    cli_error_line(runner.invoke(app, ["ls", nope]), 2, nope, "is not a directory (it does not exist)")
     (tmp_path / "f").write_text("x")
-    _error_line(runner.invoke(app, ["ls", str(tmp_path / "f")]), 2, str(tmp_path / "f"), "is not a directory")
+    cli_error_line(runner.invoke(app, ["ls", str(tmp_path / "f")]), 2, str(tmp_path / "f"), "is not a directory")
     for url in ("memory://ucp-review-cmds/root", "s3://bucket/run"):
-        _error_line(runner.invoke(app, ["ls", url]), 2, url, "local directories only")
+        cli_error_line(runner.invoke(app, ["ls", url]), 2, url, "local directories only")
     empty = tmp_path / "empty"
     empty.mkdir()
     doc = json.loads(runner.invoke(app, ["ls", str(empty), "--json"]).stdout)

@@ -22,20 +22,10 @@ from ucp.importers import ForeignCheckpointError, UnknownFormatError, UnsafePick
 from ucp.importers.hf import read_hf
 from ucp.importers.pickles import load_torch, load_torch_bytes
 from ucp.storage import LocalStorage
+from ucp_helpers import cli_error_line
 
 runner = CliRunner()
 W = torch.arange(12.0).reshape(3, 4)
-
-
-def _error_line(result, code: int, *needles: str) -> str:  # noqa: ANN001 - click's Result
-    """The result failed with ``code`` and one ``error:`` line on stderr holding every needle."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == code, result.output + result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture()
@@ -75,7 +65,7 @@ def test_convert_writes_a_url_destination_through_ucp_save(weights: Path, tmp_pa
     assert torch.equal(ucp.load(mem_url)["model"]["w"], torch.ones(2, 3)) and ucp.verify(mem_url).ok
     assert sorted(os.listdir(tmp_path)) == before  # nothing written locally
 
-    _error_line(runner.invoke(app, ["convert", str(weights), mem_url]), 2, mem_url, "already exists")
+    cli_error_line(runner.invoke(app, ["convert", str(weights), mem_url]), 2, mem_url, "already exists")
     save_file({"w": torch.zeros(5)}, tmp_path / "m2.safetensors")
     again = runner.invoke(app, ["convert", str(tmp_path / "m2.safetensors"), mem_url, "--force"])
     assert again.exit_code == 0, again.stderr
@@ -86,19 +76,19 @@ def test_convert_force_never_replaces_a_non_checkpoint_url(weights: Path, mem_ur
     fs = fsspec.filesystem("memory")
     path = mem_url.removeprefix("memory://")
     fs.pipe(f"{path}/keep.txt", b"keep")
-    _error_line(runner.invoke(app, ["convert", str(weights), mem_url, "--force"]), 2, mem_url,
+    cli_error_line(runner.invoke(app, ["convert", str(weights), mem_url, "--force"]), 2, mem_url,
                 "not a UCP checkpoint")
     assert fs.cat(f"{path}/keep.txt") == b"keep"
 
 
 def test_convert_url_source_is_refused_as_given(tmp_path: Path) -> None:
     url = "memory://ucp-test-paths/src"
-    _error_line(runner.invoke(app, ["convert", url, str(tmp_path / "out")]), 2, repr(url), "local paths only")
+    cli_error_line(runner.invoke(app, ["convert", url, str(tmp_path / "out")]), 2, repr(url), "local paths only")
     assert not (tmp_path / "out").exists()
 
 
 def test_convert_unknown_protocol_destination_names_it(weights: Path) -> None:
-    _error_line(runner.invoke(app, ["convert", str(weights), "nosuchproto://b/x"]), 2, "nosuchproto://b/x")
+    cli_error_line(runner.invoke(app, ["convert", str(weights), "nosuchproto://b/x"]), 2, "nosuchproto://b/x")
 
 
 # -- convert / export: destination overlapping the source ---------------------------------------------
@@ -108,7 +98,7 @@ def test_convert_force_refuses_a_destination_holding_the_source(ckpt: Path) -> N
     src = ckpt / "extra.safetensors"
     save_file({"w": torch.ones(2)}, src)
     before = sorted(os.listdir(ckpt))
-    _error_line(runner.invoke(app, ["convert", str(src), str(ckpt), "--force"]), 2, str(ckpt), "delete the source")
+    cli_error_line(runner.invoke(app, ["convert", str(src), str(ckpt), "--force"]), 2, str(ckpt), "delete the source")
     assert sorted(os.listdir(ckpt)) == before and ucp.verify(ckpt).ok
 
 
@@ -118,7 +108,7 @@ def test_export_refuses_a_destination_overlapping_the_source(ckpt: Path, tmp_pat
     if where == "link-to-source":
         os.symlink("ck", dst)
     before = sorted(os.listdir(tmp_path)), sorted(os.listdir(ckpt))
-    _error_line(runner.invoke(app, ["export", str(ckpt), str(dst), "--overwrite"]), 2, str(dst), "source")
+    cli_error_line(runner.invoke(app, ["export", str(ckpt), str(dst), "--overwrite"]), 2, str(dst), "source")
     assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(ckpt))) == before
     assert ucp.verify(ckpt).ok
 
@@ -152,7 +142,7 @@ def test_convert_force_onto_a_link_leaves_the_old_checkpoint_intact(ckpt: Path, 
 
 def test_convert_dangling_link_destination_is_refused(weights: Path, tmp_path: Path) -> None:
     os.symlink("nowhere", tmp_path / "link")
-    _error_line(runner.invoke(app, ["convert", str(weights), str(tmp_path / "link")]), 2, "already exists")
+    cli_error_line(runner.invoke(app, ["convert", str(weights), str(tmp_path / "link")]), 2, "already exists")
     assert os.readlink(tmp_path / "link") == "nowhere"
 
 
@@ -169,7 +159,7 @@ def test_local_remove_tree_unlinks_a_symlink(tmp_path: Path) -> None:
 
 def test_export_chunk_mb_below_one_byte_is_refused(ckpt: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "o"), "--format", "zarr", "--chunk-mb", "1e-9"])
-    _error_line(result, 2, "--chunk-mb")
+    cli_error_line(result, 2, "--chunk-mb")
     assert not (tmp_path / "o").exists()
 
 

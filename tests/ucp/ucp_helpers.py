@@ -125,3 +125,16 @@ def save_ranks(path: Path | str, states: list[dict[str, Any]], **kw: Any) -> lis
                              metadata=kw.get("metadata", {}), mesh=kw.get("mesh"))
 
     return run_ranks(len(states), fn)
+
+
+def cli_error_line(result: Any, code: int, *needles: str) -> str:
+    """A CLI run (click's Result) that failed with ``code``, no traceback, and exactly one ``error:``
+    line on stderr holding every needle; returns that line."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output + result.stderr
+    assert result.exit_code == code, result.output + result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
