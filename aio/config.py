@@ -17,6 +17,10 @@ GIB = 1024 * MIB
 
 EngineName = Literal["auto", "libaio", "threads"]
 
+# A handle stages through up to ``queue_depth + 2`` blocks, each faulted in whole when made: a block
+# beyond 1 GiB is a mistake (a unit slip) that would otherwise only fail, or exhaust memory, at first use.
+MAX_BLOCK_SIZE = 1 * GIB
+
 
 class AioConfig(BaseModel):
     """How bytes move between host memory and files."""
@@ -24,7 +28,7 @@ class AioConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
     engine: EngineName = "auto"
-    block_size: int = Field(8 * MIB, description="bytes per request; a multiple of `alignment`")
+    block_size: int = Field(8 * MIB, description="bytes per request; a multiple of `alignment`, at most 1 GiB")
     queue_depth: int = Field(32, ge=1, le=4096, description="requests in flight per file stream")
     thread_count: int = Field(
         4,
@@ -52,6 +56,8 @@ class AioConfig(BaseModel):
     def _block_size(cls, v: int) -> int:
         if v < 4096 or v % 4096:
             raise ValueError(f"block_size must be a positive multiple of 4096, got {v}")
+        if v > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} (1 GiB), got {v}")
         return v
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import collections
 import errno
+import operator
 import os
 import threading
 from concurrent.futures import Future
@@ -44,10 +45,10 @@ def as_bytes_view(data: Bytes) -> memoryview:
             raise ValueError("array must be C-contiguous")
         data = data.reshape(-1).view(np.uint8)
     view = memoryview(data)
+    if not view.c_contiguous:  # a strided view (even 1-D bytes) has no flat byte image to hand the kernel
+        raise ValueError("buffer must be C-contiguous")
     if view.ndim != 1 or view.format not in ("B", "b", "c"):
-        view = view.cast("B") if view.c_contiguous else None  # type: ignore[assignment]
-        if view is None:
-            raise ValueError("buffer must be contiguous")
+        view = view.cast("B")
     return view
 
 
@@ -79,13 +80,27 @@ class AioHandle:
         self.config = config or AioConfig()
         self.engine = engine or create_engine(self.config)
         self.pool = BufferPool(self.config.block_size, self.config.queue_depth + 2)
+        self._closed = False
 
     @property
     def engine_name(self) -> str:
         return self.engine.name
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        """Close the engine (waiting for its requests); every later call raises ValueError."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.close()
+
+    def _check_open(self, path: str | os.PathLike[str]) -> None:
+        """Refuse before opening anything: a writer would truncate its target, then delete it on failing."""
+        if self._closed:
+            raise ValueError(f"I/O on a closed AioHandle ({os.fspath(path)!r})")
 
     def __enter__(self) -> "AioHandle":
         return self
@@ -96,10 +111,12 @@ class AioHandle:
     # -- writing ----------------------------------------------------------------------
     def writer(self, path: str | os.PathLike[str], *, size_hint: int | None = None, fsync: bool | None = None) -> "FileWriter":
         """A sequential writer to a new file at ``path`` (created or truncated)."""
+        self._check_open(path)
         return FileWriter(self, path, size_hint=size_hint, fsync=self.config.fsync if fsync is None else fsync)
 
     def write_file(self, path: str | os.PathLike[str], data: Bytes | Iterable[Bytes], *, fsync: bool | None = None) -> int:
         """Write ``data`` (one buffer or an iterable of buffers) as the whole content of ``path``."""
+        self._check_open(path)
         parts = [data] if isinstance(data, _SINGLE) or _is_tensor(data) else list(data)
         views = [as_bytes_view(p) for p in parts]
         with self.writer(path, size_hint=sum(v.nbytes for v in views), fsync=fsync) as w:
@@ -110,48 +127,65 @@ class AioHandle:
     # -- reading ----------------------------------------------------------------------
     def read_file(self, path: str | os.PathLike[str], out: AlignedBuffer | None = None) -> AlignedBuffer:
         """Read all of ``path`` into an aligned buffer (``out`` when given and large enough)."""
+        self._check_open(path)
         with open_file(path, "r", direct=self._read_direct(path)) as f:
             size = os.fstat(f.fd).st_size
             if out is None or out.capacity < size:
                 out = AlignedBuffer(size)
             out.resize(size)
-            self._read_into(f, 0, out.view())
+            self._read_all(f, [(0, out.view())])
         return out
 
     def read_into(self, path: str | os.PathLike[str], offset: int, dest: Bytes) -> int:
         """Read ``len(dest)`` bytes of ``path`` from ``offset``; an error if the file is shorter."""
+        self._check_open(path)
+        offset, view = _destination(path, offset, dest)
         with open_file(path, "r", direct=self._read_direct(path)) as f:
-            return self._read_into(f, offset, as_bytes_view(dest))
+            self._read_all(f, [(offset, view)])
+        return view.nbytes
 
     def read_ranges(self, path: str | os.PathLike[str], ranges: Iterable[tuple[int, Bytes]]) -> None:
-        """Read several ``(offset, dest)`` ranges of one file, all in flight together."""
+        """Read several ``(offset, dest)`` ranges of one file, all in flight together.
+
+        Every range is checked before any is submitted, so a bad one raises with nothing in flight.
+        """
+        self._check_open(path)
+        checked = [_destination(path, offset, dest) for offset, dest in ranges]
         with open_file(path, "r", direct=self._read_direct(path)) as f:
-            futures = []
-            for offset, dest in ranges:
-                futures.extend(self._submit_reads(f, offset, as_bytes_view(dest)))
-            _wait_all(futures)
+            self._read_all(f, checked)
 
     def _read_direct(self, path: str | os.PathLike[str]) -> bool:
         """O_DIRECT for reads, except of files this process prefetched into the page cache (``aio.prefetch``)."""
         return self.config.use_direct and not is_warm(path)
 
-    def _read_into(self, f: OpenFile, offset: int, dest: memoryview) -> int:
-        _wait_all(self._submit_reads(f, offset, dest))
-        return dest.nbytes
+    def _read_all(self, f: OpenFile, ranges: list[tuple[int, memoryview]]) -> None:
+        """Read checked ``(offset, view)`` ranges of ``f``, all in flight together; raise the first error.
 
-    def _submit_reads(self, f: OpenFile, offset: int, dest: memoryview) -> list[Future]:
-        """Submit the reads for one range; returns futures that raise on short reads."""
+        If a submit fails, the requests already in flight are waited for before raising: they
+        write into the caller's memory, which the caller may reuse or free once we return.
+        """
+        futures: list[Future] = []
+        try:
+            for offset, dest in ranges:
+                self._submit_reads(f, offset, dest, futures)
+        except BaseException:
+            _settle(futures)
+            raise
+        _wait_all(futures)
+
+    def _submit_reads(self, f: OpenFile, offset: int, dest: memoryview, futures: list[Future]) -> None:
+        """Submit the reads for one range, appending futures (that raise on short reads) to ``futures``."""
         n = dest.nbytes
         if n == 0:
-            return []
+            return
         bs, align = self.config.block_size, self.config.alignment
-        futures: list[Future] = []
         if f.direct and offset % align and (offset - address_of(dest)) % align == 0:
             # In phase (file offset = address mod alignment, as a save lays large pieces out):
             # stage the head up to the next aligned offset; the rest then reads straight in.
             head = min(n, align - offset % align)
             futures.append(self._staged_read(f, offset, dest[:head]))
-            return futures + self._submit_reads(f, offset + head, dest[head:])
+            self._submit_reads(f, offset + head, dest[head:], futures)
+            return
         if not f.direct or (offset % align == 0 and address_of(dest) % align == 0):
             # Straight into the caller's memory; only an unaligned tail needs staging.
             direct_len = n if not f.direct else round_down(n, align)
@@ -160,14 +194,13 @@ class AioHandle:
                 futures.append(_expect(self.engine.submit_read(f, offset + start, chunk), chunk.nbytes, f, offset + start))
             if direct_len < n:
                 futures.append(self._staged_read(f, offset + direct_len, dest[direct_len:]))
-            return futures
+            return
         # Unaligned: read the covering aligned span block by block through staging.
         first = round_down(offset, align)
         end = round_up(offset + n, align)
         for span in range(first, end, bs):
             lo, hi = max(span, offset), min(span + bs, offset + n)
             futures.append(self._staged_read(f, lo, dest[lo - offset : hi - offset]))
-        return futures
 
     def _staged_read(self, f: OpenFile, offset: int, dest: memoryview) -> Future:
         """Read ``dest`` (within one staging block's reach) via an aligned staging block."""
@@ -175,11 +208,21 @@ class AioHandle:
         start = round_down(offset, align)
         length = round_up(offset + dest.nbytes, align) - start
         block = self.pool.acquire()
-        if length > block.capacity:  # only when a caller bypasses _submit_reads' splitting
+        pooled = length <= block.capacity
+        if not pooled:  # only when a caller bypasses _submit_reads' splitting
             self.pool.release(block)
             block = AlignedBuffer(length)
+
+        def release() -> None:
+            if pooled:  # a one-off block must not join the pool (it would grow past its bound)
+                self.pool.release(block)
+
         result: Future = Future()
-        inner = self.engine.submit_read(f, start, block.view(length))
+        try:
+            inner = self.engine.submit_read(f, start, block.view(length))
+        except BaseException:  # never submitted (io_submit refused it): hand the block back now
+            release()
+            raise
 
         def done(fut: Future) -> None:
             try:
@@ -192,14 +235,19 @@ class AioHandle:
             except BaseException as exc:
                 result.set_exception(exc)
             finally:
-                self.pool.release(block)
+                release()
 
         inner.add_done_callback(done)
         return result
 
 
 class FileWriter:
-    """Streams bytes into a new file through aligned staging blocks, ``queue_depth`` in flight."""
+    """Streams bytes into a new file through aligned staging blocks, ``queue_depth`` in flight.
+
+    A writer ends closed (the file complete) or aborted (the file deleted). A ``write`` that
+    fails aborts it: its bytes may be partly on disk, so later bytes would land after a hole.
+    Any ``write`` after the end, and a ``close`` after an abort, raise ValueError naming the file.
+    """
 
     def __init__(self, handle: AioHandle, path: str | os.PathLike[str], *, size_hint: int | None, fsync: bool) -> None:
         self._h = handle
@@ -216,7 +264,8 @@ class FileWriter:
         self._fill = 0  # bytes in the current staging block
         self._offset = 0  # file offset of the current staging block
         self.size = 0
-        self._closed = False
+        self._state = "open"  # then "closed" (complete) or "aborted" (deleted)
+        self._error: BaseException | None = None  # what aborted it, when a write or close failed
         try:
             if size_hint:
                 preallocate(self._file, round_up(size_hint, self._cfg.alignment))
@@ -238,8 +287,21 @@ class FileWriter:
         after they are submitted; by default ``write`` waits for them before returning.
         With ``borrow=True`` the caller promises the memory stays valid and unchanged
         until ``close()``, and ``write`` returns without waiting.
+
+        ``data`` that is not a contiguous buffer is refused with the writer left as it was;
+        any failure while writing aborts the writer (see the class docstring).
         """
+        self._check_open("write to")
         view = as_bytes_view(data)
+        try:
+            self._write(view, borrow)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.size += view.nbytes
+
+    def _write(self, view: memoryview, borrow: bool) -> None:
+        """``write``'s work: stage or submit ``view`` from the current file position."""
         bs = self._cfg.block_size
         pos = 0
         borrowed: list[Future] = []  # requests that read the caller's memory
@@ -261,7 +323,19 @@ class FileWriter:
             pos += self._stage(view[pos : pos + bs - self._fill])
         if not borrow:
             _wait_all(borrowed)  # the caller may reuse its memory as soon as write() returns
-        self.size += view.nbytes
+
+    def _check_open(self, doing: str) -> None:
+        """Refuse to go on once closed or aborted: the bytes would be dropped, or land after a hole."""
+        if self._state == "open":
+            return
+        why = f" after an error ({self._error!r})" if self._error is not None else ""
+        raise ValueError(f"{doing} {self.path!r}: the writer was {self._state}{why}")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Abort after a failed write or close, remembering why for later calls' errors."""
+        if self._error is None:
+            self._error = exc
+        self.abort()
 
     def _direct_span(self, view: memoryview, pos: int) -> tuple[int, int] | None:
         """(head bytes to stage, aligned bytes to write directly) from ``pos``, or None to stage all."""
@@ -309,9 +383,13 @@ class FileWriter:
         return fut
 
     def close(self) -> int:
-        """Write the tail, wait for every request, trim padding, fsync. Returns the file size."""
-        if self._closed:
+        """Write the tail, wait for every request, trim padding, fsync. Returns the file size.
+
+        Closing again returns the size again; closing an aborted writer raises ValueError.
+        """
+        if self._state == "closed":
             return self.size
+        self._check_open("close")
         try:
             if self._fill:
                 tail = self._fill
@@ -325,24 +403,20 @@ class FileWriter:
                 truncate(self._file, self.size)
             if self._fsync:
                 sync_file(self._file)
-        except BaseException:
-            self.abort()
+        except BaseException as exc:
+            self._fail(exc)
             raise
         self._file.close()
-        self._closed = True
+        self._state = "closed"
         self._unreserve()
         return self.size
 
     def abort(self) -> None:
-        """Stop, wait for in-flight requests, close and delete the partial file."""
-        if self._closed:
+        """Stop, wait for in-flight requests, close and delete the partial file (no-op once ended)."""
+        if self._state != "open":
             return
-        self._closed = True
-        for fut in self._inflight:
-            try:
-                fut.result()
-            except BaseException:
-                pass
+        self._state = "aborted"
+        _settle(self._inflight)
         self._inflight.clear()
         if self._block is not None:
             self._h.pool.release(self._block)
@@ -363,7 +437,7 @@ class FileWriter:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
+        if exc_type is None and self._state != "aborted":  # an abort() inside the block stands
             self.close()
         else:
             self.abort()
@@ -387,6 +461,29 @@ def _expect(fut: Future, nbytes: int, f: OpenFile, offset: int) -> Future:
 
     fut.add_done_callback(done)
     return out
+
+
+def _destination(path: str | os.PathLike[str], offset: int, dest: Bytes) -> tuple[int, memoryview]:
+    """Check one read request up front, naming the file and offset: the kernel's EINVAL would not."""
+    offset = operator.index(offset)
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset} (reading {os.fspath(path)!r})")
+    try:
+        view = as_bytes_view(dest)
+    except ValueError as exc:
+        raise ValueError(f"destination for {os.fspath(path)!r} at offset {offset}: {exc}") from None
+    if view.readonly:
+        raise ValueError(f"destination for {os.fspath(path)!r} at offset {offset} is read-only")
+    return offset, view
+
+
+def _settle(futures: Iterable[Future]) -> None:
+    """Wait for all futures, ignoring their errors: for callers that give up (raise another, or abort)."""
+    for fut in list(futures):
+        try:
+            fut.result()
+        except BaseException:  # noqa: BLE001
+            pass
 
 
 def _wait_all(futures: Iterable[Future]) -> None:
@@ -417,7 +514,7 @@ def shared_handle(config: AioConfig | None = None) -> AioHandle:
     key = (os.getpid(), config or AioConfig())
     with _shared_lock:
         handle = _shared.get(key)
-        if handle is None:
+        if handle is None or handle.closed:  # someone closed it: start a new one rather than fail
             if not _shared:
                 atexit.register(_close_shared)
             handle = _shared[key] = AioHandle(key[1])

@@ -30,21 +30,35 @@ MEMORY_SHARE = 0.5  # of MemAvailable, at most, pulled into the page cache
 _warm: set[str] = set()
 _warm_lock = threading.Lock()
 
+PathArg = str | bytes | os.PathLike
+Paths = PathArg | Iterable[PathArg]
 
-def is_warm(path: str | os.PathLike[str]) -> bool:
+
+def _path_list(paths: Paths) -> list[str]:
+    """``paths`` as a list of str, one bare path (a str, bytes or os.PathLike) being a list of one.
+
+    A str is iterable too: taken as a collection, it would be prefetched character by character.
+    Bytes paths are decoded so that :func:`is_warm` finds them whichever way they are spelt.
+    """
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    return [os.fsdecode(p) for p in paths]
+
+
+def is_warm(path: PathArg) -> bool:
     """Whether ``path`` was prefetched by this process (so reads of it should be buffered)."""
     if not _warm:  # the common case: no prefetch in this process, no path resolution
         return False
-    return os.path.realpath(path) in _warm
+    return os.path.realpath(os.fsdecode(path)) in _warm
 
 
-def forget(paths: Iterable[str | os.PathLike[str]] | None = None) -> None:
-    """Stop treating ``paths`` (all files when None) as warm."""
+def forget(paths: Paths | None = None) -> None:
+    """Stop treating ``paths`` (one path or several; all files when None) as warm."""
     with _warm_lock:
         if paths is None:
             _warm.clear()
         else:
-            _warm.difference_update(os.path.realpath(p) for p in paths)
+            _warm.difference_update(os.path.realpath(p) for p in _path_list(paths))
 
 
 def available_memory() -> int | None:
@@ -59,8 +73,8 @@ def available_memory() -> int | None:
     return None
 
 
-def regular_files(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[str, int]]:
-    """``(path, size)`` of the regular files among ``paths`` and under the directories among them.
+def regular_files(paths: Paths) -> list[tuple[str, int]]:
+    """``(path, size)`` of the regular files among ``paths`` (one path or several) and under its directories.
 
     Symbolic links to files count (a Hugging Face cache is made of them), each file once; files
     that vanish or cannot be read meanwhile are left out.
@@ -78,8 +92,7 @@ def regular_files(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[str, in
             seen.add(real)
             found.append((path, st.st_size))
 
-    for p in paths:
-        p = os.fspath(p)
+    for p in _path_list(paths):
         if os.path.isdir(p):
             for root, dirs, files in os.walk(p):
                 dirs.sort()
@@ -158,10 +171,10 @@ def promote() -> None:
         job.promote()
 
 
-def prefetch_files(paths: Iterable[str | os.PathLike[str]], *, max_bytes: int | None = None,
-                   threads: int = THREADS) -> Prefetch:
+def prefetch_files(paths: Paths, *, max_bytes: int | None = None, threads: int = THREADS) -> Prefetch:
     """Start reading ``paths`` (files, or directories walked recursively) into the page cache; returns at once.
 
+    ``paths`` is one path (``prefetch_files("/ckpt/step-100")``) or an iterable of them.
     ``max_bytes`` (default: half of MemAvailable) bounds what is prefetched: files are taken in
     order, and one that would not fit in what is left is skipped. Paths that are not local files
     (URLs) are ignored. The reads are queued at idle I/O priority until :meth:`Prefetch.promote`.

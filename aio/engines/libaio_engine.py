@@ -4,11 +4,15 @@ One kernel AIO context per engine. Callers submit from any thread; a reaper
 thread waits in ``io_getevents`` (a ctypes call, so the GIL is released) and
 completes the futures. Short transfers are resubmitted for the remainder; a
 read that returns 0 has reached the end of the file.
+
+A closed engine refuses new requests: its context id is destroyed, and the kernel hands the same
+id to the next ``io_setup``, so a late submit would land in another engine's context.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 from concurrent.futures import Future
 from ctypes import addressof, byref, pointer
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 from ..errors import AioError
 from ..files import OpenFile
 from .base import Engine
+
+log = logging.getLogger(__name__)
 
 try:  # the import loads libaio.so.1 (Debian's libaio1 / libaio1t64)
     import libaio as _pylibaio
@@ -67,21 +73,25 @@ class LibaioEngine(Engine):
         return self._start(_Request(f, offset, buf, True, Future()))
 
     def _start(self, req: _Request) -> "Future[int]":
-        if self._broken is not None:
-            raise AioError(self._broken.errno or errno.EIO, req.f.path, req.offset, "libaio context failed earlier")
+        self._check_usable(req)
         if req.buf.nbytes == 0:
             req.future.set_result(0)
             return req.future
         self._slots.acquire()
         try:
-            self._submit(req)
+            self._submit(req, new=True)
         except BaseException:
             self._slots.release()
             raise
         return req.future
 
-    def _submit(self, req: _Request) -> None:
-        """(Re)submit what is left of ``req``; holds one slot."""
+    def _submit(self, req: _Request, *, new: bool = False) -> None:
+        """(Re)submit what is left of ``req``; holds one slot.
+
+        A ``new`` request is checked and registered under the lock that ``close`` and ``_fail_all``
+        take: either they see it in flight (the reaper completes or fails it before the context
+        is destroyed) or it sees the engine closed or broken and is refused.
+        """
         mode = _pylibaio.AIOBLOCK_MODE_WRITE if req.write else _pylibaio.AIOBLOCK_MODE_READ
         block = _pylibaio.AIOBlock(
             mode, target_file=req.f.fd, buffer_list=[req.buf[req.done :]], offset=req.offset + req.done
@@ -89,6 +99,8 @@ class LibaioEngine(Engine):
         req.block = block
         key = addressof(block._iocb)  # noqa: SLF001 - the iocb is what the kernel hands back
         with self._lock:
+            if new:
+                self._check_usable(req)
             self._inflight[key] = req
         iocbs = (_raw.iocb_p * 1)(pointer(block._iocb))  # noqa: SLF001
         while True:
@@ -102,8 +114,24 @@ class LibaioEngine(Engine):
                     self._inflight.pop(key, None)
                 raise AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_submit") from exc
 
+    def _check_usable(self, req: _Request) -> None:
+        """Refuse a new request to a closed or broken engine, naming its file and offset."""
+        if self._closing:
+            raise ValueError(f"I/O on a closed LibaioEngine ({'writing' if req.write else 'reading'} "
+                             f"{req.f.path!r} at offset {req.offset})")
+        if self._broken is not None:
+            raise AioError(self._broken.errno or errno.EIO, req.f.path, req.offset, "libaio context failed earlier")
+
     # -- completion -----------------------------------------------------------------
     def _reap(self) -> None:
+        """The reaper thread: complete requests until closed; if it dies, fail what is in flight."""
+        try:
+            self._reap_events()
+        except BaseException as exc:  # noqa: BLE001 - nobody else would ever complete the waiting futures
+            log.error("libaio reaper failed; failing all in-flight requests", exc_info=True)
+            self._fail_all(exc, "libaio reaper failed")
+
+    def _reap_events(self) -> None:
         events = (_raw.io_event * self._max_events)()
         timeout = _raw.timespec(0, 50_000_000)
         while True:
@@ -116,14 +144,22 @@ class LibaioEngine(Engine):
             except OSError as exc:
                 if exc.errno == errno.EINTR:
                     continue
-                self._fail_all(exc)  # nobody would ever complete the waiting futures
+                self._fail_all(exc, "io_getevents")
                 return
             for i in range(n):
                 ev = events[i]
                 key = addressof(ev.obj.contents)
                 with self._lock:
-                    req = self._inflight.pop(key)
-                self._complete(req, int(ev.res))
+                    req = self._inflight.pop(key, None)
+                if req is None:  # not ours (a request submitted into a reused context id): skip it
+                    log.warning("libaio: ignoring a completion for an unknown request (iocb at %#x)", key)
+                    continue
+                try:
+                    self._complete(req, int(ev.res))
+                except BaseException as exc:  # popped already: _fail_all would not see it
+                    if not req.future.done():
+                        req.future.set_exception(exc)
+                    raise
             req = None  # don't pin the last request's buffer while idle
 
     def _complete(self, req: _Request, res: int) -> None:
@@ -154,17 +190,22 @@ class LibaioEngine(Engine):
         else:
             req.future.set_exception(exc)
 
-    def _fail_all(self, exc: OSError) -> None:
+    def _fail_all(self, exc: BaseException, what: str) -> None:
         """The context is unusable: fail every in-flight request and refuse new ones."""
-        self._broken = exc
+        err = getattr(exc, "errno", None) or errno.EIO
         with self._lock:
+            self._broken = exc if isinstance(exc, OSError) else OSError(err, str(exc))
             pending, self._inflight = list(self._inflight.values()), {}
         for req in pending:
-            self._finish(req, AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_getevents"))
+            if not req.future.done():
+                self._finish(req, AioError(err, req.f.path, req.offset + req.done, f"{what}: {exc}"))
 
     def close(self) -> None:
-        if self._closing:
-            return
-        self._closing = True
+        """Refuse new requests, wait for those in flight, destroy the kernel context."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         self._reaper.join()
         _raw.io_destroy(self._ctx)
+

@@ -18,12 +18,21 @@ class ThreadEngine(Engine):
     def __init__(self, thread_count: int = 4) -> None:
         self.thread_count = thread_count
         self._pool = ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="ucp-io")
+        self._closed = False
 
     def submit_read(self, f: OpenFile, offset: int, buf: memoryview) -> "Future[int]":
+        self._check_open("reading", f, offset)
         return self._pool.submit(pread_full, f, offset, buf)
 
     def submit_write(self, f: OpenFile, offset: int, buf: memoryview) -> "Future[int]":
+        self._check_open("writing", f, offset)
         return self._pool.submit(pwrite_full, f, offset, buf)
 
+    def _check_open(self, doing: str, f: OpenFile, offset: int) -> None:
+        """The same refusal as the libaio engine's (the executor's own RuntimeError names no file)."""
+        if self._closed:
+            raise ValueError(f"I/O on a closed ThreadEngine ({doing} {f.path!r} at offset {offset})")
+
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
