@@ -29,6 +29,7 @@ from aio import AioConfig, shared_handle
 from ..dtypes import dtype_name
 from ..manifest import Manifest
 from ..storage import Storage
+from .options import ExportError
 from .selection import ExportTensor, Selection
 from .stream import one_by_one, read_batches
 
@@ -73,6 +74,10 @@ def file_layout(tensors: Sequence[ExportTensor]) -> tuple[bytes, list[ExportTens
 def export_hf(storage: Storage, name: str, manifest: Manifest, selection: Selection, out_dir: Path, *,
               max_shard_size: int | None, budget: int, verify: bool, progress: Progress | None = None) -> list[str]:
     """Write ``selection`` into ``out_dir``; returns the file names written (index last)."""
+    for t in selection.tensors:
+        if t.out_name == "__metadata__":  # safetensors' own header key: the file would not parse
+            raise ExportError(f"tensor {t.name!r} would be exported as '__metadata__', a name safetensors "
+                              "reserves; export another section, or rename it in the state dict")
     shards = plan_shards(selection.tensors, max_shard_size)
     names = [CONSOLIDATED] if len(shards) == 1 else [shard_name(i, len(shards)) for i in range(len(shards))]
     layouts = [file_layout(s) for s in shards]

@@ -4,7 +4,8 @@ By default the ``model`` subtree of the saved state (what the training Engine sa
 as the model's weights), named as in ``model.state_dict()`` (the ``model.`` prefix
 stripped), so that the output loads straight into the model. ``section`` picks any
 other subtree by its dotted key path (``optimizer.exp_avg``); ``""`` or ``"all"``
-takes every tensor under its full manifest name. A checkpoint without a ``model``
+takes every tensor under its full key path. Output names are key paths below the section
+(``layers.0.w``), as ``state_dict()`` gives them, not manifest names (which a save may alter). A checkpoint without a ``model``
 subtree exports everything when no section is given.
 
 Subtrees are found by walking the manifest's state tree (not by name prefix), so
@@ -14,7 +15,7 @@ a root key that merely starts with ``model`` is never taken for the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -93,6 +94,16 @@ def find_section(state: Any, section: str) -> Any | None:
     return None
 
 
+def key_paths(node: Any, prefix: str | None = None) -> Iterator[tuple[str, str | None]]:
+    """(tensor name, dotted key path below ``node``) for every tensor under a state-tree node; the
+    path is None for ``node`` itself being a tensor ("" is a key)."""
+    if node_kind(node) == "tensor":
+        yield node["tensor"], prefix
+        return
+    for key, child in _children(node):
+        yield from key_paths(child, key if prefix is None else f"{prefix}.{key}")
+
+
 def _sections_hint(manifest: Manifest) -> str:
     with_tensors = [k for k, v in _children(manifest.state) if next(tensor_refs(v), None) is not None]
     return ", ".join(repr(k) for k in with_tensors) or "none"
@@ -113,16 +124,17 @@ def select_tensors(manifest: Manifest, section: str | None = None, *, dtype: tor
     node = find_section(manifest.state, section)
     if node is None:
         raise ExportError(f"section {section!r} is not in the checkpoint (sections holding tensors: {_sections_hint(manifest)})")
-    names = set(tensor_refs(node))
-    if not names:
+    paths = dict(key_paths(node))
+    if not paths:
         raise ExportError(f"section {section!r} holds no tensors (sections holding tensors: {_sections_hint(manifest)})")
-    prefix = section + "." if section else ""
     tensors = []
     for name, entry in manifest.tensors.items():
-        if name not in names:
+        if name not in paths:
             continue
-        # A section that is itself a tensor, or a name UCP had to alter (a '~N' suffix), keeps its full name.
-        out = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        # the key path, not the manifest name (which UCP may have altered: '#' -> '_', a '~N' suffix);
+        # a section that is itself a tensor keeps the section's path
+        path = paths[name]
+        out = path if path is not None else (section or name)
         tensors.append(ExportTensor(name, out, entry, cast_dtype(torch_dtype(entry.dtype), dtype)))
     seen: dict[str, str] = {}
     for t in tensors:

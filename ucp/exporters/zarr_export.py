@@ -5,8 +5,9 @@ Layout (documented in docs/import-export.md):
 * one array per tensor, directly under the group, named by the tensor's output
   name (dots kept: ``layers.0.attn.qkv.weight``; flat names keep a 1:1 map with
   tensor names, which a hierarchy cannot when one name is a prefix of another).
-  ``%`` and ``/`` are written ``%25`` and ``%2F``; a name of only dots or starting
-  with ``__`` (reserved by zarr v3) has those characters escaped the same way;
+  ``%`` and ``/`` are written ``%25`` and ``%2F``; a name of only dots, the name
+  ``zarr.json`` (the group's metadata file), or one starting with ``__`` (reserved by
+  zarr v3) has those characters escaped the same way;
 * global shape and dtype; dtypes numpy lacks are stored as their raw bits:
   bfloat16 as ``uint16``, the float8 types as ``uint8``. Every array carries
   ``attrs["ucp_dtype"]`` (the torch dtype name it holds, e.g. ``"bfloat16"``)
@@ -76,7 +77,7 @@ def array_name(name: str) -> str:
     out = name.replace("%", "%25").replace("/", "%2F")
     if out.startswith("__"):
         out = "%5F" + out[1:]
-    if not out or set(out) == {"."}:
+    if not out or set(out) == {"."} or out == "zarr.json":  # the group's own metadata file is taken
         out = out.replace(".", "%2E") or "%00"
     return out
 
@@ -104,6 +105,10 @@ def codecs(compressor: Compressor, level: int | None) -> list[Any] | None:
     if compressor == "none":
         return None
     lvl = DEFAULT_LEVELS[compressor] if level is None else level
+    if isinstance(lvl, bool) or not isinstance(lvl, int) or (compressor == "blosc" and not 0 <= lvl <= 9):
+        # blosc takes 0-9 but only fails at the first chunk; bools pass as ints: both refused before any work
+        raise ExportError(f"compressor {compressor!r}: level {level!r} is not accepted"
+                          + (" (blosc levels are 0-9)" if compressor == "blosc" else " (an integer)"))
     try:
         return [ZstdCodec(level=lvl)] if compressor == "zstd" else [BloscCodec(cname="zstd", clevel=lvl)]
     except (TypeError, ValueError) as exc:

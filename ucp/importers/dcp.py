@@ -71,14 +71,34 @@ def read_metadata(folder: Path, *, trust_pickle: bool = False) -> Any:
 
 
 def _nest(state: dict[str, Any], path: tuple[Any, ...], value: Any, fqn: str) -> None:
-    node = state
-    for key in path[:-1]:
-        key = str(key)
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
+    """Put ``value`` at ``path``, rebuilding the containers DCP flattened: an int path item indexes a
+    list (as DCP's own unflattening does), any other item is a dict key."""
+    node: Any = state
+    for key, following in zip(path[:-1], path[1:]):
+        child = _get(node, key)
+        if child is None:
+            child = [] if type(following) is int else {}
+            _put(node, key, child, fqn)
+        if not isinstance(child, (dict, list)):
             raise ForeignCheckpointError(f"DCP key {fqn!r}: {key!r} is both a value and a container", tensor=fqn)
         node = child
-    node[str(path[-1])] = value
+    _put(node, path[-1], value, fqn)
+
+
+def _get(node: dict[Any, Any] | list[Any], key: Any) -> Any:
+    if isinstance(node, dict):
+        return node.get(key)
+    return node[key] if type(key) is int and 0 <= key < len(node) else None
+
+
+def _put(node: dict[Any, Any] | list[Any], key: Any, value: Any, fqn: str) -> None:
+    if isinstance(node, dict):
+        node[key] = value
+        return
+    if type(key) is not int or key < 0:
+        raise ForeignCheckpointError(f"DCP key {fqn!r}: {key!r} indexes a list", tensor=fqn)
+    node.extend([None] * (key + 1 - len(node)))
+    node[key] = value
 
 
 def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progress: Progress | None = None) -> Imported:
@@ -93,6 +113,7 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progre
     planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     handles: dict[str, Any] = {}
     state: dict[str, Any] = {}
+    as_bytes: list[str] = []  # keys whose bytes values are stored as uint8 tensors (JSON cannot hold bytes)
     total = len(meta.state_dict_metadata)
     try:
         for i, (fqn, item) in enumerate(meta.state_dict_metadata.items()):
@@ -105,6 +126,9 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progre
             else:
                 index, info = entries[0]
                 value = load_torch_bytes(_read(folder, info, handles), where=_where(folder, info), trust_pickle=trust_pickle)
+                if isinstance(value, (bytes, bytearray)):  # e.g. a dataloader's own serialized state: kept as bytes
+                    value = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.empty(0, dtype=torch.uint8)
+                    as_bytes.append(fqn)
             key_path = tuple(planner.get(fqn) or (fqn,))
             _nest(state, key_path, value, fqn)
             if progress:
@@ -114,8 +138,10 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progre
             fh.close()
     step = state.get("step") if isinstance(state.get("step"), int) and not isinstance(state.get("step"), bool) else None
     version = getattr(meta, "version", None)
-    return Imported(state=state, step=step,
-                    metadata={"source": {"format": "dcp", "path": str(folder.resolve()), "dcp_version": version}})
+    source: dict[str, Any] = {"format": "dcp", "path": str(folder.resolve()), "dcp_version": version}
+    if as_bytes:
+        source["bytes_as_uint8"] = as_bytes
+    return Imported(state=state, step=step, metadata={"source": source})
 
 
 def _where(folder: Path, info: Any) -> str:
