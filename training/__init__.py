@@ -6,6 +6,7 @@
 * ``training.zero``     — ZeRO stages 0-3 with Adam/AdamW over flat fp32 partitions;
 * ``training.parallel`` — tensor-parallel layers, the TP/PP GPT stage, the pipeline schedule;
 * ``training.checkpoint`` — every rank's state as ucp pieces of the global tensors (the seam);
+* ``training.compat``   — does a checkpoint fit an engine (model tensors and config, data seed)?
 * ``training.engine``   — ``Engine``: one call per optimizer step; ``python -m training.run``: the CLI.
 
 Heavy submodules load on first use (``training.Engine``), so ``import training.models`` stays light.

@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, Literal
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from reshard import Mesh, Resolver
@@ -34,6 +35,7 @@ from ucp.placement import layout_metadata
 
 from .adam import AdamConfig
 from .checkpoint import CheckpointTargets, build_targets, fill_from_full
+from .compat import check_resumable
 from .layout import gpt_layout, gpt_shapes
 from .mesh import ParallelMesh, build_mesh
 from .models.gpt import PRESETS, GPTConfig, batch_for_step
@@ -149,18 +151,25 @@ class Engine:
         self.model.train()
         losses: list[torch.Tensor] = []
         batches = [self.batch(step, m) for m in range(self.cfg.grad_accum)]
-        if self.cfg.mesh.pp == 1:
-            for tokens, targets in batches:
-                with self.optimizer.forward_context():
-                    loss = self.model(tokens, targets)
-                self.optimizer.backward(loss)
-                losses.append(loss.detach())
-        else:
-            act = (self.cfg.micro_batch, self.cfg.seq, self.cfg.model.d_model)
-            schedule = SCHEDULES[self.cfg.pipeline_schedule]
-            schedule(self.model, self.optimizer, self.mesh, batches, act, self.dtype, losses.append, self.device)
-        self.wait_snapshot()  # a background checkpoint copy must be done before the weights change
-        self.last_stats = self.optimizer.step(lr=self.lr_at(step))
+        try:
+            if self.cfg.mesh.pp == 1:
+                for tokens, targets in batches:
+                    with self.optimizer.forward_context():
+                        loss = self.model(tokens, targets)
+                    self.optimizer.backward(loss)
+                    losses.append(loss.detach())
+            else:
+                act = (self.cfg.micro_batch, self.cfg.seq, self.cfg.model.d_model)
+                schedule = SCHEDULES[self.cfg.pipeline_schedule]
+                schedule(self.model, self.optimizer, self.mesh, batches, act, self.dtype, losses.append, self.device)
+            self.wait_snapshot()  # a background checkpoint copy must be done before the weights change
+            self.last_stats = self.optimizer.step(lr=self.lr_at(step))
+        except BaseException:
+            # An aborted step (OOM, ^C, a failing hook) must not leave its gradients or gathered
+            # weights to the next step; a failure inside the optimizer step itself may have left the
+            # weights half updated, which only a load repairs.
+            self.optimizer.reset()
+            raise
         self.step = step + 1
         return self._report(losses)
 
@@ -233,6 +242,7 @@ class Engine:
         otherwise the masters are taken from the loaded weights (a weights-only checkpoint; Adam's
         moments are whatever was loaded, zeros for a fresh engine).
         """
+        self.optimizer.reset()  # whatever a step in progress left must not reach the loaded state
         self.step = int(state["step"])
         optim = state.get("optimizer", {})
         if "adam_step" in optim:
@@ -279,18 +289,79 @@ class Engine:
         ``source``: a manager (``step`` or by default its latest checkpoint) or a checkpoint directory.
         Call on every rank: each reads only the regions of the global tensors it holds, in place,
         then the compute weights are re-derived from the loaded fp32 masters.
+
+        Before anything is overwritten, the checkpoint must fit this engine
+        (:func:`training.compat.check_resumable`: model tensors and config, data seed; a checkpoint the
+        manager falls back to is checked once read, so a misfit there leaves this rank's state
+        overwritten: load again). Every rank
+        resumes from the same checkpoint: a manager falls back to an older checkpoint on its own, per
+        rank, when one does not load there (a corrupt piece only that rank reads), so the ranks compare
+        the steps they loaded and, if these differ, all load the oldest of them. A rank that fails
+        makes every rank raise, rather than leave the others waiting in a collective.
         """
         self.wait_snapshot()
-        sd = self.state_dict_for_checkpoint()
-        # Only what a resume needs: hparams and the scheduler description stay this engine's own.
-        # Plain values (None) are replaced by the saved ones, whatever their structure.
-        optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
-        into = {"model": sd["model"], "step": None, "optimizer": {**optim, "adam_step": None, "loss_scale": None}}
-        if isinstance(source, ucp.CheckpointManager):
-            source.load(step, into=into)
-        else:
-            if step is not None:
-                raise TypeError("step= selects a checkpoint of a manager; give a checkpoint directory alone")
-            ucp.load(source, into=into)
+        if step is not None and not isinstance(source, ucp.CheckpointManager):
+            raise TypeError("step= selects a checkpoint of a manager; give a checkpoint directory alone")
+        into = self._load_targets()
+        loaded, error = self._read_checkpoint(source, step, into)
+        oldest, newest = self._loaded_range(loaded)
+        if oldest != newest and oldest != FAILED:  # the ranks read different checkpoints of the manager
+            if loaded != oldest:
+                loaded, error = self._read_checkpoint(source, oldest, into)
+            oldest, newest = self._loaded_range(loaded)
+        if error is not None:
+            raise error
+        if oldest == FAILED:
+            raise ucp.CheckpointError(f"another rank could not load its part of {_describe(source)} (see that "
+                                      "rank's error); no rank resumed")
         self.finish_load(into, from_masters=True)
         return self.step
+
+    def _load_targets(self) -> dict[str, Any]:
+        """What a resume fills: this rank's pieces and the scalars. Hparams and the scheduler
+        description stay this engine's own; plain values (None) are replaced by the saved ones."""
+        sd = self.state_dict_for_checkpoint()
+        optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
+        return {"model": sd["model"], "step": None, "optimizer": {**optim, "adam_step": None, "loss_scale": None}}
+
+    def _read_checkpoint(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None,
+                         into: dict[str, Any]) -> tuple[int, Exception | None]:
+        """Check the checkpoint against this engine, then fill ``into`` from it. Returns (the manager's
+        step that was read, or the saved step of a directory; None) or (FAILED, the error): the error is
+        raised by :meth:`load` once every rank has told the others how it went."""
+        try:
+            if not isinstance(source, ucp.CheckpointManager):
+                self._check_fits(os.fspath(source))
+                ucp.load(source, into=into)
+                return int(into["step"]), None
+            chosen = source.latest() if step is None else step
+            if chosen is not None:
+                self._check_fits(source.path(chosen))
+            source.load(step, into=into)
+            loaded = source.loaded_step
+            assert loaded is not None
+            if loaded != chosen:  # the manager fell back to an older checkpoint: checked only once read
+                self._check_fits(source.path(loaded))
+            return loaded, None
+        except Exception as exc:  # noqa: BLE001 - raised by load() after the ranks compared notes
+            return FAILED, exc
+
+    def _check_fits(self, path: str) -> None:
+        check_resumable(ucp.read_manifest(path), path, self.cfg.model, self.shapes, self.cfg.data_seed)
+
+    def _loaded_range(self, loaded: int) -> tuple[int, int]:
+        """The oldest and newest step the ranks of this run loaded (FAILED, -1, is the oldest of all)."""
+        low = torch.tensor([loaded], dtype=torch.int64, device=self.device)
+        high = low.clone()
+        self.mesh.world.all_reduce(low, op=dist.ReduceOp.MIN)
+        self.mesh.world.all_reduce(high, op=dist.ReduceOp.MAX)
+        return int(low.item()), int(high.item())
+
+
+FAILED = -1  # the step a rank reports when it could not load (steps are >= 0)
+
+
+def _describe(source: ucp.CheckpointManager | str | os.PathLike[str]) -> str:
+    if isinstance(source, ucp.CheckpointManager):
+        return f"the checkpoints under {source.root}"
+    return f"checkpoint {os.fspath(source)}"

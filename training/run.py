@@ -11,8 +11,11 @@ line each) and ``--resume`` continues from the latest complete one, whatever mes
 
     torchrun --nproc-per-node 4 -m training.run --tp 2 --dp 2 --zero 2 --total-steps 20 --save-dir ck
     torchrun --nproc-per-node 2 -m training.run --dp 2 --zero 3 --total-steps 20 --save-dir ck --resume
- Option names avoid prefixes of torchrun's own (no ``--log...``/``--d...``
-beyond ``--dp``), so they are never swallowed when placed before the script.
+
+Exit codes: 0 when every step ran and every checkpoint was written; 1 when a checkpoint save failed
+(also an asynchronous one that failed after its ``checkpoint`` line) or training raised; 2 for bad
+options, checked before anything is built. Option names avoid prefixes of torchrun's own (no
+``--log...``/``--d...`` beyond ``--dp``), so they are never swallowed when placed before the script.
 """
 
 from __future__ import annotations
@@ -21,58 +24,97 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count, a size, a period)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a step number)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> argparse.Namespace:
+    """The options, checked against each other and the world size (default: ``$WORLD_SIZE``, else 1)
+    before anything is built: a bad combination is a usage error (exit code 2), not a traceback."""
+    from training.models.gpt import PRESETS
+
     p = argparse.ArgumentParser(prog="python -m training.run", description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
-    p.add_argument("--start-step", type=int, default=0, help="number of the first step (data stream position)")
-    p.add_argument("--model", default="tiny", help="a preset of training.models.gpt.PRESETS")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=None, help="default: world size / (tp × pp)")
+    p.add_argument("--steps", type=positive_int, default=10, help="optimizer steps to run")
+    p.add_argument("--start-step", type=non_negative_int, default=None,
+                   help="number of the first step (data stream position); default 0, not with --resume")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="a preset of training.models.gpt.PRESETS")
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--dp", type=positive_int, default=None, help="default: world size / (tp × pp)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="compute dtype")
-    p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch per dp rank")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--micro-batch", type=positive_int, default=2, help="rows per micro-batch per dp rank")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step")
+    p.add_argument("--seq-len", type=positive_int, default=None)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=None, help="global gradient-norm clip")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--batch-seed", type=int, default=0, help="synthetic data seed")
-    p.add_argument("--zero-alignment", type=int, default=1)
-    p.add_argument("--pad-vocab-to", type=int, default=128)
-    p.add_argument("--total-steps", type=int, default=None,
+    p.add_argument("--zero-alignment", type=positive_int, default=1)
+    p.add_argument("--pad-vocab-to", type=positive_int, default=128)
+    p.add_argument("--total-steps", type=non_negative_int, default=None,
                    help="train until this global step (instead of --steps more steps); counts from a resume")
     p.add_argument("--save-dir", default=None, help="a ucp.CheckpointManager root to save checkpoints in")
-    p.add_argument("--save-every", type=int, default=1, help="save after every N steps (with --save-dir)")
+    p.add_argument("--save-every", type=positive_int, default=1, help="save after every N steps (with --save-dir)")
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: asynchronously)")
-    p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept under --save-dir")
+    p.add_argument("--keep-last", type=positive_int, default=3, help="checkpoints kept under --save-dir")
     p.add_argument("--snapshot", default="background", choices=("background", "sync", "none"),
                    help="async saves: copy the state while the next step's forward/backward run (background), "
                         "before save() returns (sync), or write straight from the tensors (none); the engine waits "
                         "for the copy or write before its optimizer step")
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    model_ranks = args.tp * args.pp
+    if args.dp is None:
+        if world % model_ranks:
+            p.error(f"the world size {world} is not a multiple of --tp {args.tp} × --pp {args.pp} = {model_ranks}")
+        args.dp = world // model_ranks
+    elif model_ranks * args.dp != world:
+        p.error(f"--tp {args.tp} × --pp {args.pp} × --dp {args.dp} = {model_ranks * args.dp} ranks, "
+                f"but the world size is {world}")
+    if args.resume and args.save_dir is None:
+        p.error("--resume needs --save-dir")
+    if args.resume and args.start_step is not None:
+        p.error("--start-step is ignored with --resume (the run continues at the checkpoint's step): give one of them")
+    if args.start_step is None:
+        args.start_step = 0
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Train as the options say; returns the exit code (1: an asynchronous checkpoint save failed)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(argv, world)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dp = args.dp if args.dp is not None else world // (args.tp * args.pp)
     from training.engine import Engine  # after init: building the engine creates process groups
 
-    engine = Engine(args.model, mesh={"tp": args.tp, "pp": args.pp, "dp": dp}, zero_stage=args.zero,
+    engine = Engine(args.model, mesh={"tp": args.tp, "pp": args.pp, "dp": args.dp}, zero_stage=args.zero,
                     dtype=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                     seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay, clip=args.clip,
                     seed=args.seed, data_seed=args.batch_seed, zero_alignment=args.zero_alignment,
@@ -85,9 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     manager = None
     first = args.start_step
-    if args.save_dir is not None or args.resume:
-        if args.save_dir is None:
-            raise SystemExit("--resume needs --save-dir")
+    if args.save_dir is not None:
         import ucp
 
         manager = ucp.CheckpointManager(args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save,
@@ -100,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.prepare_checkpoints(manager)  # the first checkpoint then finds its staging ready
     last = args.total_steps if args.total_steps is not None else first + args.steps
     start = time.perf_counter()
+    saved = True
     try:
         for step in range(first, last):
             t0 = time.perf_counter()
@@ -115,12 +156,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "async": not args.sync_save})
     finally:
         if manager is not None:
-            manager.close()  # waits for the last asynchronous save
+            saved = finish_saves(manager)
+    if not saved:
+        return 1
     emit({"done": True, "steps": last - first, "seconds": round(time.perf_counter() - start, 3),
           "mesh": engine.mesh.as_dict(), "zero": args.zero, "precision": args.precision})
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def finish_saves(manager: Any) -> bool:
+    """Wait for the checkpoint saves in flight and close ``manager``; False (the error printed) if a save
+    failed. ``close()`` alone would only log the failure, and the run would end as if all was saved."""
+    try:
+        manager.wait()
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failed save fails the run, whatever it raised
+        print(f"error: a checkpoint save failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return False
+    finally:
+        manager.close()
 
 
 if __name__ == "__main__":
@@ -130,7 +186,7 @@ if __name__ == "__main__":
 
     try:
         code: int | str | None = main()
-    except SystemExit as exc:  # argparse, and --resume without --save-dir
+    except SystemExit as exc:  # argparse's usage errors
         code = exc.code
     except BaseException:
         traceback.print_exc()

@@ -399,6 +399,22 @@ class ZeroOptimizer:
             acc.zero_()
         self._micro = 0
 
+    def reset(self) -> None:
+        """Forget everything of a step in progress, so the next step starts clean: accumulated and
+        in-flight gradients, stage-2 buckets, stage-3 gathered parameters.
+
+        For a train_step that raised, and before a load. Collectives in flight are dropped, not waited
+        for: if the failure hit this rank only, its peers never join them and a wait would hang
+        (such a run needs a restart anyway; a failure every rank saw leaves nothing unmatched).
+        """
+        self._inflight.clear()
+        self._reset_buckets()
+        for p in self.params.values():
+            p.grad = None
+        self.zero_grad()
+        if self.gatherer is not None:
+            self.gatherer.reset()
+
     # -- the checkpoint seam -------------------------------------------------------------------
     def buffers(self) -> list[tuple[str, LocalBuffer, torch.Tensor]]:
         """``(section, layout buffer, tensor holding it)`` for every buffer of this rank.

@@ -151,6 +151,16 @@ class ParamGatherer:
         for p in list(self.full):
             self.release(p)
 
+    def reset(self) -> None:
+        """After an aborted pass: drop gathers in flight (not waited for: see ZeroOptimizer.reset) and
+        every gathered parameter, and record the visit order again if the first pass did not finish."""
+        self.inflight.clear()
+        for p in list(self.full):
+            self.release(p)
+        for trace in (self.fwd, self.bwd):
+            if trace.recording:
+                trace.order.clear()
+
     # -- hooks ---------------------------------------------------------------------------------
     def _pre_forward(self, m: nn.Module, args: Any) -> None:
         self.fetch(m)
