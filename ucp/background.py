@@ -38,7 +38,6 @@ instead of waiting out ``commit_timeout`` (rank 0 removes these files before the
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import glob
 import importlib
@@ -63,6 +62,7 @@ from aio import AioConfig
 from reshard.box import Box, FlatRange
 
 from . import commit as _commit
+from .commit import close_fd, lock_dir
 from . import errors as _errors
 from .errors import CheckpointError, CommitError
 from .manifest import Manifest, Piece, now_utc, parse_manifest
@@ -374,42 +374,6 @@ def write_image(storage: Storage, rel_path: str, plan: PlanSpec, arena: Arena, p
 
 
 # -- locks on temporary directories --------------------------------------------------------------
-
-
-def lock_dir(path: str) -> int | None:
-    """Hold a shared flock on a directory (a save in flight); returns the fd to close, None when impossible."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # a cleaner's probe holds it exclusively for an instant at most
-    except OSError:
-        pass  # no flock on this file system: the save just goes unprotected from cleaners
-    return fd
-
-
-def dir_in_use(path: str) -> bool:
-    """Whether some process holds a save-in-flight lock on the directory."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)  # also drops our probe lock
-    return False
-
-
-def close_fd(fd: int | None) -> None:
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def identity(storage: Storage, rel: str) -> tuple[int, int] | None:

@@ -15,7 +15,10 @@ Sequence (rank 0 does the file-system work; see docs/format.md for crash windows
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
 import secrets
 from collections import defaultdict
 from datetime import datetime
@@ -25,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import CheckpointError, CommitError, ManifestError
 from .manifest import MANIFEST_NAME, FileInfo, Manifest, Piece, TensorEntry, Topology, check_manifest
-from .storage import Storage
+from .storage import LocalStorage, Storage
 from .tree import merge_trees
 
 log = logging.getLogger(__name__)
@@ -120,13 +123,21 @@ def commit(storage: Storage, temp: str, name: str, manifest: Manifest, *,
         storage.sync_dir("")
         return data
     check_replaceable(storage, name)
+    old = f".{name}.old-{secrets.token_hex(6)}"
     if storage.exchange(temp, name):  # atomic: ``name`` holds the old or the new, never nothing
         storage.sync_dir("")
-        storage.remove_tree(temp)  # now holds the old checkpoint
+        try:  # ``temp`` now holds the old checkpoint: give it the name leftovers of old ones have
+            storage.rename(temp, old)
+        except OSError:
+            old = temp
+        storage.remove_tree(old)
         return data
-    old = f".{name}.old-{secrets.token_hex(6)}"
     storage.rename(name, old)
-    storage.rename(temp, name)
+    try:
+        storage.rename(temp, name)
+    except BaseException:
+        storage.rename(old, name)  # the old checkpoint goes back: the path never stays empty
+        raise
     storage.sync_dir("")
     storage.remove_tree(old)
     return data
@@ -155,3 +166,50 @@ def abort(storage: Storage, temp: str | None) -> None:
         storage.remove_tree(temp)
     except Exception as exc:  # pragma: no cover - depends on the file system
         log.warning("could not remove %s: %s", storage.describe(temp), exc)
+
+
+# -- saves in flight: a lock on their temporary directory ------------------------------------------
+# A cleaner (CheckpointManager.clean_leftovers, another manager on the same root) must tell a
+# temporary directory of a save in flight from one an interrupted save left behind: every save
+# holds a shared flock on its directory until it commits or aborts.
+
+
+def lock_temp(storage: Storage, temp: str) -> int | None:
+    """Mark the save into ``temp`` as in flight (local storage); the fd to close when it ends."""
+    return lock_dir(storage.path(temp)) if isinstance(storage, LocalStorage) else None
+
+
+def lock_dir(path: str) -> int | None:
+    """Hold a shared flock on a directory (a save in flight); returns the fd to close, None when impossible."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a cleaner's probe holds it exclusively for an instant at most
+    except OSError:
+        pass  # no flock on this file system: the save just goes unprotected from cleaners
+    return fd
+
+
+def dir_in_use(path: str) -> bool:
+    """Whether some process holds a save-in-flight lock on the directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # also drops our probe lock
+    return False
+
+
+def close_fd(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -11,7 +11,7 @@ Layout of a manager root (a local or mounted shared directory)::
 Order of a save (rank 0 does the file-system work):
 
 1. remove leftovers of earlier, interrupted saves (``.tmp-``/``.old-`` directories
-   that no save in flight holds: see :func:`ucp.background.dir_in_use`);
+   that no save in flight holds: see :func:`ucp.commit.dir_in_use`);
 2. save ``root/step-{step:08d}`` with :func:`ucp.save` or an asynchronous save (atomic);
 3. after the commit, replace ``latest`` atomically (temp file, fsync, rename, fsync of root);
 4. keep ``keep_last`` complete checkpoints — always the one ``latest`` names, then the highest
@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 from datetime import datetime
 from typing import Any, Literal, NamedTuple
 
@@ -40,12 +39,14 @@ from pydantic import BaseModel
 from aio import AioConfig, fsync_dir
 
 from .async_saving import AsyncSaver, Mode, SaveHandle, wait_all
-from .background import PostCommit, dir_in_use
+from .background import PostCommit
+from .commit import dir_in_use
 from .dist import resolve_group
 from .errors import CheckpointError, NotACheckpointError
 from .loading import load as _load
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
 from .reader import read_regular_file
+from .storage import remove_path
 from .saving import save as _save
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ def clean_leftovers(root: str | os.PathLike[str], *, keep: set[str] = frozenset(
         if LEFTOVER_RE.match(name) and os.path.isdir(path):
             if path in keep or dir_in_use(path):
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            remove_path(path)  # a symlinked entry: the link goes, its target stays
             removed.append(name)
         elif LATEST_TMP_RE.match(name):
             try:
@@ -292,7 +293,7 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int, *, protect: se
         except OSError as exc:
             log.warning("could not retire %s: %s", info.path, exc)
             continue
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_path(aside)
         removed.append(info.name)
     if removed:
         fsync_dir(root)

@@ -108,14 +108,27 @@ def save_with(storage: Storage, name: str, state_dict: dict[str, Any], group: Gr
             raise
 
     temp = None
+    lock_fd: int | None = None  # rank 0 marks the save in flight, so no cleaner takes it for a leftover
     if group.rank == 0:
         try:
             temp = _commit.make_temp_dir(storage, name)
+            lock_fd = _commit.lock_temp(storage, temp)
         except BaseException as exc:
             local_error = local_error or exc
             if not group.distributed:
                 raise
-    temp = group.broadcast(temp)
+    try:
+        return _write_and_commit(storage, name, group, group.broadcast(temp), plan, leaves, tree, local_error,
+                                 step=step, metadata=metadata, mesh=mesh, before_swap=before_swap)
+    finally:
+        _commit.close_fd(lock_fd)
+
+
+def _write_and_commit(storage: Storage, name: str, group: Group, temp: str | None, plan: SavePlan | None,
+                      leaves: list, tree: Any, local_error: BaseException | None, *, step: int | None,
+                      metadata: dict[str, Any], mesh: dict[str, int] | None,
+                      before_swap: Callable[[], None] | None) -> Manifest:
+    """Steps (b)-(e) on every rank: write this rank's file into ``temp``, gather the reports, commit."""
 
     report = _commit.RankReport(rank=group.rank)
     if local_error is None and temp is not None and plan is not None:

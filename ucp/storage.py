@@ -44,7 +44,9 @@ class Storage(abc.ABC):
 
     def describe(self, rel: str) -> str:
         """A human-readable location for messages."""
-        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+        if not rel:
+            return self.root
+        return f"{self.root}{rel}" if self.root.endswith("/") else f"{self.root}/{rel}"
 
     @abc.abstractmethod
     def exists(self, rel: str) -> bool: ...
@@ -252,6 +254,9 @@ class _FsspecWriter:
             self.abort()
 
 
+MANIFEST = "manifest.json"  # ucp.manifest.MANIFEST_NAME (that module sits above this one)
+
+
 class FsspecStorage(Storage):
     """Any fsspec file system; same format, best-effort atomicity (see docs/format.md)."""
 
@@ -308,7 +313,21 @@ class FsspecStorage(Storage):
         dest[:] = data
 
     def rename(self, src: str, dst: str) -> None:
-        self.fs.mv(self.path(src), self.path(dst), recursive=True)
+        """A copy then a delete on most backends, so ordered: a directory's data files are copied
+        before its manifest, and its manifest is deleted first, so that a prefix holding a
+        ``manifest.json`` never lacks the data files it lists, whenever the move stops."""
+        a, b = self.path(src), self.path(dst)
+        if not self.fs.isdir(a):
+            self.fs.mv(a, b)
+            return
+        files = sorted(self.fs.find(a), key=lambda f: f == f"{a}/{MANIFEST}")  # the manifest last
+        for f in files:
+            target = b + f[len(a):]
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # file systems with real directories
+            self.fs.copy(f, target)
+        if f"{a}/{MANIFEST}" in files:
+            self.fs.rm(f"{a}/{MANIFEST}")
+        self.fs.rm(a, recursive=True)
 
 
 def as_aio_config(aio_config: AioConfig | dict[str, Any] | None) -> AioConfig | None:
@@ -337,5 +356,6 @@ def open_storage(path: str | os.PathLike[str], *, storage_options: dict[str, Any
         raise CheckpointError(f"checkpoint path {text!r} has no final component")
     if not parent and inner.startswith("/"):
         parent = "/"
-    url_parent = text.rstrip("/").rsplit("/", 1)[0]
+    url = text.rstrip("/")
+    url_parent = url[: len(url) - len(name)]  # keeps its slash: "memory://", "file:///", "s3://bucket/run/"
     return FsspecStorage(fs, parent, url_parent), name
