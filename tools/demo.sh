@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
-exec .venv/bin/ucp demo "$@"
+exec "${UCP_VENV:-.venv}/bin/ucp" demo "$@"

@@ -21,7 +21,7 @@ def demo_cmd(
     save_every: Annotated[int, typer.Option("--save-every", min=1, help="Checkpoint every N steps.")] = 3,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
-    """Train, crash, resume elsewhere, reshape, export — UCP end to end on this machine (CPU, a few minutes)."""
+    """Train, crash, resume elsewhere, reshape, export — UCP end to end on this machine (CPU, under a minute here)."""
     from training.demo import DemoConfig, run_demo
 
     if kill_at >= steps - 1:

@@ -36,7 +36,7 @@ def export_cmd(
     section: Annotated[Optional[str], typer.Option(
         "--section", help="State subtree to export, e.g. 'model', 'optimizer.exp_avg'; 'all' for every tensor "
                           "(full names). Default: 'model' when present, else all.")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64, fp8_e4m3, fp8_e5m2 (or torch dtype names).")] = None,
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", help="hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB).")] = None,
     memory_budget: Annotated[str, typer.Option(

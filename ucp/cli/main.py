@@ -20,7 +20,6 @@ import typer
 from ucp.shutdown import exit_now
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
-# Planned: "demo".
 COMMAND_MODULES: list[str] = ["demo", "bench", "tune", "inspect", "verify", "ls", "reshape", "convert", "export"]
 
 app = typer.Typer(
