@@ -2,10 +2,11 @@
 
 A :class:`reshard.Layout` speaks of *parameters* (``layers.0.attn.qkv.weight``); a checkpoint
 holds them in *sections* of its state tree: the weights (``model.<param>``) and optimizer
-states shaped like the parameters (``optimizer.exp_avg.<param>`` ...). Weights are laid out as
-the layout's weight buffers (under ZeRO-3: the parameter partitions), optimizer states as its
-ZeRO group partitions. Tensors outside every section (or of parameters the layout does not
-list) are written whole, by one rank.
+states shaped like the parameters (``optimizer.exp_avg.<param>`` ...); the section ``""`` is the
+root of the tree (a plain ``ucp.save(model.state_dict())``: tensor names are the parameter names
+themselves). Weights are laid out as the layout's weight buffers (under ZeRO-3: the parameter
+partitions), optimizer states as its ZeRO group partitions. Tensors outside every section (or
+of parameters the layout does not list) are written whole, by one rank.
 
 A checkpoint written by the training engine records its layout, parameter shapes and sections
 in the manifest's ``metadata`` (:func:`layout_metadata`), so ``ucp reshape`` can change the mesh
@@ -15,7 +16,7 @@ or ZeRO stage without being told the model again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from pydantic import ValidationError
 
@@ -78,15 +79,35 @@ def recorded_layout(manifest: Manifest, source: str = "manifest.json") -> Record
     return RecordedLayout(layout, shapes, sections)
 
 
+def tensor_name(section: str, param: str) -> str:
+    """The checkpoint tensor holding ``param`` in ``section`` (``""``: the root of the state tree)."""
+    return f"{section}.{param}" if section else param
+
+
+def section_param(name: str, section: str, sections: Iterable[str]) -> str | None:
+    """The parameter that tensor ``name`` holds in ``section``, or None when it lies outside it.
+
+    The root section holds the tensors that no other section does.
+    """
+    if section:
+        return name[len(section) + 1:] if name.startswith(section + ".") else None
+    return None if any(s and name.startswith(s + ".") for s in sections) else name
+
+
+def _section_list(sections: Iterable[str]) -> str:
+    return ", ".join(s if s else "'' (the root)" for s in sections)
+
+
 def param_shapes(manifest: Manifest, sections: Mapping[str, SectionKind]) -> dict[str, tuple[int, ...]]:
     """Parameter shapes read off the checkpoint's weights section(s), in manifest order."""
     out: dict[str, tuple[int, ...]] = {}
-    for prefix, kind in sections.items():
+    for section, kind in sections.items():
         if kind != "weights":
             continue
         for name, entry in manifest.tensors.items():
-            if name.startswith(prefix + "."):
-                out.setdefault(name[len(prefix) + 1:], tuple(entry.shape))
+            param = section_param(name, section, sections)
+            if param is not None:
+                out.setdefault(param, tuple(entry.shape))
     return out
 
 
@@ -114,28 +135,31 @@ def place(manifest: Manifest, layout: Layout, shapes: Mapping[str, Sequence[int]
     checkpoint's tensor shapes disagree with ``shapes``).
     """
     shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
-    for prefix in sections:
+    for section in sections:
         for param, shape in shapes.items():
-            entry = manifest.tensors.get(f"{prefix}.{param}")
+            name = tensor_name(section, param)
+            entry = manifest.tensors.get(name)
             if entry is not None and tuple(entry.shape) != shape:
-                raise LayoutMismatchError(f"tensor '{prefix}.{param}': the checkpoint's shape is {entry.shape}, "
+                raise LayoutMismatchError(f"tensor '{name}': the checkpoint's shape is {entry.shape}, "
                                           f"the layout's model says {list(shape)}")
-    missing = [p for p in shapes if not any(f"{pre}.{p}" in manifest.tensors for pre in sections)]
+    missing = [p for p in shapes if not any(tensor_name(s, p) in manifest.tensors for s in sections)]
     if missing:
+        hint = (" (its tensors are at the root of the state tree: give sections={'': 'weights'})"
+                if "" not in sections and missing[0] in manifest.tensors else "")
         raise LayoutMismatchError(f"the layout's model has parameter {missing[0]!r} but the checkpoint holds it in "
-                                  f"no section ({', '.join(sections)})"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                                  f"no section ({_section_list(sections)})"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + hint)
     resolver = Resolver(layout, shapes)
     placed: set[str] = set()
     ranks: list[list[Placement]] = []
     for coord in layout.mesh.coords():
         view = resolver.view(coord)
         mine: list[Placement] = []
-        for prefix, kind in sections.items():
-            buffers = view.weights() if kind == "weights" else view.optimizer_state(prefix, lambda p, k: p)
+        for section, kind in sections.items():
+            buffers = view.weights() if kind == "weights" else view.optimizer_state(section, lambda p, k: p)
             for buf in buffers:
                 for slot in merge_slots(buf.slots):
-                    name = f"{prefix}.{slot.tensor}"
+                    name = tensor_name(section, slot.tensor)
                     if slot.replica == 0 and name in manifest.tensors:
                         mine.append(Placement(name, slot.glob))
                         placed.add(name)

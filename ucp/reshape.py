@@ -9,22 +9,21 @@ piece per tensor, in one file.
 How it runs, per target file (the files of several ranks in parallel, ``workers``):
 
 1. the file is planned like a save by that rank would plan it (:func:`ucp.plan.make_plan`);
-2. its pieces are filled in batches (the memory budget shared by the files written at once, the
-   batches in flight and their read staging: ``BATCHES_HELD``), each piece straight from the
-   source bytes that intersect it (:func:`ucp.partial.read_targets`), the next two batches being
-   read while one is written;
+2. its pieces are filled in batches, each piece straight from the source bytes that intersect
+   it (:func:`ucp.partial.read_targets`), the next two batches being read while one is written;
 3. the batch is written through the same file writer and on-the-way-out CRC-32C as a save;
 4. at the end the manifest is built and checked like a save's and committed atomically.
 
-Memory stays near the budget (whatever the checkpoint's size): only batches in flight and their
-read staging are held, plus, once per source piece, that piece whole: its CRC is checked by the
-first read that needs it, which reads all of it; other reads of the piece take only their span.
+Memory: the budget is shared by the files written at once, each holding ``BATCHES_HELD``
+batches' worth (batches in flight and their read staging); pieces larger than a batch are
+held whole on top of it (see :func:`reshape`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from . import commit as _commit
 from .dtypes import itemsize
 from .errors import CheckpointError
 from .manifest import Manifest, now_utc
+from .partial import READ_AHEAD as STAGED_READ_AHEAD
 from .partial import SourceIndex, Target, read_targets
 from .placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
 from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
@@ -47,13 +47,19 @@ from .storage import Storage, open_storage
 from .writer import write_rank_file
 
 DEFAULT_MEMORY_BUDGET = 384 << 20
-MIN_MEMORY_BUDGET = 1 << 20  # the smallest --memory-budget reshape accepts
+MIN_MEMORY_BUDGET = 1 << 20  # the smallest memory budget reshape accepts
 READ_AHEAD = 2  # batches of a file being read while the previous one is written
-STAGING_SHARE = 4  # a batch's reads are staged a quarter batch at a time (3 quarters held at most)
-# Memory per file written at once, in batches: READ_AHEAD + 1 batches of data, plus the read
-# staging of READ_AHEAD fills (3/STAGING_SHARE of a batch each).
-BATCHES_HELD = READ_AHEAD + 1 + READ_AHEAD * 3 / STAGING_SHARE
+STAGING_SHARE = 4  # a batch's reads are staged a quarter batch at a time ...
+STAGING_SLOTS = STAGED_READ_AHEAD + 1  # ... in the slots read_targets rotates through
+# Memory per file written at once, in batches: READ_AHEAD batches being read, the one being
+# written and the one before it (the writer lets go of a batch only once it has moved on: it
+# keeps the last views it was given, and its requests in flight read them), plus the read
+# staging of the READ_AHEAD fills in progress (STAGING_SLOTS / STAGING_SHARE of a batch each).
+BATCHES_HELD = READ_AHEAD + 2 + READ_AHEAD * STAGING_SLOTS / STAGING_SHARE
 PAGE = 4096
+# The smallest batch: what the smallest budget gives one file. A smaller budget per file would
+# mean batches not worth their round of reads and writes, so fewer files are written at once.
+MIN_BATCH_BYTES = int(MIN_MEMORY_BUDGET / BATCHES_HELD) // PAGE * PAGE
 Progress = Callable[[int, int, str], None]
 
 
@@ -86,7 +92,28 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
     ``shapes`` (parameter name -> shape, in ZeRO flattening order) and ``sections`` default to
     what ``src`` recorded (see :mod:`ucp.placement`); without a record, the shapes are read off
     the checkpoint's weights. ``dst`` must not exist unless ``overwrite`` (then it must be a
-    checkpoint, replaced atomically).
+    checkpoint, replaced atomically). ``progress(done, total, tensor)`` is called as piece bytes
+    are written (``total``: all of them; headers and padding are not counted).
+
+    Memory: ``memory_budget`` bounds the data buffers (the batches being read and written, and
+    their read staging) as long as every piece fits in a batch. It is shared by the files written
+    at once, each holding ``BATCHES_HELD`` batches' worth: ``READ_AHEAD`` batches being read, the
+    one being written, the one before it (the writer has not let go of it yet) and the read staging
+    of the fills in progress. A budget too small for ``workers`` files of ``MIN_BATCH_BYTES``
+    batches writes fewer files at once (one at the 1 MiB minimum). Held whole, beyond the budget:
+
+    * a piece larger than a batch, in a batch of its own (up to ``READ_AHEAD + 2`` per file);
+    * staged source bytes (those not read straight into a piece) that do not fit the staging:
+      the whole source piece for its first reader, which checks its CRC, else the span of it that
+      the piece needs (up to ``READ_AHEAD * STAGING_SLOTS`` per file).
+
+    So a tensor of T bytes larger than a batch costs, per file written at once, its piece there
+    plus up to T of source bytes. Measured (one tensor, tracking every buffer): T split in two (tp 1 -> 2)
+    holds 1.5 T with one file at a time, 2.5 T (row split) to 3 T (column split) with two;
+    consolidating two halves holds 1 T (rows: read straight in) to 1.5 T (columns: staged).
+    Not counted: the destination writer's requests in flight (up to ``queue_depth`` x
+    ``block_size`` of the storage's :class:`aio.AioConfig` per file: its own staging blocks or, for
+    large aligned pieces, memory of batches already handed over, freed as the writes complete).
     """
     started = time.perf_counter()
     if memory_budget < MIN_MEMORY_BUDGET:
@@ -102,21 +129,13 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
         per_rank, metadata, mesh = _targets(manifest, layout, shapes, sections, src)
         world = len(per_rank)
         plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
-        files_at_once = max(1, min(workers, sum(p.file is not None for p in plans)))
-        batch_bytes = max(1 << 20, int(memory_budget / (BATCHES_HELD * files_at_once)))
+        files_at_once, batch_bytes = _share_budget(memory_budget, workers, sum(p.file is not None for p in plans))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
-        total = sum(p.file_size for p in plans)
-        done = [0]
-
-        def advance(n: int, what: str) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total, what)
-
+        advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         try:
             reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest,
-                                   SourceIndex.of(manifest), workers, advance)
+                                   SourceIndex.of(manifest), files_at_once, batch_bytes // STAGING_SHARE, advance)
             new = _commit.build_manifest(reports, world_size=world, step=manifest.step, metadata=metadata,
                                          mesh=mesh, created=now_utc())
             _commit.commit(dst_storage, temp, dst_name, new)
@@ -125,7 +144,35 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
             raise
     return ReshapeReport(src=os.fspath(src), dst=os.fspath(dst), world_size=world, mesh=mesh,
                          zero_stage=None if layout is None else layout.zero.stage, files=len(jobs),
-                         tensors=len(new.tensors), bytes_written=total, seconds=time.perf_counter() - started)
+                         tensors=len(new.tensors), bytes_written=sum(p.file_size for p in plans),
+                         seconds=time.perf_counter() - started)
+
+
+def _share_budget(memory_budget: int, workers: int, files: int) -> tuple[int, int]:
+    """How many files to write at once, and the batch size that keeps them within the budget.
+
+    Each file written at once holds ``BATCHES_HELD`` batches. A budget too small for ``workers``
+    files with batches of at least ``MIN_BATCH_BYTES`` writes fewer files at once (one at the
+    minimum budget) rather than exceed it.
+    """
+    affordable = int(memory_budget // (BATCHES_HELD * MIN_BATCH_BYTES))
+    at_once = max(1, min(workers, files, affordable))
+    return at_once, int(memory_budget / (BATCHES_HELD * at_once)) // PAGE * PAGE
+
+
+def _progress_counter(total: int, progress: Progress | None) -> Callable[[int, str], None]:
+    """``advance(n, tensor)``: n more piece bytes written; called from the writer threads."""
+    done = 0
+    lock = threading.Lock()
+
+    def advance(n: int, what: str) -> None:
+        nonlocal done
+        with lock:  # also keeps the reported counts in order
+            done += n
+            if progress is not None:
+                progress(done, total, what)
+
+    return advance
 
 
 # -- what each target rank writes ----------------------------------------------------------------
@@ -135,20 +182,15 @@ def _targets(manifest: Manifest, layout: Layout | None, shapes: dict[str, Sequen
              sections: dict[str, SectionKind] | None, src: Any
              ) -> tuple[list[list[LeafLayout]], dict[str, Any], dict[str, int] | None]:
     """Per target rank the leaf layouts to plan, the new metadata and the mesh."""
-    recorded = recorded_layout(manifest, source=f"{os.fspath(src)}/manifest.json")
-    sections = dict(sections or recorded.sections)
     metadata = dict(manifest.metadata)
     source = {"path": os.fspath(src), "world_size": manifest.topology.world_size, "mesh": manifest.topology.mesh}
     metadata["reshaped_from"] = source
-    if layout is None:  # consolidated: one rank, one piece per tensor
+    if layout is None:  # consolidated: one rank, one piece per tensor; no layout needed
         layouts = [LeafLayout(n, e.dtype, tuple(e.shape), Box.full(tuple(e.shape)), 0, False, _phase(e.nbytes))
                    for n, e in manifest.tensors.items()]
-        if recorded.layout is not None:
-            base = recorded.layout
-            metadata["layout"] = base.replace(mesh=base.mesh.model_copy(update={"tp": 1, "pp": 1, "dp": 1, "ep": 1}),
-                                              zero=base.zero.model_copy(update={"stage": 0})).model_dump(mode="json")
-        metadata.update({"mesh": {"tp": 1, "pp": 1, "dp": 1}, "zero_stage": 0, "consolidated": True})
-        return [layouts], metadata, None
+        return [layouts], _consolidated_metadata(metadata), None
+    recorded = recorded_layout(manifest, source=f"{os.fspath(src)}/manifest.json")
+    sections = dict(sections or recorded.sections)
     if shapes is None:
         shapes = recorded.shapes if recorded.shapes is not None else param_shapes(manifest, sections)
     placements = place(manifest, layout, shapes, sections)
@@ -160,6 +202,28 @@ def _targets(manifest: Manifest, layout: Layout | None, shapes: dict[str, Sequen
     metadata.update(layout_metadata(layout, shapes, sections))
     metadata.update({"mesh": mesh, "zero_stage": layout.zero.stage, "consolidated": False})
     return per_rank, metadata, mesh
+
+
+def _consolidated_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The source's metadata for its consolidated copy.
+
+    A recorded layout (``metadata.layout``) is rewritten for one rank: mesh 1, ZeRO-0, contiguous
+    pipeline stages (explicit ``stages`` name more stages than pp=1 has). A ``layout`` value that is
+    not a layout is someone else's metadata: kept as it is, like every other key but the
+    conventional ``mesh``, ``zero_stage`` and ``consolidated``.
+    """
+    try:
+        base = Layout.model_validate(metadata["layout"]) if metadata.get("layout") is not None else None
+    except ValueError:  # pydantic's ValidationError included
+        base = None
+    if base is not None:
+        metadata["layout"] = base.replace(
+            mesh=base.mesh.model_copy(update={"tp": 1, "pp": 1, "dp": 1, "ep": 1}),
+            zero=base.zero.model_copy(update={"stage": 0}),
+            pipeline=base.pipeline.model_copy(update={"stages": None}),
+        ).model_dump(mode="json")
+    metadata.update({"mesh": {"tp": 1, "pp": 1, "dp": 1}, "zero_stage": 0, "consolidated": True})
+    return metadata
 
 
 def _phase(nbytes: int) -> int | None:
@@ -186,11 +250,12 @@ def _rank_layouts(manifest: Manifest, mine: list[Placement]) -> list[LeafLayout]
 
 
 def _batches(plan: SavePlan, batch_bytes: int) -> list[list[PlannedPiece]]:
-    """The plan's pieces in file order, cut into batches of about ``batch_bytes`` (a larger piece alone)."""
+    """The plan's pieces in file order, cut into batches of at most ``batch_bytes`` of (page-rounded)
+    memory; a piece larger than that is a batch of its own."""
     out: list[list[PlannedPiece]] = []
     size = 0
     for p in plan.pieces:
-        if not out or (size + p.length > batch_bytes and out[-1]):
+        if not out or (size + _slot(p.length) > batch_bytes and out[-1]):
             out.append([])
             size = 0
         out[-1].append(p)
@@ -203,8 +268,12 @@ def _slot(nbytes: int) -> int:
 
 
 def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Manifest,
-          index: SourceIndex) -> list[memoryview]:
-    """Read a batch's pieces from the source into fresh page-aligned memory; their byte views, in order."""
+          index: SourceIndex, staging_bytes: int) -> list[memoryview]:
+    """Read a batch's pieces from the source into fresh page-aligned memory; their byte views, in order.
+
+    Source bytes that are not read straight into a piece are staged ``staging_bytes`` at a time
+    (a source piece larger than that alone, see :func:`ucp.partial.read_targets`).
+    """
     # Not pre-faulted: pages are zero-filled as the reads land in them, in the reader threads,
     # instead of all at once here (peak RSS 480-530 MiB against ~620 MiB pre-faulted, 2.09 GiB reshape).
     arena = FileBuffer(sum(_slot(p.length) for p in batch))
@@ -216,8 +285,7 @@ def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Mani
         targets.append(Target(p.name, buf, p.region))
         views.append(arena.view(p.length, pos))
         pos += _slot(p.length)
-    staging = max(1 << 20, sum(p.length for p in batch) // STAGING_SHARE)
-    read_targets(storage, name, manifest, targets, verify=True, index=index, staging_bytes=staging)
+    read_targets(storage, name, manifest, targets, verify=True, index=index, staging_bytes=staging_bytes)
     return views
 
 
@@ -225,7 +293,8 @@ class _StreamedViews(Sequence[memoryview]):
     """The byte views of a plan's pieces, produced batch by batch as the writer consumes them.
 
     Batches k + 1 and k + 2 are read on helper threads while batch k is written; a batch's memory
-    is freed once the writer and the checksum thread are done with it.
+    is freed once the writer and the checksum thread are done with it (the writer's requests in
+    flight may still hold an earlier batch's large pieces: see :func:`reshape`).
     """
 
     def __init__(self, job: _Job, fill: Callable[[list[PlannedPiece]], list[memoryview]],
@@ -245,30 +314,31 @@ class _StreamedViews(Sequence[memoryview]):
             try:
                 for k, batch in enumerate(batches):
                     views = ahead.pop(0).result()
-                    if k + READ_AHEAD < len(batches):
-                        ahead.append(pool.submit(self.fill, batches[k + READ_AHEAD]))
-                    for p, v in zip(batch, views):
+                    for i, (p, v) in enumerate(zip(batch, views)):
                         yield v
                         self.advance(p.length, p.name)
-                    del views
+                        if i == 0 and k + READ_AHEAD < len(batches):
+                            # The writer has moved on to batch k, so it has let go of batch k - 2:
+                            # BATCHES_HELD counts k - 1 to k + READ_AHEAD.
+                            ahead.append(pool.submit(self.fill, batches[k + READ_AHEAD]))
             finally:
                 for fut in ahead:
                     fut.cancel()
 
 
 def _write_files(jobs: list[_Job], plans: list[SavePlan], src: Storage, src_name: str, dst: Storage, temp: str,
-                 manifest: Manifest, index: SourceIndex, workers: int,
+                 manifest: Manifest, index: SourceIndex, files_at_once: int, staging_bytes: int,
                  advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
     tree = manifest.state
 
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan
-        fill = lambda batch: _fill(batch, src, src_name, manifest, index)  # noqa: E731
+        fill = lambda batch: _fill(batch, src, src_name, manifest, index, staging_bytes)  # noqa: E731
         records = write_rank_file(dst, f"{temp}/{plan.file}", plan, _StreamedViews(job, fill, advance))
         return _commit.RankReport(rank=plan.rank, file=plan.file, file_size=plan.file_size,
                                   tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree)
 
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ucp-reshape") as pool:
+    with ThreadPoolExecutor(max_workers=files_at_once, thread_name_prefix="ucp-reshape") as pool:
         written = {r.rank: r for r in pool.map(run, jobs)}
     return [written.get(p.rank) or _commit.RankReport(rank=p.rank, tensors=[(n, d, list(s)) for n, d, s in p.tensors],
                                                       state=tree)

@@ -40,7 +40,11 @@ def reshape_cmd(
                                                         "as the target; the flags above override its mesh/stage.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Base layout: the reference GPT preset of this name "
                                                  "(for checkpoints that recorded no layout).")] = None,
-    memory_budget: Annotated[str, typer.Option("--memory-budget", help="Bytes of data held at once.")] = "512MiB",
+    memory_budget: Annotated[str, typer.Option("--memory-budget", help=(
+        "Bytes of data buffers (batches read and written, their read staging) held at once; at least 1 MiB "
+        "(a small budget writes fewer files at once). A tensor piece larger than a batch is held whole on top "
+        "of it, with the source bytes it is read from: typically 1-1.5x its tensor's size per file written at "
+        "once (docs/architecture.md)."))] = "512MiB",
     workers: Annotated[int, typer.Option("--workers", min=1, help="Target files written in parallel.")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it is a checkpoint.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Read DST back and check every CRC.")] = False,
