@@ -17,6 +17,7 @@ without a GPU runs and tests every line of the chunking logic.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 
@@ -27,6 +28,22 @@ from aio.buffers import round_up
 
 MIB = 1 << 20
 DEFAULT_STAGING_BYTES = 64 * MIB
+
+
+def check_staging_bytes(staging_bytes: int, alignment: int) -> int:
+    """``staging_bytes`` as an int rounded up to ``alignment``; TypeError/ValueError naming it when unusable.
+
+    Checked when a handle is built, so a bad value fails there rather than in every transfer.
+    """
+    try:
+        size = operator.index(staging_bytes)  # ints and numpy integers; not floats, None or strings
+    except TypeError:
+        raise TypeError(
+            f"staging_bytes must be an integer, got {type(staging_bytes).__name__} {staging_bytes!r}"
+        ) from None
+    if size < alignment:
+        raise ValueError(f"staging_bytes must be >= {alignment} (the aio alignment), got {size}")
+    return round_up(size, alignment)
 
 
 class _DeviceCopier:
@@ -71,10 +88,8 @@ class StagedPath:
     """
 
     def __init__(self, io: AioHandle, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        if staging_bytes < io.config.alignment:
-            raise ValueError(f"staging_bytes must be >= {io.config.alignment}, got {staging_bytes}")
         self.io = io
-        self.staging_bytes = round_up(staging_bytes, io.config.alignment)
+        self.staging_bytes = check_staging_bytes(staging_bytes, io.config.alignment)
         self._buffers: list[AlignedBuffer] = []
         self._views: list[torch.Tensor] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}

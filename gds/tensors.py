@@ -20,6 +20,13 @@ def _check(tensor: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise ValueError(f"{name} ({describe(tensor)}) has layout {tensor.layout}; only dense tensors are supported")
+    if tensor.is_quantized:
+        # Its storage holds packed integers plus scale/zero-point kept outside the
+        # bytes; a uint8 view of it is not a real tensor (copying from it crashes).
+        raise ValueError(
+            f"{name} ({describe(tensor)}) is quantized; write its integer values (.int_repr()) "
+            "and its quantization parameters separately, or .dequantize() it first"
+        )
     if tensor.device.type == "meta":
         raise ValueError(f"{name} ({describe(tensor)}) is a meta tensor and has no bytes")
     if not tensor.is_contiguous():
