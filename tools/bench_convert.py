@@ -32,6 +32,17 @@ if str(REPO) not in sys.path:
 from tools.peers.deepspeed_ckpt import make_checkpoint, peer_env, read_latest  # noqa: E402
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a count that must be at least 1 (checked before the checkpoint is made)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def drop_caches() -> bool:
     """Flush dirty pages and drop the page cache (root only); False when not allowed."""
     from aio.tune import drop_page_cache
@@ -58,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-100m", help="training.models preset (default gpt-100m)")
     p.add_argument("--zero-stage", type=int, default=2)
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=positive_int, default=2)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--seq", type=int, default=64, help="sequence length for the (cheap) training run")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=1)
+    p.add_argument("--seq", type=positive_int, default=64, help="sequence length for the (cheap) training run")
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--scratch", type=Path, default=None, help="where outputs go (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)

@@ -7,7 +7,7 @@ The source is a reference-GPT training checkpoint (fp32 weights, fp32 masters, A
 bytes per parameter) laid out for tp=2 × dp=2 with ZeRO-2, as four rank files. Each round times,
 with the page cache dropped before each step (root only; otherwise the run says so):
 
-* ``cp -r SRC DST && sync`` — every byte read and written once, no layout work;
+* ``cp -r SRC DST`` then ``sync`` — every byte read and written once, no layout work;
 * ``ucp reshape SRC DST --tp 1 --dp 4 --zero 1`` — another TP/DP split and ZeRO stage;
 * ``ucp reshape SRC DST`` — consolidated (one piece per tensor).
 
@@ -26,9 +26,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 UCP = [sys.executable, "-m", "ucp.cli"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a count that must be at least 1 (checked before the source is built)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def drop_caches(mode: str, src: Path) -> bool:
@@ -75,18 +87,33 @@ def _engine_metadata(engine) -> dict:
 
 
 def _run(cmd: list[str]) -> str:
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    """Run ``cmd`` (an argument list: no shell parses the paths); its stdout, or exit with its output."""
+    return _checked(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True))
+
+
+def copy_and_sync(src: Path, dst: Path) -> str:
+    """The floor of any rewrite: ``cp -r SRC DST``, then ``sync`` so the copy is on the device."""
+    for cmd in (["cp", "-r", str(src), str(dst)], ["sync"]):
+        _checked(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True))
+    return ""
+
+
+def _checked(res: subprocess.CompletedProcess[str]) -> str:
+    """The command's stdout, or exit with its command line and output if it failed."""
     if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        raise SystemExit(f"{' '.join(res.args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     return res.stdout
 
 
-def timed(cmd: list[str], src: Path, dst: Path, drop: str) -> tuple[float, dict | None]:
-    """Wall seconds of ``cmd`` (with caches dropped first), its --json output if any; removes ``dst`` after."""
+Step = Callable[[], str]  # runs one benchmarked step; returns what it printed
+
+
+def timed(step: Step, src: Path, dst: Path, drop: str) -> tuple[float, dict | None]:
+    """Wall seconds of ``step`` (with caches dropped first), its --json output if any; removes ``dst`` after."""
     shutil.rmtree(dst, ignore_errors=True)
     drop_caches(drop, src)
     t0 = time.perf_counter()
-    out = _run(cmd)
+    out = step()
     seconds = time.perf_counter() - t0
     doc = json.loads(out) if out.lstrip().startswith("{") else None
     shutil.rmtree(dst, ignore_errors=True)
@@ -97,13 +124,14 @@ def timed(cmd: list[str], src: Path, dst: Path, drop: str) -> tuple[float, dict 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", type=Path, default=Path("/tmp/ucp-bench-reshape"), help="work directory")
-    p.add_argument("--layers", type=int, default=18, help="GPT layers (18: ~140M parameters, ~2.1 GiB)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=positive_int, default=18, help="GPT layers (18: ~140M parameters, ~2.1 GiB)")
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--memory-budget", default="512MiB")
     p.add_argument("--drop", choices=("data", "all"), default="all",
                    help="before each step drop the whole page cache (all) or only the checkpoint's pages (data)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
+    args.root = args.root.absolute()  # the steps run with cwd=ROOT: a relative --root must mean the same there
     args.root.mkdir(parents=True, exist_ok=True)
     src = make_source(args.root, args.layers)
 
@@ -115,17 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     rss_bound = (1 << 30) + 2 * largest
     cold = drop_caches(args.drop, src)
     dst = args.root / "dst"
-    steps = {
-        "cp -r + sync": ["bash", "-c", f"cp -r {src} {dst} && sync"],
-        "reshape tp1 dp4 ZeRO-1": [*UCP, "reshape", str(src), str(dst), "--tp", "1", "--dp", "4", "--zero", "1",
-                                   "--memory-budget", args.memory_budget, "--json"],
-        "reshape consolidated": [*UCP, "reshape", str(src), str(dst), "--memory-budget", args.memory_budget, "--json"],
+    reshape = [*UCP, "reshape", str(src), str(dst)]
+    budget = ["--memory-budget", args.memory_budget, "--json"]
+    steps: dict[str, Step] = {
+        "cp -r + sync": lambda: copy_and_sync(src, dst),
+        "reshape tp1 dp4 ZeRO-1": lambda: _run([*reshape, "--tp", "1", "--dp", "4", "--zero", "1", *budget]),
+        "reshape consolidated": lambda: _run([*reshape, *budget]),
     }
     times: dict[str, list[float]] = {k: [] for k in steps}
     rss: dict[str, int] = {}
     for _ in range(args.rounds):
-        for name, cmd in steps.items():
-            seconds, doc = timed(cmd, src, dst, args.drop)
+        for name, step in steps.items():
+            seconds, doc = timed(step, src, dst, args.drop)
             times[name].append(seconds)
             if doc is not None:
                 rss[name] = max(rss.get(name, 0), int(doc["peak_rss_bytes"]))

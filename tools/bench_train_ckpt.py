@@ -42,32 +42,44 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 WAYS = ("none", "async", "sync")
+STOP_GRACE_S = 5.0  # after Ctrl-C: how long the ranks get to exit on SIGTERM before SIGKILL
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a count that must be at least 1 (checked before any rank starts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="small", help="preset of training.models.gpt.PRESETS (default: small, 13.8M)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per way")
+    p.add_argument("--steps", type=positive_int, default=8, help="timed steps per way")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per way (the first save warms up)")
-    p.add_argument("--rounds", type=int, default=2, help="interleave the ways in this many rounds of steps / rounds")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=None, help="default: procs / (tp * pp)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="interleave the ways in this many rounds of steps / rounds")
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--dp", type=positive_int, default=None, help="default: procs / (tp * pp)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--procs", type=int, default=None, help="ranks to spawn (default tp * pp * dp, dp default 1)")
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq")
+    p.add_argument("--procs", type=positive_int, default=None, help="ranks to spawn (default tp * pp * dp, dp default 1)")
+    p.add_argument("--micro-batch", type=positive_int, default=2)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's max_seq")
     p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     p.add_argument("--dir", type=Path, default=None, help="checkpoint root parent (default: a temp dir under /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--async-mode", default="thread", choices=("thread", "process"))
     p.add_argument("--snapshot", default="sync", choices=("sync", "background", "none"),
                    help="async saves: copy the state before save() returns (sync), copy it in the background "
                         "(background), or copy nothing and write straight from the tensors (none); the engine "
                         "waits for the copy or write before its next optimizer step")
-    p.add_argument("--writer-threads", type=int, default=None, help="aio thread_count for the writes")
+    p.add_argument("--writer-threads", type=positive_int, default=None, help="aio thread_count for the writes")
     p.add_argument("--no-fsync", action="store_true", help="skip fdatasync of the data files")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -236,12 +248,38 @@ def launch(args: argparse.Namespace, argv: Sequence[str], root: Path) -> dict[st
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(procs),
            "GLOO_SOCKET_IFNAME": "lo", "BENCH_ROOT": str(root), "BENCH_RESULT": str(result),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    children = [subprocess.Popen([sys.executable, __file__, *argv, "--worker"],
-                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(procs)]
-    codes = [c.wait() for c in children]
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(procs):
+            children.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker"],
+                                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+        codes = [c.wait() for c in children]
+    except BaseException:  # Ctrl-C (or a failed start): no rank may outlive us, or train on in a deleted root
+        _stop(children)
+        raise
     if any(codes):
         raise SystemExit(f"bench_train_ckpt: ranks exited with {codes}")
     return json.loads(result.read_text())
+
+
+def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate the ranks, give them STOP_GRACE_S to exit, then kill what is left (also when
+    a second Ctrl-C cuts the wait short)."""
+    try:
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in children:
+            try:
+                c.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

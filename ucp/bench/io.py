@@ -3,7 +3,8 @@
 Each round runs every method once (write, then a cold read, then delete), so a
 slow phase of the disk hits all methods alike; per-method numbers are medians
 over the rounds. Only one method's file exists at a time, so the bench needs
-about N GiB of free space.
+about N GiB of free space; the files live in a fresh directory under ``--dir``,
+removed at the end (see :mod:`ucp.bench.workdir`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import platform
 import resource
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,21 +27,18 @@ from aio import AioConfig, AlignedBuffer, libaio_status
 from aio.config import GIB, MIB
 from aio.tune import drop_page_cache, fill_random
 
+from .common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, fio_switched_off
 from .methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
 from .raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
+from .workdir import WorkDir
 
 METHOD_CHOICES = ("raw", "libaio", "threads", "torch", "safetensors")
-NO_FIO_ENV = "UCP_BENCH_NO_FIO"  # set to 1 to use the dd fallback even where fio is installed
-
-
-class BenchError(RuntimeError):
-    """The bench could not run, or a method read back wrong bytes."""
 
 
 class BenchIoOptions(BaseModel):
     """What to measure and where."""
 
-    size_gib: float = Field(2.0, gt=0, description="bytes per file, in GiB")
+    size_gib: float = Field(2.0, gt=0, le=MAX_SIZE_GIB, allow_inf_nan=False, description="bytes per file, in GiB")
     rounds: int = Field(3, ge=1, description="rounds; every method runs once per round")
     directory: Path | None = Field(None, description="default: a temporary directory under the current one")
     raw: Literal["auto", "fio", "dd", "none"] = Field("auto", description="device-limit tool; auto: fio if installed")
@@ -140,27 +137,23 @@ def run_bench_io(options: BenchIoOptions, *, command: str | None = None, progres
         raise BenchError(f"unknown method(s) {unknown}; choose from {list(METHOD_CHOICES)}")
     nbytes = options.size_bytes
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    made_dir = options.directory is None
-    workdir = Path(tempfile.mkdtemp(prefix=".ucp-bench-", dir=os.getcwd())) if made_dir else Path(options.directory)  # type: ignore[arg-type]
-    workdir.mkdir(parents=True, exist_ok=True)
+    work = WorkDir(options.directory, ".ucp-bench-")  # every file of the run goes in here
     methods: list[Method] = []
     try:
-        free = shutil.disk_usage(workdir).free
+        free = shutil.disk_usage(work.shown).free
         if free < nbytes + nbytes // 16 + 64 * MIB:
-            raise BenchError(f"{workdir} has {free / GIB:.2f} GiB free; the bench needs about {nbytes / GIB:.2f} GiB")
-        direct = direct_io_supported(workdir)
+            raise BenchError(f"{work.shown} has {free / GIB:.2f} GiB free; the bench needs about {nbytes / GIB:.2f} GiB")
+        direct = direct_io_supported(work.path)
         source = AlignedBuffer(nbytes, pin=False)
         fill_random(source.numpy(), options.seed)
         skipped, raw_tool, raw_note = _build_methods(options, source, direct, methods)
-        samples, cold, cold_note = _run_rounds(options, methods, workdir, progress)
+        samples, cold, cold_note = _run_rounds(options, methods, work.path, progress)
     finally:
-        for m in methods:
-            m.close()
-        if made_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
+        try:
             for m in methods:
-                _file_for(workdir, m).unlink(missing_ok=True)
+                m.close()
+        finally:
+            work.remove()
 
     results = [_summarize(m, samples[m.name], nbytes) for m in methods]
     _add_ratios(results)
@@ -169,7 +162,7 @@ def run_bench_io(options: BenchIoOptions, *, command: str | None = None, progres
     return BenchIoResult(
         command=command,
         started_at=started,
-        directory=str(workdir),
+        directory=str(work.shown),
         size_bytes=nbytes,
         size_gib=nbytes / GIB,
         rounds=options.rounds,
@@ -184,7 +177,7 @@ def run_bench_io(options: BenchIoOptions, *, command: str | None = None, progres
         verification_passed=all(r.verified is not False for r in results),
         checks=checks,
         all_checks_passed=all(decided) if len(decided) == len(checks) else None,
-        environment=_environment(workdir),
+        environment=_environment(work.shown),
     )
 
 
@@ -200,7 +193,7 @@ def _build_methods(
     cfg = options.aio
     if "raw" in wanted and options.raw != "none":
         tool: Fio | Dd
-        no_fio = os.environ.get(NO_FIO_ENV, "") not in ("", "0")
+        no_fio = fio_switched_off()
         if options.raw == "fio" or (options.raw == "auto" and fio_available() and not no_fio):
             if not fio_available():
                 raise BenchError("fio requested but not installed (apt-get install fio)")

@@ -9,6 +9,7 @@ number to compare against; dd has one request in flight and is only a fallback.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -43,14 +44,20 @@ def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
             pass
 
 
+PAGE = 4096  # O_DIRECT requests are whole pages
+
+
 def whole_block(size: int, block_size: int) -> int:
-    """The largest power-of-two fraction of ``block_size`` (>= 4096) that divides ``size``:
-    fio and dd move whole blocks only."""
-    bs = block_size
-    while bs > 4096 and size % bs:
-        bs //= 2
-    if size % bs:
-        raise ValueError(f"fio/dd need a size that is a multiple of 4096, got {size}")
+    """fio's and dd's request size: the largest block dividing both ``size`` (they move whole
+    blocks only) and ``block_size`` (so it tiles UCP's engine requests), i.e. their gcd.
+
+    For power-of-two block sizes that is the largest power-of-two fraction of the block that
+    divides the size; for others (12 KiB, 3 MiB) a multiple of 4096 no larger than the block.
+    """
+    bs = math.gcd(size, block_size)
+    if size <= 0 or bs % PAGE:
+        raise ValueError(f"fio/dd move whole pages: the size ({size}) and the block size ({block_size}) must each "
+                         f"be a positive multiple of {PAGE}")
     return bs
 
 

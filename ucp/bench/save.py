@@ -6,7 +6,8 @@ with N ranks (real processes, gloo; see :mod:`ucp.bench.save_workers` for the
 layout). Each round runs fio once (the device limit) and every method at every
 rank count once, in a rotating order; loads are cold (page cache dropped first)
 and checked bit-exact on sampled tensors; each method's files are deleted after
-its loads, so the disk holds one checkpoint at a time. Figures are medians over
+its loads, so the disk holds one checkpoint at a time (all of the run's files live in a
+fresh directory under ``--dir``, removed at the end). Figures are medians over
 the rounds, and every ratio compares numbers from the same run.
 """
 
@@ -19,9 +20,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -32,13 +33,20 @@ from aio.config import GIB, MIB
 from aio.prefetch import available_memory
 from aio.tune import drop_page_cache
 
-from .io import NO_FIO_ENV, BenchError, _environment
+from .common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
+from .io import _environment
 from .raw import Dd, Fio, RawTool, direct_io_supported, fio_available
 from .save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
+from .workdir import WorkDir
 
 METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
 MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp"]
 ProgressFn = Callable[[int, int, str], None]
+
+# Memory one rank process costs besides its share of the state: the interpreter with torch, gloo,
+# numpy and ucp imported holds about 200 MiB of anonymous memory before it builds anything;
+# rounded up, since every world's ranks live for the whole run.
+RANK_PROCESS_BYTES = 256 * MIB
 
 LABELS = {
     ("ucp", "full"): "ucp.save / ucp.load",
@@ -57,7 +65,8 @@ DETAILS = {
 
 
 class BenchSaveOptions(BaseModel):
-    size_gib: float = Field(2.0, gt=0, description="training state size (all ranks together), GiB")
+    size_gib: float = Field(2.0, gt=0, le=MAX_SIZE_GIB, allow_inf_nan=False,
+                            description="training state size (all ranks together), GiB")
     rounds: int = Field(3, ge=1)
     ranks: list[int] = Field(default_factory=lambda: [1, 2], description="world sizes to measure")
     directory: Path | None = Field(None, description="default: a temporary directory under the current one")
@@ -202,14 +211,18 @@ class World:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         self._replies: queue.Queue[tuple[int, str | None]] = queue.Queue()
         self.procs: list[subprocess.Popen[str]] = []
-        for r in range(size):
-            cfg = WorkerConfig(rank=r, world=size, init_file=str(init) if size > 1 else None, spec=spec,
-                               seed=options.seed, aio_config=options.aio.model_dump())
-            with open(self.logs[r], "w") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "ucp.bench.save_workers", cfg.model_dump_json()],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-            self.procs.append(proc)
-            threading.Thread(target=self._read, args=(r, proc), daemon=True).start()
+        try:
+            for r in range(size):
+                cfg = WorkerConfig(rank=r, world=size, init_file=str(init) if size > 1 else None, spec=spec,
+                                   seed=options.seed, aio_config=options.aio.model_dump())
+                with open(self.logs[r], "w") as log:
+                    proc = subprocess.Popen([sys.executable, "-m", "ucp.bench.save_workers", cfg.model_dump_json()],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                self.procs.append(proc)
+                threading.Thread(target=self._read, args=(r, proc), daemon=True).start()
+        except BaseException:
+            self.kill()  # the ranks started so far: nobody else knows of them
+            raise
 
     def _read(self, rank: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -256,6 +269,7 @@ class World:
         return f"; its log ({self.logs[rank]}) ends:\n{text}" if text else ""
 
     def close(self) -> None:
+        """Ask every rank to quit and wait for it (30 s at most, then kill)."""
         for proc in self.procs:
             try:
                 if proc.poll() is None and proc.stdin is not None:
@@ -271,6 +285,24 @@ class World:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def kill(self) -> None:
+        """Kill the ranks still running, at once."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+
+def _stop_worlds(worlds: list[World]) -> None:
+    """Let every world's ranks quit; if that is interrupted (a second Ctrl-C), kill them instead."""
+    try:
+        for w in worlds:
+            w.close()
+    finally:
+        for w in worlds:
+            w.kill()
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -288,7 +320,7 @@ def _raw_tool(options: BenchSaveOptions, size: int, direct: bool) -> tuple[Fio |
     if "raw" not in options.methods or options.raw == "none":
         return None, "not run"
     cfg = options.aio
-    no_fio = os.environ.get(NO_FIO_ENV, "") not in ("", "0")
+    no_fio = fio_switched_off()
     if options.raw == "fio" or (options.raw == "auto" and fio_available() and not no_fio):
         if not fio_available():
             raise BenchError("fio requested but not installed (apt-get install fio)")
@@ -367,13 +399,12 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
     spec = gpt_spec(round(options.size_gib * GIB))
     state_bytes = spec.state_bytes
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    made_dir = options.directory is None
-    workdir = Path(tempfile.mkdtemp(prefix=".ucp-bench-save-", dir=os.getcwd())) if made_dir else Path(options.directory)  # type: ignore[arg-type]
-    workdir.mkdir(parents=True, exist_ok=True)
+    work = WorkDir(options.directory, ".ucp-bench-save-")  # every file of the run goes in here
+    workdir = work.path
     worlds: dict[int, World] = {}
     try:
         savers = len(options.async_snapshots) if "async" in options.methods else 0
-        _check_resources(workdir, state_bytes, options.ranks, savers)
+        _check_resources(work.shown, state_bytes, options.ranks, savers)
         direct = direct_io_supported(workdir)
         # fio/dd move whole blocks: the state size rounded down to UCP's block size (< 0.5 % less
         # at 2 GiB), so that fio runs with the same request size as UCP's engine.
@@ -406,36 +437,42 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
         if progress:
             progress(run.total, run.total, "done")
     finally:
-        for w in worlds.values():
-            w.close()
-        if made_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            for child in workdir.iterdir():  # only what the bench made: method dirs, logs, rendezvous, fio file
-                if not child.name.startswith(("m-", "worker-", ".init-", "fio-")):
-                    continue
-                if child.is_dir():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink(missing_ok=True)
-    return _result(options, run, spec, raw_samples, tool, raw_note, direct, skipped, (has_async, async_where), workdir,
-                   started, command)
+        try:
+            _stop_worlds(list(worlds.values()))
+        finally:
+            work.remove()
+    return _result(options, run, spec, raw_samples, tool, raw_note, direct, skipped, (has_async, async_where),
+                   work.shown, started, command)
 
 
 def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], savers: int) -> None:
+    """BenchError if the disk under ``workdir`` or the memory cannot hold the run; a BenchWarning
+    if a world has more ranks than there are CPUs."""
     free = shutil.disk_usage(workdir).free
     need = state_bytes + state_bytes // 8 + 256 * MIB
     if free < need:
         raise BenchError(f"{workdir} has {free / GIB:.2f} GiB free; the bench needs about {need / GIB:.2f} GiB")
     # Resident: every world's state (bf16 weights replicated per rank), a staging copy of it per
-    # async saver timed (each kept for reuse across rounds), plus one full load at a time.
+    # async saver timed (each kept for reuse across rounds), plus one full load at a time, and
+    # the rank processes themselves (every world's ranks are started up front and live to the end).
     bf16 = state_bytes * 2 // BYTES_PER_PARAM
     per_world = [state_bytes + (n - 1) * bf16 for n in ranks]
-    resident = sum(per_world) * (1 + savers) + state_bytes + 512 * MIB
+    resident = sum(per_world) * (1 + savers) + state_bytes + 512 * MIB + sum(ranks) * RANK_PROCESS_BYTES
     avail = available_memory()
     if avail is not None and resident > avail:
         raise BenchError(f"the bench needs about {resident / GIB:.1f} GiB of memory, {avail / GIB:.1f} GiB is available; "
                          "use a smaller --size-gib or fewer --ranks")
+    cpus = _cpu_count()
+    if max(ranks) > cpus:
+        warnings.warn(f"--ranks {max(ranks)} is more than the {cpus} CPUs here: the ranks share cores, so the "
+                      "timings measure CPU contention as much as the storage", BenchWarning, stacklevel=2)
+
+
+def _cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _round_raw(run: _Run, tool: Fio | Dd, workdir: Path, rnd: int, samples: tuple[list[OpSample], list[OpSample]]) -> None:

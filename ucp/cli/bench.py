@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Any, Annotated, Optional
 
 import typer
+from rich.markup import escape
+
+from ucp.bench.common import MAX_SIZE_GIB
 
 from .common import command_line, err, fail, load_aio_config, out, progress_bar, split_csv
 
@@ -27,7 +31,9 @@ class RawChoice(str, Enum):
 
 @bench_app.command("io")
 def bench_io(
-    size_gib: Annotated[float, typer.Option("--size-gib", min=0.001, help="GiB written and read per method per round.")] = 2.0,
+    size_gib: Annotated[
+        float, typer.Option("--size-gib", min=0.001, max=MAX_SIZE_GIB, help="GiB written and read per method per round.")
+    ] = 2.0,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")] = 3,
     directory: Annotated[
         Optional[Path], typer.Option("--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory.")
@@ -94,7 +100,8 @@ def bench_io(
 @bench_app.command("save")
 def bench_save(
     size_gib: Annotated[
-        float, typer.Option("--size-gib", min=0.001, help="Training state size in GiB (bf16 weights + fp32 master + Adam).")
+        float,
+        typer.Option("--size-gib", min=0.001, max=MAX_SIZE_GIB, help="Training state size in GiB (bf16 weights + fp32 master + Adam)."),
     ] = 2.0,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")] = 3,
     ranks: Annotated[str, typer.Option("--ranks", help="Comma list of world sizes, each run as real processes (gloo).")] = "1,2",
@@ -152,14 +159,24 @@ def bench_save(
 
 
 def _run_and_report(title: str, run: Any, options: Any, print_table: Any, *, json_output: bool, rounds: int) -> None:
-    """Run a benchmark under a progress bar; print its JSON or its table (errors exit 2 with one line)."""
-    from ucp.bench.io import BenchError
+    """Run a benchmark under a progress bar; print its JSON or its table (errors exit 1 with one line)."""
+    from ucp.bench.common import BenchError, BenchWarning
     from ucp.bench.raw import RawToolError
 
+    show_warning = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, BenchWarning):
+            err.print(f"[yellow]warning:[/yellow] {escape(str(message))}", highlight=False, soft_wrap=True)
+        else:
+            show_warning(message, category, *args, **kwargs)
+
     try:
-        with progress_bar(title) as update:
+        with warnings.catch_warnings(), progress_bar(title) as update:
+            warnings.simplefilter("always", BenchWarning)
+            warnings.showwarning = show  # restored by catch_warnings
             result = run(options, command=command_line(), progress=update)
-    except (BenchError, RawToolError, OSError) as exc:
+    except (BenchError, RawToolError, OSError, ValueError) as exc:
         raise fail(str(exc)) from exc
     if json_output:
         typer.echo(result.model_dump_json(indent=2))
