@@ -233,28 +233,36 @@ def region_boxes(region: Region, shape: Sequence[int]) -> list[Box]:
     return [b for _, b in region_blocks(region, shape)]
 
 
-def check_exact_cover(regions: Sequence[Region], shape: Sequence[int]) -> str | None:
+def check_exact_cover(regions: Sequence[Region], shape: Sequence[int],
+                      labels: Sequence[str] | None = None) -> str | None:
     """Why ``regions`` do not tile an array of ``shape`` exactly once, or None when they do.
 
     Every region must lie inside the array, no two may share an element, and together they
     must hold every element. Runs a sweep over the first dimension, so grid and row layouts
-    cost about O(n log n) rather than O(n²).
+    cost about O(n log n) rather than O(n²). ``labels`` name the regions in the answer
+    (e.g. with the file holding each); by default "piece <index>".
     """
     shape = tuple(shape)
     total = math.prod(shape)
     covered = 0
     boxes: list[tuple[Box, int]] = []
+
+    def label(i: int) -> str:
+        return labels[i] if labels is not None else f"piece {i}"
+
     for i, region in enumerate(regions):
         if isinstance(region, Box):
             if not region.within(shape):
-                return f"piece {i} box {list(region.offsets)}+{list(region.shape)} lies outside shape {list(shape)}"
+                return f"{label(i)} box {list(region.offsets)}+{list(region.shape)} lies outside shape {list(shape)}"
         elif not (0 <= region.start <= region.stop <= total):
-            return f"piece {i} flat range [{region.start}, {region.stop}) lies outside [0, {total})"
+            return f"{label(i)} flat range [{region.start}, {region.stop}) lies outside [0, {total})"
         covered += region.numel
         boxes.extend((b, i) for b in region_boxes(region, shape))
     overlap = _find_overlap(boxes)
     if overlap is not None:
-        return f"pieces {overlap[0]} and {overlap[1]} overlap"
+        if labels is None:
+            return f"pieces {overlap[0]} and {overlap[1]} overlap"
+        return f"{label(overlap[0])} and {label(overlap[1])} overlap"
     if covered != total:
         return f"pieces cover {covered} of {total} elements"
     return None

@@ -319,6 +319,6 @@ def _check_tensor(name: str, t: TensorEntry, m: Manifest, by_file: dict, fail: A
         regions.append(region)
     if len(regions) == 1 and regions[0].numel == numel:  # one piece inside the tensor holding every element
         return
-    why = check_exact_cover(regions, t.shape)
+    why = check_exact_cover(regions, t.shape, [f"piece {i} (in {p.file!r})" for i, p in enumerate(t.pieces)])
     if why is not None:
         raise fail(f"{where(name)}: pieces do not cover the tensor exactly once: {why}")

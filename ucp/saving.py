@@ -55,12 +55,31 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, step: int 
     this with its own state dict; each writes its own file in parallel and rank 0
     commits. ``mesh`` (axis name -> size, product = world size) is recorded in the
     manifest's topology. An existing checkpoint at ``path`` is replaced atomically.
+
+    Replicated data is taken from one rank, not compared: a plain tensor (held whole by every
+    rank) is written by the rank the planner assigns it to (spreading bytes over ranks), plain
+    values and ``step``/``metadata``/``mesh`` are rank 0's. A rank that fails makes every rank
+    raise; nothing is committed.
     """
     group = resolve_group(process_group)
-    _check_args(step, metadata, mesh, group)
-    storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
+    try:
+        _check_args(step, metadata, mesh, group)
+        storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
+    except BaseException as exc:
+        if group.distributed:
+            _fail_together(group, exc)
+        raise
     with storage:
         return save_with(storage, name, state_dict, group, step=step, metadata=metadata or {}, mesh=mesh)
+
+
+def _fail_together(group: Group, error: BaseException) -> None:
+    """A rank that failed before its save began still takes part in the save's three collectives
+    (the temp dir's broadcast, the reports' gather, the outcome's broadcast) with an error report,
+    so that every rank gives up at once instead of waiting for it until the collective times out."""
+    group.broadcast(None)  # rank 0: "no temporary directory", which fails the others' writes too
+    group.gather(_commit.RankReport(rank=group.rank, error=_describe(error)).model_dump_json())
+    group.broadcast((None, f"rank {group.rank}: {_describe(error)}") if group.rank == 0 else None)
 
 
 def _check_args(step: Any, metadata: Any, mesh: Any, group: Group) -> None:
@@ -120,6 +139,10 @@ def save_with(storage: Storage, name: str, state_dict: dict[str, Any], group: Gr
     try:
         return _write_and_commit(storage, name, group, group.broadcast(temp), plan, leaves, tree, local_error,
                                  step=step, metadata=metadata, mesh=mesh, before_swap=before_swap)
+    except BaseException:
+        if group.rank == 0:  # e.g. a collective failed as a peer died: rank 0 knows the temp dir, nobody else
+            _commit.abort(storage, temp)
+        raise
     finally:
         _commit.close_fd(lock_fd)
 
