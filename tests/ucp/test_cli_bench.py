@@ -120,7 +120,7 @@ def test_bench_rejects_unknown_method(tmp_path: Path) -> None:
 
 def test_bench_refuses_to_report_wrong_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read that leaves the buffer untouched must fail the bench, not report a speed:
-    the sampled ranges are poisoned before every read, so stale bytes cannot pass."""
+    the whole buffer is poisoned before every read, so stale bytes cannot pass."""
     monkeypatch.setattr(AioHandle, "read_file", lambda self, path, out=None: out)
     options = BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, methods=["threads"], drop_caches=False)
     with pytest.raises(BenchError, match=r"ucp aio threads read back wrong bytes from .*ucp-bench-ucp-threads\.bin at offset \d+"):

@@ -4,7 +4,7 @@ Each round runs every method once (write, then a cold read, then delete), so a
 slow phase of the disk hits all methods alike; per-method numbers are medians
 over the rounds. Only one method's file exists at a time, so the bench needs
 about N GiB of free space; the files live in a fresh directory under ``--dir``,
-removed at the end (see :mod:`ucp.bench.workdir`).
+removed at the end (see :mod:`aio.workdir`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import numpy as np
 from pydantic import BaseModel, Field
 
 from aio import AioConfig, AlignedBuffer, libaio_status
 from aio.config import GIB, MIB
 from aio.tune import drop_page_cache, fill_random
+from aio.workdir import WorkDir
 
 from .common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, fio_switched_off
 from .methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
 from .raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
-from .workdir import WorkDir
 
 METHOD_CHOICES = ("raw", "libaio", "threads", "torch", "safetensors")
 
@@ -81,7 +80,7 @@ class MethodResult(BaseModel):
     read_vs_raw: float | None = None
     write_vs_torch: float | None = None
     read_vs_torch: float | None = None
-    verified: bool | None = Field(description="sampled bytes matched after every read; None: not checked (fio/dd data)")
+    verified: bool | None = Field(description="every byte matched after every read; None: not checked (fio/dd data)")
     samples: list[Sample]
 
 
@@ -235,7 +234,6 @@ def _run_rounds(
 ) -> tuple[dict[str, list[Sample]], bool, str]:
     """Round r runs every method once: write, drop caches, read, check, delete."""
     samples: dict[str, list[Sample]] = {m.name: [] for m in methods}
-    rng = np.random.default_rng(options.seed + 1)
     cold, cold_note = options.drop_caches, "page cache not dropped (--no-drop-caches)"
     total, step = options.rounds * len(methods) * 2, 0
     for rnd in range(1, options.rounds + 1):
@@ -249,7 +247,7 @@ def _run_rounds(
                 dropped, why = drop_page_cache()
                 if cold:  # once it failed, keep the first reason
                     cold, cold_note = dropped, why
-            m.prepare_read(rng)
+            m.prepare_read()
             if progress:
                 progress(step, total, f"round {rnd}/{options.rounds}: {m.label} read")
             read = _timed(lambda: m.read(path))

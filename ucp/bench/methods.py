@@ -1,8 +1,8 @@
 """The ways of moving N GiB to disk and back that ``ucp bench io`` compares.
 
 Every method writes one file from the same source bytes (filled once, reused)
-and reads it back; after each read it checks sampled byte ranges against the
-source, so the bench never reports the speed of wrong data. torch and
+and reads it back; after each read (outside the timing) every byte is compared
+with the source, so the bench never reports the speed of wrong data. torch and
 safetensors are imported here lazily: only the bench needs them.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from aio import AioConfig, AioHandle, AlignedBuffer
-from aio.tune import describe, first_mismatch, poison, sample_ranges
+from aio.tune import describe, first_mismatch, poison
 
 from .raw import Dd, Fio, RawRun
 
@@ -55,7 +55,6 @@ class Method(abc.ABC):
 
     def __init__(self, source: AlignedBuffer) -> None:
         self.source = source
-        self._ranges: list[tuple[int, int]] = []
 
     @property
     @abc.abstractmethod
@@ -65,9 +64,9 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def write(self, path: str) -> RawRun | None: ...
 
-    def prepare_read(self, rng: np.random.Generator) -> None:
-        """Pick the byte ranges the next check will compare."""
-        self._ranges = sample_ranges(self.source.nbytes, rng)
+    def prepare_read(self) -> None:
+        """Get ready for the next read and its check (every byte is checked). Nothing to do for a
+        method whose read returns new memory."""
 
     @abc.abstractmethod
     def read(self, path: str) -> RawRun | None: ...
@@ -77,11 +76,11 @@ class Method(abc.ABC):
         return None
 
     def check(self) -> int | None:
-        """Offset of the first wrong byte among the sampled ranges, else ``None``."""
+        """Offset of the first byte the last read got wrong, else ``None``; compares every byte."""
         got = self.loaded_bytes()
         if got is None:
             return None
-        return first_mismatch(self.source.numpy(), got, self._ranges)
+        return first_mismatch(self.source.numpy(), got)
 
     def release(self) -> None:
         """Drop what ``read`` loaded, before the next method runs."""
@@ -135,9 +134,8 @@ class AioMethod(Method):
         self.io.write_file(path, self.source.view(), fsync=True)
         return None
 
-    def prepare_read(self, rng: np.random.Generator) -> None:
-        super().prepare_read(rng)
-        poison(self.out.numpy(), self._ranges)  # stale bytes from the last round must not pass
+    def prepare_read(self) -> None:
+        poison(self.out.numpy())  # the reused buffer's bytes from the last round must not pass for this read's
 
     def read(self, path: str) -> RawRun | None:
         self.io.read_file(path, out=self.out)

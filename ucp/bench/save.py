@@ -32,12 +32,12 @@ from aio import AioConfig
 from aio.config import GIB, MIB
 from aio.prefetch import available_memory
 from aio.tune import drop_page_cache
+from aio.workdir import WorkDir
 
 from .common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
 from .io import _environment
 from .raw import Dd, Fio, RawTool, direct_io_supported, fio_available
 from .save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
-from .workdir import WorkDir
 
 METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
 MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp"]

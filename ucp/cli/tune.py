@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from ucp.bench.common import MAX_SIZE_GIB
 
 from .common import fail, load_aio_config, out, progress_bar, split_csv
 
@@ -15,7 +18,9 @@ def tune(
     directory: Annotated[
         Optional[Path], typer.Option("--dir", help="Directory on the disk to tune for. Default: a temp dir under the current directory.")
     ] = None,
-    size_gib: Annotated[float, typer.Option("--size-gib", min=0.0001, help="GiB written and read per candidate.")] = 1.0,
+    size_gib: Annotated[
+        float, typer.Option("--size-gib", min=0.0001, help=f"GiB written and read per candidate (at most {MAX_SIZE_GIB:.0f}).")
+    ] = 1.0,
     quick: Annotated[bool, typer.Option("--quick", help="A smaller grid: block 1M/8M, queue depth 8/32, 4 threads.")] = False,
     engines: Annotated[Optional[str], typer.Option("--engines", help="Comma list: libaio, threads.")] = None,
     block_sizes: Annotated[Optional[str], typer.Option("--block-sizes", help="Comma list, e.g. 1M,4M,8M,16M.")] = None,
@@ -36,8 +41,13 @@ def tune(
     from aio.config import GIB
     from aio.tune import TuneGrid, parse_size, run_tune
 
+    if not 0 < size_gib <= MAX_SIZE_GIB:  # also refuses nan
+        raise fail(f"--size-gib must be a number of GiB up to {MAX_SIZE_GIB:.0f}, got {size_gib}")
+    if output is not None:
+        _check_writable(output)
     base = load_aio_config(base_config)
     try:
+        size = max(4096, round(size_gib * GIB) // 4096 * 4096)
         grid = TuneGrid.quick() if quick else TuneGrid()
         update: dict[str, object] = {}
         if engines:
@@ -49,8 +59,7 @@ def tune(
         if thread_counts:
             update["thread_counts"] = [int(s) for s in split_csv(thread_counts) or []]
         grid = TuneGrid.model_validate({**grid.model_dump(), **update})
-        total = len(list(grid.candidates(base))) * repeats  # also validates every candidate
-        size = max(4096, round(size_gib * GIB) // 4096 * 4096)
+        total = len(grid.plan(size, base)) * repeats  # also validates every candidate; none is an error
     except ValueError as exc:
         raise fail(str(exc)) from exc
 
@@ -63,12 +72,15 @@ def tune(
                 done[0] += 1
 
             result = run_tune(directory, size=size, grid=grid, repeats=repeats, base=base, progress=step)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, ValueError) as exc:
         raise fail(str(exc)) from exc
 
     best = result.config_sections()
     if output is not None:
-        output.write_text(json.dumps(best, indent=2) + "\n")
+        try:
+            output.write_text(json.dumps(best, indent=2) + "\n")
+        except OSError as exc:
+            raise fail(f"cannot write --output {output}: {exc.strerror or exc}") from exc
     if json_output:
         typer.echo(json.dumps({**best, "tune": result.model_dump(mode="json")}, indent=2))
         return
@@ -76,10 +88,21 @@ def tune(
     out.print_json(json.dumps(best))
 
 
+def _check_writable(output: Path) -> None:
+    """Refuse an --output that cannot be written before the search, not after it."""
+    parent = output.parent
+    if output.is_dir():
+        raise fail(f"cannot write --output {output}: it is a directory")
+    if not parent.is_dir():
+        raise fail(f"cannot write --output {output}: {parent} is not a directory")
+    if not os.access(output if output.exists() else parent, os.W_OK):
+        raise fail(f"cannot write --output {output}: permission denied")
+
+
 def _print_trials(result) -> None:  # result: aio.tune.TuneResult
     from rich.table import Table
 
-    from aio.tune import describe
+    from aio.tune import describe, format_size
 
     table = Table(title=f"ucp tune: {result.size_bytes / 2**30:g} GiB on {result.directory}", title_justify="left")
     for col in ("rank", "config", "write GB/s", "read GB/s", "write+read s"):
@@ -93,6 +116,12 @@ def _print_trials(result) -> None:  # result: aio.tune.TuneResult
         out.print("[yellow]O_DIRECT refused here; buffered I/O was measured[/yellow]")
     for engine, why in result.skipped_engines.items():
         out.print(f"[yellow]skipped {engine}:[/yellow] {why}")
+    if result.collapsed_block_sizes:
+        sizes = ", ".join(format_size(b) for b in result.collapsed_block_sizes)
+        out.print(
+            f"[yellow]block sizes {sizes} exceed the {format_size(result.size_bytes)} test file:[/yellow] "
+            "one request moves it all, so they were measured once, as the largest block that fits"
+        )
     out.print(f"best write: {describe(result.best_write)}; best read: {describe(result.best_read)}")
     out.print("[bold]best overall:[/bold]")
 

@@ -1,7 +1,8 @@
-"""Where a bench run writes: a private directory, removed with everything in it when the run ends.
+"""Where a measuring run (``ucp tune``, ``ucp bench``) writes: a private directory, removed with
+everything in it when the run ends.
 
-The bench never writes beside the user's files, only inside a fresh directory it makes
-under ``--dir``, so cleaning up cannot touch a file the bench did not make, whatever its name.
+A run never writes beside the user's files, only inside a fresh directory it makes under the
+directory it was given, so cleaning up cannot touch a file the run did not make, whatever its name.
 """
 
 from __future__ import annotations
