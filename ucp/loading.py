@@ -32,7 +32,7 @@ from .dtypes import torch_dtype
 from .errors import CheckpointError, LayoutMismatchError
 from .manifest import Manifest, TensorEntry, parse_manifest
 from .partial import Target, read_targets
-from .reader import FileBuffer, FilePiece, pieces_by_file, read_manifest, read_whole_file
+from .reader import FileBuffer, FilePiece, check_data_files, pieces_by_file, read_manifest, read_whole_file
 from .regions import copy_region
 from .sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
 from .storage import Storage, as_aio_config, open_storage
@@ -50,6 +50,7 @@ def load(path: str | os.PathLike[str], *, into: dict[str, Any] | None = None, ve
     replaced) reading only the bytes it needs, and returns it. ``verify`` checks the
     CRC-32C of every piece read. With an explicit ``process_group`` rank 0 reads the
     manifest and broadcasts it; without, every rank reads it itself (no collectives).
+    Every data file's size is checked against the manifest before anything is allocated.
     """
     storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
     with storage:
@@ -98,6 +99,7 @@ def piece_tensor(buf: FileBuffer, fp: FilePiece) -> torch.Tensor:
 
 def load_full(storage: Storage, name: str, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
     """Every tensor in full, then the state tree rebuilt around them."""
+    check_data_files(storage, name, manifest)  # before any tensor is allocated from the manifest's shapes
     tensors: dict[str, torch.Tensor] = {}
     for tname, entry in manifest.tensors.items():
         if len(entry.pieces) != 1:  # assembled from pieces (or empty)
@@ -154,17 +156,17 @@ def _is_container(v: Any) -> bool:
 
 
 def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> bool:
-    """Plan the filling of ``obj`` from ``node``; True when ``obj`` is a tuple that must be rebuilt."""
-    here = path_str(path)
+    """Plan the filling of ``obj`` from ``node``; True when ``obj`` is a tuple that must be rebuilt.
+    (``path`` is formatted only for an error: doing it at every node costs depth x key length each.)"""
     kind = node_kind(node)
     if is_tensor_like(obj):
         if kind != "tensor":
-            raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a tensor")
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a tensor")
         plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(obj))
         return False
     if isinstance(obj, dict):
         if kind not in ("dict", "items"):
-            raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a dict")
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a dict")
         stored = {_key(k): v for k, v in dict_items(node)}
         for k, v in obj.items():
             child = stored.get(_key(k))
@@ -176,9 +178,9 @@ def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPla
         want = "list" if isinstance(obj, list) else "tuple"
         items = node if kind == "list" else (node["tuple"] if kind == "tuple" else None)
         if items is None or kind != want:
-            raise LayoutMismatchError(f"{here}: the checkpoint holds {_kind_text(node)} here, not a {want}")
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a {want}")
         if len(items) != len(obj):
-            raise LayoutMismatchError(f"{here}: the checkpoint's {want} has {len(items)} items, the target {len(obj)}")
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint's {want} has {len(items)} items, the target {len(obj)}")
         stale = [_child(m, obj, i, v, child, path + (i,), plan) for i, (v, child) in enumerate(zip(obj, items))]
         return isinstance(obj, tuple) and any(stale)
     raise AssertionError("plain values are handled by the parent")
@@ -264,6 +266,7 @@ def _fillable(buffer: torch.Tensor, where: str) -> torch.Tensor:
 
 
 def load_into(storage: Storage, name: str, manifest: Manifest, into: dict[str, Any], *, verify: bool) -> dict[str, Any]:
+    check_data_files(storage, name, manifest)  # before any tensor is allocated, or ``into`` changed
     plan = plan_into(manifest, into)
     # Values that replace plain entries of ``into`` may reference tensors: load those in full.
     full: dict[str, torch.Tensor] = {}

@@ -134,6 +134,18 @@ def check_file_size(storage: Storage, name: str, file: str, expected: int) -> No
         )
 
 
+def check_data_files(storage: Storage, name: str, manifest: Manifest) -> None:
+    """Every data file the manifest lists exists and has the size it claims.
+
+    A manifest's shapes, lengths and file sizes only agree with each other; nothing backs them
+    until the files on storage do. Loads, exports and reshapes call this right after reading the
+    manifest, before allocating memory or preallocating output from those numbers, so a small
+    checkpoint claiming huge tensors fails on its data file instead of on an allocation.
+    """
+    for file, info in manifest.files.items():
+        check_file_size(storage, name, file, info.size)
+
+
 def parse_header(file: str, head: memoryview | bytes, file_size: int) -> tuple[int, dict[str, Any]]:
     """(data start, header dict) of a safetensors file from its first bytes; raises on a malformed header."""
     if len(head) < 8:

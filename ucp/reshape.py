@@ -42,7 +42,7 @@ from .partial import READ_AHEAD as STAGED_READ_AHEAD
 from .partial import SourceIndex, Target, read_targets
 from .placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
 from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
-from .reader import FileBuffer, read_manifest
+from .reader import FileBuffer, check_data_files, read_manifest
 from .storage import Storage, open_storage
 from .writer import write_rank_file
 
@@ -122,6 +122,7 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
     dst_storage, dst_name = open_storage(dst)
     with src_storage, dst_storage:
         manifest = read_manifest(src_storage, src_name)
+        check_data_files(src_storage, src_name, manifest)  # before output is planned and preallocated from its claims
         if dst_storage.exists(dst_name) and not overwrite:
             raise CheckpointError(f"{dst_storage.describe(dst_name)} already exists (overwrite it explicitly)")
         if dst_storage.exists(dst_name):

@@ -22,6 +22,7 @@ MAX_DEPTH = 64
 TAGS = ("dict", "items", "tuple", "float", "tensor")
 RESERVED_NAMES = frozenset({"__metadata__"})  # a safetensors header key
 PAD_PREFIX = "__pad__."  # data-file entries that only align the next piece (docs/format.md)
+MESSAGE_KEY_CHARS = 40  # a manifest key or value quoted in an error message is cut to this many characters
 ENTRY_SEP = "#"  # a tensor's further pieces in one data file are entries "<name>#<k>" (docs/format.md)
 
 
@@ -141,52 +142,67 @@ def check_tree(tree: Any) -> list[str]:
     if not (isinstance(tree, dict) and len(tree) == 1 and next(iter(tree)) in ("dict", "items")):
         raise ManifestError("state: the root must be a dict node ({'dict': ...} or {'items': ...})")
     refs: list[str] = []
-    _check(tree, "state", 0, refs)
+    _check(tree, (), refs)
     return refs
 
 
-def _check(node: Any, where: str, depth: int, refs: list[str]) -> None:
-    if depth > 2 * MAX_DEPTH + 8:
-        raise ManifestError(f"{where}: state tree nested too deeply")
+def _brief(value: Any) -> str:
+    """``repr(value)``, cut short: an untrusted manifest's keys and values may be megabytes long."""
+    if isinstance(value, str) and len(value) > MESSAGE_KEY_CHARS:
+        return f"{value[:MESSAGE_KEY_CHARS]!r}... ({len(value)} chars)"
+    text = repr(value)
+    return text if len(text) <= MESSAGE_KEY_CHARS else text[:MESSAGE_KEY_CHARS] + "..."
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    """A node's path for a message: ``state['a'][0]`` (long keys cut short)."""
+    return "state" + "".join(f"[{_brief(k)}]" for k in path)
+
+
+def _check(node: Any, path: tuple[Any, ...], refs: list[str]) -> None:
+    """Check one node and those under it. The path is kept as keys and only formatted when an
+    error is raised: every node of a large tree is visited, few are ever named."""
+    if len(path) > 2 * MAX_DEPTH + 8:
+        raise ManifestError(f"{_where(path)}: state tree nested too deeply")
     if node is None or isinstance(node, (bool, int, float, str)):
         return
     if isinstance(node, list):
         for i, v in enumerate(node):
-            _check(v, f"{where}[{i}]", depth + 1, refs)
+            _check(v, path + (i,), refs)
         return
     if not isinstance(node, dict) or len(node) != 1 or next(iter(node)) not in TAGS:
-        raise ManifestError(f"{where}: a state node must be a JSON scalar, a list, or one of {TAGS}")
+        raise ManifestError(f"{_where(path)}: a state node must be a JSON scalar, a list, or one of {TAGS}")
     tag, value = next(iter(node.items()))
     if tag == "dict":
         if not isinstance(value, dict):
-            raise ManifestError(f"{where}: 'dict' must hold a JSON object")
+            raise ManifestError(f"{_where(path)}: 'dict' must hold a JSON object")
         for k, v in value.items():
-            _check(v, f"{where}[{k!r}]", depth + 1, refs)
+            _check(v, path + (k,), refs)
     elif tag == "items":
         if not isinstance(value, list):
-            raise ManifestError(f"{where}: 'items' must hold a list of [key, value] pairs")
+            raise ManifestError(f"{_where(path)}: 'items' must hold a list of [key, value] pairs")
         seen: set[tuple[type, Any]] = set()
         for i, item in enumerate(value):
             if not (isinstance(item, list) and len(item) == 2):
-                raise ManifestError(f"{where}: 'items' entry {i} is not a [key, value] pair")
+                raise ManifestError(f"{_where(path)}: 'items' entry {i} is not a [key, value] pair")
             k = item[0]
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise ManifestError(f"{where}: 'items' key {k!r} must be a string or an integer")
+                raise ManifestError(f"{_where(path)}: 'items' key {_brief(k)} must be a string or an integer")
             if (type(k), k) in seen:
-                raise ManifestError(f"{where}: duplicate key {k!r}")
+                raise ManifestError(f"{_where(path)}: duplicate key {_brief(k)}")
             seen.add((type(k), k))
-            _check(item[1], f"{where}[{k!r}]", depth + 1, refs)
+            _check(item[1], path + (k,), refs)
     elif tag == "tuple":
         if not isinstance(value, list):
-            raise ManifestError(f"{where}: 'tuple' must hold a list")
+            raise ManifestError(f"{_where(path)}: 'tuple' must hold a list")
         for i, v in enumerate(value):
-            _check(v, f"{where}[{i}]", depth + 1, refs)
+            _check(v, path + (i,), refs)
     elif tag == "float":
         if value not in ("nan", "inf", "-inf"):
-            raise ManifestError(f"{where}: 'float' must be 'nan', 'inf' or '-inf', got {value!r}")
+            raise ManifestError(f"{_where(path)}: 'float' must be 'nan', 'inf' or '-inf', got {_brief(value)}")
     else:  # tensor
         if not isinstance(value, str):
-            raise ManifestError(f"{where}: 'tensor' must name a tensor")
+            raise ManifestError(f"{_where(path)}: 'tensor' must name a tensor")
         refs.append(value)
 
 

@@ -58,7 +58,7 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: 
     total_bytes, tensor_name)`` is called after each tensor. Raises ExportError
     (bad option, unknown section, non-empty ``dst``) or ucp's CheckpointError.
     """
-    from ..reader import read_manifest
+    from ..reader import check_data_files, read_manifest
     from ..storage import open_storage
 
     if format not in ("hf", "zarr"):
@@ -84,6 +84,7 @@ def export(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, format: 
     storage, name = open_storage(src, storage_options=storage_options)
     with storage:
         manifest = read_manifest(storage, name)
+        check_data_files(storage, name, manifest)  # before buffers or output files are sized from its claims
         selection = select_tensors(manifest, section, dtype=cast)
         with staged_dir(Path(dst), overwrite=overwrite) as out_dir:
             if format == "hf":

@@ -5,7 +5,8 @@ Layout (documented in docs/import-export.md):
 * one array per tensor, directly under the group, named by the tensor's output
   name (dots kept: ``layers.0.attn.qkv.weight``; flat names keep a 1:1 map with
   tensor names, which a hierarchy cannot when one name is a prefix of another).
-  ``%`` and ``/`` are written ``%25`` and ``%2F``; a name of only dots, the name
+  ``%``, ``/`` and ``\\`` are written ``%25``, ``%2F`` and ``%5C`` (zarr reads a ``\\`` as a
+  ``/``: unescaped it would nest the array); a name of only dots, the name
   ``zarr.json`` (the group's metadata file), or one starting with ``__`` (reserved by
   zarr v3) has those characters escaped the same way;
 * global shape and dtype; dtypes numpy lacks are stored as their raw bits:
@@ -74,7 +75,7 @@ def read_tensor(array: Any) -> torch.Tensor:
 
 def array_name(name: str) -> str:
     """A valid zarr v3 node name for tensor ``name`` (see the module docstring)."""
-    out = name.replace("%", "%25").replace("/", "%2F")
+    out = name.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C")
     if out.startswith("__"):
         out = "%5F" + out[1:]
     if not out or set(out) == {"."} or out == "zarr.json":  # the group's own metadata file is taken

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..sharding import FlatShard, Shards
+from ..tree import MAX_DEPTH
+from .errors import ForeignCheckpointError
 
 # progress(done, total, what) — the signature of ucp.cli.common.progress_bar's update.
 Progress = Callable[[int, int, str], None]
@@ -91,9 +94,20 @@ def cast_leaf(value: torch.Tensor | Shards, dtype: torch.dtype) -> torch.Tensor 
                    for p in value.parts])  # type: ignore[union-attr]
 
 
-def plain(value: Any) -> Any:
-    """A value from a foreign pickle as something ucp.save stores: containers, scalars, tensors;
-    attribute bags become dicts, int subclasses ints, anything else its ``repr``."""
+def plain(value: Any, *, file: str | os.PathLike[str]) -> Any:
+    """A value from the foreign pickle ``file`` as something ucp.save stores: containers, scalars,
+    tensors; attribute bags become dicts, int subclasses ints, anything else its ``repr``.
+
+    Raises ForeignCheckpointError naming ``file`` for a value nested deeper than a checkpoint's
+    state may be (a pickle can nest thousands of levels deep, or hold a list that contains itself).
+    """
+    return _plain(value, 0, file)
+
+
+def _plain(value: Any, depth: int, file: str | os.PathLike[str]) -> Any:
+    if depth > MAX_DEPTH:
+        raise ForeignCheckpointError(f"file {os.fspath(file)!r} holds a value nested deeper than {MAX_DEPTH} levels "
+                                     "(more than a checkpoint's state may be)", file=os.fspath(file))
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, bool) or value is None:
@@ -103,25 +117,29 @@ def plain(value: Any) -> Any:
     if isinstance(value, (float, str)):
         return value
     if isinstance(value, dict):
-        return {k if isinstance(k, (str, int)) else str(k): plain(v) for k, v in value.items()}
+        return {k if isinstance(k, (str, int)) else str(k): _plain(v, depth + 1, file) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [_plain(v, depth + 1, file) for v in value]
     if isinstance(value, torch.Size):
         return [int(v) for v in value]
     if hasattr(value, "__dict__") and type(value).__name__ == "AttributeBag":
-        return plain(vars(value))
+        return _plain(vars(value), depth + 1, file)
     return repr(value)
 
 
-def json_plain(value: Any) -> Any:
+def json_plain(value: Any, *, file: str | os.PathLike[str]) -> Any:
     """Like :func:`plain` but JSON only (for manifest metadata): tensors become lists of numbers."""
-    value = plain(value)
+    return _json(plain(value, file=file))
+
+
+def _json(value: Any) -> Any:
+    """A :func:`plain` value (so of bounded depth) with its tensors as lists, non-finite floats as text."""
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, dict):
-        return {str(k): json_plain(v) for k, v in value.items()}
+        return {str(k): _json(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [json_plain(v) for v in value]
+        return [_json(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     return value

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -70,19 +71,32 @@ def read_metadata(folder: Path, *, trust_pickle: bool = False) -> Any:
     return meta
 
 
-def _nest(state: dict[str, Any], path: tuple[Any, ...], value: Any, fqn: str) -> None:
+def _nest(state: dict[str, Any], path: tuple[Any, ...], value: Any, fqn: str, *, max_items: int, source: Path) -> None:
     """Put ``value`` at ``path``, rebuilding the containers DCP flattened: an int path item indexes a
-    list (as DCP's own unflattening does), any other item is a dict key."""
+    list (as DCP's own unflattening does), any other item is a dict key.
+
+    A position of ``max_items`` or more is refused before any list grows to reach it:
+    ``.metadata`` can claim any position and make ``[None] * position`` take all memory. Every
+    list item DCP stores holds at least one key, so real positions stay below the number of keys
+    plus the empty dicts (which DCP drops) before them; the caller allows a generous margin.
+    """
     node: Any = state
     for key, following in zip(path[:-1], path[1:]):
         child = _get(node, key)
         if child is None:
             child = [] if type(following) is int else {}
-            _put(node, key, child, fqn)
+            _put(node, key, child, fqn, max_items=max_items, source=source)
         if not isinstance(child, (dict, list)):
-            raise ForeignCheckpointError(f"DCP key {fqn!r}: {key!r} is both a value and a container", tensor=fqn)
+            raise ForeignCheckpointError(f"file {str(source)!r}: DCP key {fqn!r}: {key!r} is both a value and a "
+                                         "container", tensor=fqn, file=str(source))
         node = child
-    _put(node, path[-1], value, fqn)
+    _put(node, path[-1], value, fqn, max_items=max_items, source=source)
+
+
+def max_list_items(keys: int) -> int:
+    """The longest list a DCP checkpoint of ``keys`` keys is taken to hold: the keys, plus room for
+    empty items DCP dropped (at most a million: 8 MB of placeholders)."""
+    return max(keys, 1) * 16 + (1 << 20)
 
 
 def _get(node: dict[Any, Any] | list[Any], key: Any) -> Any:
@@ -91,12 +105,13 @@ def _get(node: dict[Any, Any] | list[Any], key: Any) -> Any:
     return node[key] if type(key) is int and 0 <= key < len(node) else None
 
 
-def _put(node: dict[Any, Any] | list[Any], key: Any, value: Any, fqn: str) -> None:
+def _put(node: dict[Any, Any] | list[Any], key: Any, value: Any, fqn: str, *, max_items: int, source: Path) -> None:
     if isinstance(node, dict):
         node[key] = value
         return
-    if type(key) is not int or key < 0:
-        raise ForeignCheckpointError(f"DCP key {fqn!r}: {key!r} indexes a list", tensor=fqn)
+    if type(key) is not int or not 0 <= key < max_items:
+        raise ForeignCheckpointError(f"file {str(source)!r}: DCP key {fqn!r}: {str(key)[:40]!r} is not a position in a "
+                                     f"list of at most {max_items} items", tensor=fqn, file=str(source))
     node.extend([None] * (key + 1 - len(node)))
     node[key] = value
 
@@ -111,7 +126,7 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progre
     for index, info in meta.storage_data.items():
         by_fqn.setdefault(index.fqn, []).append((index, info))
     planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
-    handles: dict[str, Any] = {}
+    handles: dict[str, BinaryIO] = {}
     state: dict[str, Any] = {}
     as_bytes: list[str] = []  # keys whose bytes values are stored as uint8 tensors (JSON cannot hold bytes)
     total = len(meta.state_dict_metadata)
@@ -130,7 +145,7 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progre
                     value = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.empty(0, dtype=torch.uint8)
                     as_bytes.append(fqn)
             key_path = tuple(planner.get(fqn) or (fqn,))
-            _nest(state, key_path, value, fqn)
+            _nest(state, key_path, value, fqn, max_items=max_list_items(total), source=folder / METADATA)
             if progress:
                 progress(i + 1, total, fqn)
     finally:
@@ -145,24 +160,55 @@ def read_dcp(path: str | os.PathLike[str], *, trust_pickle: bool = False, progre
 
 
 def _where(folder: Path, info: Any) -> str:
-    return f"file {str(folder / info.relative_path)!r} bytes [{info.offset}, {info.offset + info.length})"
+    """Where a checked storage entry's bytes are, for messages."""
+    return f"file {str(folder / str(info.relative_path))!r} bytes [{info.offset}, {info.offset + info.length})"
 
 
-def _read(folder: Path, info: Any, handles: dict[str, Any]) -> bytes:
+def _check_location(folder: Path, info: Any) -> str:
+    """The data file name of a storage entry, after checking that ``.metadata`` gives a plain file name
+    in the folder, and an offset and length that are non-negative integers."""
+    source = str(folder / METADATA)
+    name = str(getattr(info, "relative_path", ""))
+    if "/" in name or name == "..":
+        raise ForeignCheckpointError(f"file {source!r} points outside the folder: {name[:200]!r}", file=source)
+    if name in ("", ".") or "\0" in name:
+        raise ForeignCheckpointError(f"file {source!r} names data file {name!r}, which is not a file name", file=source)
+    for field in ("offset", "length"):
+        value = getattr(info, field, None)
+        if type(value) is not int or value < 0:
+            raise ForeignCheckpointError(f"file {source!r}: data file {name!r}: {field} {str(value)[:40]!r} is not a "
+                                         "non-negative integer", file=source)
+    return name
+
+
+def _open(folder: Path, name: str) -> BinaryIO:
+    """A data file, opened without blocking on it and refused unless it is a regular file (a FIFO or a
+    device named in ``.metadata`` would block or never end, a folder cannot be read)."""
+    path = folder / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ForeignCheckpointError(f"file {str(path)!r} is missing (listed in {METADATA})", file=str(path)) from None
+    fh = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        fh.close()
+        raise ForeignCheckpointError(f"file {str(path)!r} (listed in {METADATA}) is not a regular file", file=str(path))
+    os.set_blocking(fd, True)
+    return fh
+
+
+def _read(folder: Path, info: Any, handles: dict[str, BinaryIO]) -> bytes:
+    name = _check_location(folder, info)
     if getattr(info, "transform_descriptors", None):
         raise ForeignCheckpointError(f"{_where(folder, info)}: DCP stream transforms {list(info.transform_descriptors)} "
-                                     "(e.g. compression) are not supported", file=str(folder / info.relative_path))
-    name = str(info.relative_path)
-    if "/" in name or name.startswith(".."):
-        raise ForeignCheckpointError(f"file {str(folder / METADATA)!r} points outside the folder: {name!r}",
-                                     file=str(folder / METADATA))
+                                     "(e.g. compression) are not supported", file=str(folder / name))
     if name not in handles:
-        try:
-            handles[name] = open(folder / name, "rb")
-        except FileNotFoundError:
-            raise ForeignCheckpointError(f"file {str(folder / name)!r} is missing (listed in {METADATA})",
-                                         file=str(folder / name)) from None
+        handles[name] = _open(folder, name)
     fh = handles[name]
+    size = os.fstat(fh.fileno()).st_size
+    if info.offset + info.length > size:  # checked before reading: the length is .metadata's claim
+        raise ForeignCheckpointError(f"{_where(folder, info)}: runs past the end of the file ({size} bytes)",
+                                     file=str(folder / name), offset=info.offset)
     fh.seek(info.offset)
     data = fh.read(info.length)
     if len(data) != info.length:
@@ -171,7 +217,7 @@ def _read(folder: Path, info: Any, handles: dict[str, Any]) -> bytes:
     return data
 
 
-def _tensor(folder: Path, fqn: str, item: Any, entries: list[tuple[Any, Any]], handles: dict[str, Any],
+def _tensor(folder: Path, fqn: str, item: Any, entries: list[tuple[Any, Any]], handles: dict[str, BinaryIO],
             trust_pickle: bool) -> torch.Tensor | Shards:
     size = tuple(int(s) for s in item.size)
     parts: list[ShardedTensor] = []

@@ -31,6 +31,7 @@ from .pickles import load_torch
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _OPTIM = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+MAX_TAG_BYTES = 4096  # a `latest` file holds one folder name
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -50,12 +51,31 @@ def tag_dir(path: str | os.PathLike[str]) -> Path:
         raise UnknownFormatError(f"{str(p)!r} is not a directory (a DeepSpeed checkpoint is a folder)", file=str(p))
     latest = p / "latest"
     if latest.is_file():
-        tag = latest.read_text().strip()
+        tag = read_tag(latest)
         if not (p / tag).is_dir():
             raise ForeignCheckpointError(f"file {str(latest)!r} names tag {tag!r}, but {str(p / tag)!r} is missing",
                                          file=str(latest))
         return p / tag
     return p
+
+
+def read_tag(file: Path) -> str:
+    """The tag a ``latest`` (or ``latest_universal``) file names: a folder next to that file.
+
+    Only a plain folder name is accepted: a path ('../x', '/abs', 'a/b') or '.'/'..' would make
+    the import read a checkpoint outside the root it was given.
+    """
+    with open(file, "rb") as f:
+        data = f.read(MAX_TAG_BYTES + 1)
+    try:
+        tag = data.decode().strip() if len(data) <= MAX_TAG_BYTES else ""
+    except UnicodeDecodeError:
+        tag = ""
+    if tag in ("", ".", "..") or any(c in tag for c in ("/", os.sep, "\0")):
+        shown = repr(tag[:80]) if tag else "nothing" if not data.strip() else f"{len(data)} bytes of something else"
+        raise ForeignCheckpointError(f"file {str(file)!r} must name a tag folder next to it (a plain folder name), "
+                                     f"not {shown}", file=str(file))
+    return tag
 
 
 def find_files(path: str | os.PathLike[str]) -> DeepSpeedFiles:
@@ -104,8 +124,10 @@ def param_shapes(states: Mapping[str, Any], file: Path) -> list[dict[str, tuple[
     return [{str(k): tuple(int(s) for s in v) for k, v in g.items()} for g in groups]
 
 
-def hparams(ds_config: Mapping[str, Any] | None, param_groups: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The Engine's ``optimizer.hparams`` from DeepSpeed's config and the saved param groups (current values)."""
+def hparams(ds_config: Mapping[str, Any] | None, param_groups: list[Mapping[str, Any]], *, config_file: Path,
+            groups_file: Path) -> dict[str, Any]:
+    """The Engine's ``optimizer.hparams`` from DeepSpeed's config and the saved param groups (current values);
+    ``config_file`` and ``groups_file`` are the files these came from."""
     opt = (ds_config or {}).get("optimizer") or {}
     params = opt.get("params") or {}
     g0 = dict(param_groups[0]) if param_groups else {}
@@ -117,11 +139,11 @@ def hparams(ds_config: Mapping[str, Any] | None, param_groups: list[Mapping[str,
     out: dict[str, Any] = {"kind": kind}
     for key, default in (("lr", params.get("lr")), ("betas", params.get("betas")), ("eps", params.get("eps")),
                          ("weight_decay", params.get("weight_decay", 0.0))):
-        value = g0.get(key, default)
-        out[key] = list(value) if isinstance(value, tuple) else value
+        out[key] = json_plain(g0[key], file=groups_file) if key in g0 else json_plain(default, file=config_file)
     if len(param_groups) > 1:
-        out["groups"] = [json_plain({k: v for k, v in g.items() if k != "params"}) for g in param_groups]
-    return json_plain(out)
+        out["groups"] = [json_plain({k: v for k, v in g.items() if k != "params"}, file=groups_file)
+                         for g in param_groups]
+    return out
 
 
 def adam_step(values: Iterable[tuple[Any, Path]]) -> int:
@@ -145,9 +167,10 @@ def training_dtype(module: Mapping[str, torch.Tensor], names: Iterable[str]) -> 
 def assemble(*, module: Mapping[str, torch.Tensor], order: list[str], masters: dict[str, Any],
              moments: dict[str, dict[str, Any]], weights_from_masters: bool, dtype: torch.dtype,
              shared: Mapping[str, str], extra_model: Mapping[str, Any], step: int, adam: int,
-             hp: dict[str, Any], states: Mapping[str, Any]) -> dict[str, Any]:
+             hp: dict[str, Any], states: Mapping[str, Any], states_file: Path) -> dict[str, Any]:
     """The Engine-structured state dict. ``order``: trainable names in model order; ``extra_model``:
-    buffers and frozen parameters (full tensors or leaves)."""
+    buffers and frozen parameters (full tensors or leaves); ``states``: the model states, read from
+    ``states_file``."""
     model: dict[str, Any] = {}
     for name, value in module.items():
         if name in masters:
@@ -162,7 +185,7 @@ def assemble(*, module: Mapping[str, torch.Tensor], order: list[str], masters: d
             model[alias] = cast_leaf(model[source], dtype)
     scheduler: dict[str, Any] = {"kind": "constant", "last_step": step}
     if states.get("lr_scheduler") is not None:
-        scheduler = {"kind": "deepspeed", "last_step": step, "state": plain(states["lr_scheduler"])}
+        scheduler = {"kind": "deepspeed", "last_step": step, "state": plain(states["lr_scheduler"], file=states_file)}
     rng = {k: int(states[k]) for k in ("seed", "data_seed") if isinstance(states.get(k), int)}
     return {
         "model": model,
@@ -181,13 +204,15 @@ def assemble(*, module: Mapping[str, torch.Tensor], order: list[str], masters: d
 
 
 def source_metadata(states: Mapping[str, Any], *, fmt: str, stage: int, world: int, dtype: torch.dtype,
-                    path: Path, loss_scaler: Any) -> dict[str, Any]:
+                    path: Path, loss_scaler: Any, states_file: Path, scaler_file: Path) -> dict[str, Any]:
+    """The imported checkpoint's ``metadata.source``: ``states`` are the model states (from ``states_file``),
+    ``loss_scaler`` the optimizer's (from ``scaler_file``)."""
     meta = {"format": fmt, "zero_stage": stage, "dp_world_size": world, "dtype": DTYPE_NAMES.get(dtype, str(dtype)),
             "ds_version": str(states.get("ds_version", "")), "path": str(path.resolve()),
             "global_samples": states.get("global_samples"), "skipped_steps": states.get("skipped_steps")}
     if loss_scaler is not None:
-        meta["loss_scaler"] = json_plain(loss_scaler)
-    return {"source": json_plain(meta)}
+        meta["loss_scaler"] = json_plain(loss_scaler, file=scaler_file)
+    return {"source": json_plain(meta, file=states_file)}
 
 
 # -- ZeRO-1/2: one flat buffer per group, cut into equal partitions -----------------------------------
@@ -388,8 +413,10 @@ def read_deepspeed(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     step = int(states.get("global_steps", adam) or 0)
     state = assemble(module=module, order=order, masters=masters, moments=moments, weights_from_masters=stage == 3,
                      dtype=dtype, shared=states.get("shared_params") or {}, extra_model=extra, step=step, adam=adam,
-                     hp=hparams(states.get("ds_config"), list(groups)), states=states)
+                     hp=hparams(states.get("ds_config"), list(groups), config_file=files.model[0],
+                                groups_file=files.optim[0]),
+                     states=states, states_file=files.model[0])
     meta = source_metadata(states, fmt="deepspeed", stage=stage, world=world, dtype=dtype, path=files.tag_dir,
                            loss_scaler=vars(osds[0]["loss_scaler"]) if hasattr(osds[0].get("loss_scaler"), "__dict__")
-                           else None)
+                           else None, states_file=files.model[0], scaler_file=files.optim[0])
     return Imported(state=state, step=step, metadata=meta)

@@ -38,7 +38,11 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
     if p.name.endswith(".index.json"):
         try:
             index = json.loads(p.read_text())
-            names = sorted(set(index["weight_map"].values()))
+            shards = list(index["weight_map"].values())
+            not_names = [n for n in shards if not isinstance(n, str)]
+            if not_names:
+                raise TypeError(f"shard names must be strings, not {repr(not_names[0])[:40]}")
+            names = sorted(set(shards))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ForeignCheckpointError(f"file {str(p)!r} is not a safetensors index (weight_map): {exc}",
                                          file=str(p)) from None

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from .common import Imported, Progress
-from .deepspeed import (MOMENTS, _MODEL, adam_step, assemble, hparams, param_shapes, require, source_metadata,
-                        training_dtype)
+from .deepspeed import (MOMENTS, _MODEL, adam_step, assemble, hparams, param_shapes, read_tag, require,
+                        source_metadata, training_dtype)
 from .errors import ForeignCheckpointError, UnknownFormatError
 from .pickles import load_torch
 
@@ -30,7 +30,7 @@ def universal_dir(path: str | os.PathLike[str]) -> Path:
         return p
     latest = p / "latest_universal"
     if latest.is_file():
-        target = p / latest.read_text().strip()
+        target = p / read_tag(latest)
         if (target / "zero").is_dir():
             return target
         raise ForeignCheckpointError(f"file {str(latest)!r} names {str(target)!r}, which has no zero/ folder",
@@ -94,8 +94,10 @@ def read_universal(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     world = int(states.get("dp_world_size", len(model_files)) or len(model_files))
     state = assemble(module=module, order=order, masters=masters, moments=moments, weights_from_masters=stage == 3,
                      dtype=dtype, shared=states.get("shared_params") or {}, extra_model=extra, step=step, adam=adam,
-                     hp=hparams(states.get("ds_config"), list(groups)), states=states)
+                     hp=hparams(states.get("ds_config"), list(groups), config_file=model_files[0], groups_file=opt_file),
+                     states=states, states_file=model_files[0])
     ls = osd.get("loss_scaler")
     meta = source_metadata(states, fmt="deepspeed-universal", stage=stage, world=world, dtype=dtype, path=udir,
-                           loss_scaler=vars(ls) if hasattr(ls, "__dict__") else None)
+                           loss_scaler=vars(ls) if hasattr(ls, "__dict__") else None, states_file=model_files[0],
+                           scaler_file=opt_file)
     return Imported(state=state, step=step, metadata=meta)
