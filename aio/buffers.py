@@ -95,6 +95,14 @@ class AlignedBuffer:
     def __repr__(self) -> str:
         return f"AlignedBuffer(nbytes={self.nbytes}, capacity={self._capacity}, pinned={self.pinned})"
 
+    def __del__(self) -> None:
+        # A pinned range stays registered with the CUDA driver after the memory is unmapped: the
+        # next buffer mapped at that address could then not be pinned (and would silently stay
+        # pageable). Unregister before the mapping goes.
+        if getattr(self, "pinned", False):
+            _cuda_host_unregister(self.address)
+            self.pinned = False
+
 
 class BufferPool:
     """A bounded pool of reusable aligned buffers of one size.
@@ -151,6 +159,16 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover - broken CUDA
         return False
+
+
+def _cuda_host_unregister(address: int) -> None:
+    """Undo :func:`_cuda_host_register` (best effort: at interpreter exit CUDA may be gone)."""
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # pragma: no cover - GPU only  # noqa: BLE001
+        pass
 
 
 def _cuda_host_register(address: int, nbytes: int) -> bool:
