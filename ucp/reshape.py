@@ -134,6 +134,7 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
+        lock_fd = _commit.lock_temp(dst_storage, temp)  # a save in flight, not a leftover to clean
         try:
             reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest,
                                    SourceIndex.of(manifest), files_at_once, batch_bytes // STAGING_SHARE, advance)
@@ -143,6 +144,8 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
         except BaseException:
             _commit.abort(dst_storage, temp)
             raise
+        finally:
+            _commit.close_fd(lock_fd)
     return ReshapeReport(src=os.fspath(src), dst=os.fspath(dst), world_size=world, mesh=mesh,
                          zero_stage=None if layout is None else layout.zero.stage, files=len(jobs),
                          tensors=len(new.tensors), bytes_written=sum(p.file_size for p in plans),
@@ -299,8 +302,9 @@ class _StreamedViews(Sequence[memoryview]):
     """
 
     def __init__(self, job: _Job, fill: Callable[[list[PlannedPiece]], list[memoryview]],
-                 advance: Callable[[int, str], None]) -> None:
+                 advance: Callable[[int, str], None], stop: threading.Event | None = None) -> None:
         self.job, self.fill, self.advance = job, fill, advance
+        self.stop = stop  # set when the reshape is abandoned (Ctrl-C, another file failed): read no more
 
     def __len__(self) -> int:
         return len(self.job.plan.pieces)
@@ -314,6 +318,8 @@ class _StreamedViews(Sequence[memoryview]):
             ahead = [pool.submit(self.fill, b) for b in batches[:READ_AHEAD]]
             try:
                 for k, batch in enumerate(batches):
+                    if self.stop is not None and self.stop.is_set():
+                        raise RuntimeError(f"reshape abandoned while writing {self.job.plan.file}")
                     views = ahead.pop(0).result()
                     for i, (p, v) in enumerate(zip(batch, views)):
                         yield v
@@ -331,16 +337,21 @@ def _write_files(jobs: list[_Job], plans: list[SavePlan], src: Storage, src_name
                  manifest: Manifest, index: SourceIndex, files_at_once: int, staging_bytes: int,
                  advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
     tree = manifest.state
+    stop = threading.Event()  # a Ctrl-C (or a failed file) must not leave the other files being written
 
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan
         fill = lambda batch: _fill(batch, src, src_name, manifest, index, staging_bytes)  # noqa: E731
-        records = write_rank_file(dst, f"{temp}/{plan.file}", plan, _StreamedViews(job, fill, advance))
+        records = write_rank_file(dst, f"{temp}/{plan.file}", plan, _StreamedViews(job, fill, advance, stop))
         return _commit.RankReport(rank=plan.rank, file=plan.file, file_size=plan.file_size,
                                   tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree)
 
     with ThreadPoolExecutor(max_workers=files_at_once, thread_name_prefix="ucp-reshape") as pool:
-        written = {r.rank: r for r in pool.map(run, jobs)}
+        try:
+            written = {r.rank: r for r in pool.map(run, jobs)}
+        except BaseException:
+            stop.set()  # the jobs still running stop at their next batch; the pool's exit waits for that
+            raise
     return [written.get(p.rank) or _commit.RankReport(rank=p.rank, tensors=[(n, d, list(s)) for n, d, s in p.tensors],
                                                       state=tree)
             for p in plans]

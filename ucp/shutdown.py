@@ -24,6 +24,8 @@ def exit_now(code: int | str | None = 0) -> None:
         shutdown_threads()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with the descriptor closed
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):

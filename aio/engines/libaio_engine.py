@@ -157,6 +157,8 @@ class LibaioEngine(Engine):
                 try:
                     self._complete(req, int(ev.res))
                 except BaseException as exc:  # popped already: _fail_all would not see it
+                    with self._lock:  # broken first: a caller woken below must not submit to a dead reaper
+                        self._broken = self._broken or OSError(errno.EIO, f"libaio reaper failed: {exc}")
                     if not req.future.done():
                         req.future.set_exception(exc)
                     raise

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 # Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.
 # Piped or captured output gets a wide console so tables do not wrap into unreadable columns.
-out = Console(width=None if sys.stdout.isatty() else 160)
+out = Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 

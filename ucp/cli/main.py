@@ -14,6 +14,7 @@ packages inside the command functions, so that ``ucp --help`` answers at once.
 from __future__ import annotations
 
 import importlib
+import signal
 
 import typer
 
@@ -44,6 +45,9 @@ def main() -> None:
     so :func:`ucp.shutdown.exit_now` ends the process without that teardown.
     """
     code: int | str | None = 0
+    # SIGTERM (kill, timeout, a scheduler, docker stop) unwinds like Ctrl-C does, so a command's
+    # cleanup runs (temporary directories removed) before the process ends with 128 + 15.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         app(prog_name="ucp")
     except SystemExit as exc:
@@ -53,3 +57,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
