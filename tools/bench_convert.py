@@ -29,18 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tools.argtypes import positive_int  # noqa: E402
 from tools.peers.deepspeed_ckpt import make_checkpoint, peer_env, read_latest  # noqa: E402
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a count that must be at least 1 (checked before the checkpoint is made)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def drop_caches() -> bool:

@@ -29,18 +29,11 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 UCP = [sys.executable, "-m", "ucp.cli"]
 
-
-def positive_int(text: str) -> int:
-    """argparse type: a count that must be at least 1 (checked before the source is built)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from tools.argtypes import positive_int  # noqa: E402
 
 
 def drop_caches(mode: str, src: Path) -> bool:

@@ -41,19 +41,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tools.argtypes import positive_int  # noqa: E402
+
 WAYS = ("none", "async", "sync")
 STOP_GRACE_S = 5.0  # after Ctrl-C: how long the ranks get to exit on SIGTERM before SIGKILL
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a count that must be at least 1 (checked before any rank starts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
