@@ -23,6 +23,7 @@ from training.models.gpt import GPTConfig
 from ucp.cli.main import app
 from ucp.placement import place, recorded_layout
 from ucp.reshape import _batches, reshape
+from ucp_helpers import flat
 
 # GQA + SwiGLU + tied embeddings + a vocabulary padded under tp; and a plain MLP with an odd d_ff.
 GQA = GPTConfig(vocab_size=101, n_layer=2, n_head=8, n_kv_head=4, d_model=32, d_ff=48, max_seq=16, swiglu=True,
@@ -38,16 +39,6 @@ def make_source(root: Path, cfg: GPTConfig, **options: Any) -> str:
     manager = ucp.CheckpointManager(root)
     e.save(manager)
     return manager.path(2)
-
-
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out |= flat(v, f"{prefix}{k}.")
-        else:
-            out[prefix + str(k)] = v
-    return out
 
 
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:

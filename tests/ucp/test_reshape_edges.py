@@ -33,6 +33,7 @@ from training.models.gpt import GPTConfig
 from ucp.cli.main import app
 from ucp.placement import layout_metadata, recorded_layout
 from ucp.reshape import reshape
+from ucp_helpers import flat
 
 STATES = ("fp32_master", "exp_avg", "exp_avg_sq")
 MEG = ModelDims(hidden=16, layers=2, heads=4, kv_heads=2, vocab=37, ffn=24, max_positions=8)  # vocab 37: padded
@@ -67,16 +68,6 @@ def make_source(path: Path, layout: Layout, shapes: dict[str, tuple[int, ...]], 
     sd = global_state(shapes, **kw)
     ucp.save(sd, path, step=3, metadata=layout_metadata(layout, shapes))
     return flat(sd)
-
-
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out |= flat(v, f"{prefix}{k}.")
-        else:
-            out[prefix + str(k)] = v
-    return out
 
 
 def torch_region(t: torch.Tensor, region: Box | FlatRange) -> torch.Tensor:

@@ -138,3 +138,14 @@ def cli_error_line(result: Any, code: int, *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     return lines[0]
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level, keys joined with '.' (as manifest tensor names are)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + str(k)] = v
+    return out
