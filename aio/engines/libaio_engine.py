@@ -11,12 +11,15 @@ id to the next ``io_setup``, so a late submit would land in another engine's con
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import signal
 import threading
 from concurrent.futures import Future
 from ctypes import addressof, byref, pointer
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from ..errors import AioError
 from ..files import OpenFile
@@ -44,6 +47,22 @@ class _Request:
     future: "Future[int]"
     done: int = 0
     block: object = field(default=None, repr=False)
+    in_kernel: bool = False  # io_submit accepted it: only its completion may give its slot back
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back on the main thread (the only one Python raises them in) for the
+    duration: the KeyboardInterrupt comes once the block is done, never half way through it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class LibaioEngine(Engine):
@@ -81,7 +100,8 @@ class LibaioEngine(Engine):
         try:
             self._submit(req, new=True)
         except BaseException:
-            self._slots.release()
+            if not req.in_kernel:  # a Ctrl-C after io_submit took it: the reaper releases the slot
+                self._slots.release()
             raise
         return req.future
 
@@ -98,21 +118,23 @@ class LibaioEngine(Engine):
         )
         req.block = block
         key = addressof(block._iocb)  # noqa: SLF001 - the iocb is what the kernel hands back
-        with self._lock:
-            if new:
-                self._check_usable(req)
-            self._inflight[key] = req
         iocbs = (_raw.iocb_p * 1)(pointer(block._iocb))  # noqa: SLF001
-        while True:
-            try:
-                _raw.io_submit(self._ctx, 1, iocbs)
-                return
-            except OSError as exc:
-                if exc.errno == errno.EAGAIN:
-                    continue
-                with self._lock:
-                    self._inflight.pop(key, None)
-                raise AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_submit") from exc
+        with _signals_held():  # a Ctrl-C must not fall between "registered" and "submitted"
+            with self._lock:
+                if new:
+                    self._check_usable(req)
+                self._inflight[key] = req
+            while True:
+                try:
+                    _raw.io_submit(self._ctx, 1, iocbs)
+                    req.in_kernel = True
+                    return
+                except OSError as exc:
+                    if exc.errno == errno.EAGAIN:
+                        continue
+                    with self._lock:
+                        self._inflight.pop(key, None)
+                    raise AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_submit") from exc
 
     def _check_usable(self, req: _Request) -> None:
         """Refuse a new request to a closed or broken engine, naming its file and offset."""
