@@ -37,3 +37,13 @@ def engines() -> list:
         pytest.param("libaio", marks=pytest.mark.skipif(not ok, reason=f"libaio unavailable: {why}")),
         "threads",
     ]
+
+
+@pytest.fixture(autouse=True)
+def fresh_capability_probe():
+    """For test modules that import it: tests there may fake the capability report; never leak it."""
+    import gds
+
+    gds.capabilities(refresh=True)
+    yield
+    gds.capabilities(refresh=True)

@@ -12,16 +12,9 @@ import torch
 
 import gds
 from gds.capability import KvikioProbe, TorchProbe, decide, probe_kvikio
+from gds_helpers import fresh_capability_probe  # noqa: F401 - an autouse fixture
 
 NO_CUDA = not torch.cuda.is_available()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe():
-    """Tests below may fake the environment; never leak a faked report into other tests."""
-    gds.capabilities(refresh=True)
-    yield
-    gds.capabilities(refresh=True)
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA; the CPU-only report does not apply")

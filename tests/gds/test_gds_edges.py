@@ -19,16 +19,9 @@ import torch
 import gds
 from aio import AioConfig, AioError
 from gds import handle as gds_handle
+from gds_helpers import fresh_capability_probe  # noqa: F401 - an autouse fixture
 
 NO_CUDA = not torch.cuda.is_available()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe():
-    """Some tests fake the capability report; never leak it into other tests."""
-    gds.capabilities(refresh=True)
-    yield
-    gds.capabilities(refresh=True)
 
 
 class _TrackedAioHandle(gds_handle.AioHandle):  # type: ignore[misc, valid-type]
