@@ -127,3 +127,12 @@ def test_reshape_runs_without_importing_torch(tmp_path: Path) -> None:
     back = ucp.load(tmp_path / "dst")
     assert torch.equal(back["w"], w) and torch.equal(back["e"], state["e"]) and torch.equal(back["s"], state["s"])
     assert len(ucp.read_manifest(tmp_path / "dst").tensors["w"].pieces) == 1  # consolidated from two column blocks
+
+
+@pytest.mark.parametrize("entry", [["-m", "ucp.cli"], ["-m", "ucp.cli.main"]])
+def test_every_way_of_starting_the_command_line_works(entry: list[str]) -> None:
+    """``python -m ucp.cli.main`` (what the benchmark tools run) must not depend on the console script's import."""
+    done = subprocess.run([sys.executable, *entry, "ls", "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert "Usage" in done.stdout

@@ -36,6 +36,11 @@ for _name in COMMAND_MODULES:
     importlib.import_module(f"ucp.cli.{_name}").register(app)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM's handler: unwind like Ctrl-C (cleanup runs), ending with 128 + the signal."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     """The ``ucp`` console script (and ``python -m ucp.cli``): run the command, then exit at once.
 
@@ -57,7 +62,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
