@@ -12,6 +12,7 @@ Pure integer math: no tensors, no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -188,6 +189,36 @@ def region_blocks(region: Region, shape: Sequence[int]) -> list[tuple[int, Box]]
     if isinstance(region, Box):
         return [] if region.empty else [(0, region)]
     return [(first - region.start, box) for first, box in flat_range_to_boxes(region.start, region.stop, shape)]
+
+
+def split_region(region: Region, itemsize: int, max_bytes: int) -> list[tuple[int, Region]]:
+    """``region`` cut into consecutive parts of at most ``max_bytes`` each, in its buffer's order.
+
+    Returns ``(element offset of the part in the region's buffer, part)``. Parts of a box are boxes
+    each contiguous in the box's row-major order (slabs along the first dimension whose trailing
+    block fits, that block cut further when even one of it is too large); parts of a flat range
+    are flat ranges. A part holds at least one element, so a single element larger than
+    ``max_bytes`` is a part of its own. Lets a writer move a huge piece through bounded memory.
+    """
+    n_max = max(1, max_bytes // max(itemsize, 1))
+    if region.numel <= n_max:
+        return [(0, region)]
+    if isinstance(region, FlatRange):
+        return [(a - region.start, FlatRange(a, min(a + n_max, region.stop)))
+                for a in range(region.start, region.stop, n_max)]
+    shape = region.shape
+    k = next(d for d in range(len(shape)) if math.prod(shape[d + 1:]) <= n_max)  # the last dim always fits
+    inner = math.prod(shape[k + 1:])
+    step = max(1, n_max // max(inner, 1))
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    out: list[tuple[int, Region]] = []
+    for prefix in itertools.product(*(range(n) for n in shape[:k])):
+        for j in range(0, shape[k], step):
+            index = (*prefix, j) + (0,) * (len(shape) - k - 1)
+            offsets = tuple(o + i for o, i in zip(region.offsets, index))
+            part_shape = (1,) * k + (min(step, shape[k] - j),) + tuple(shape[k + 1:])
+            out.append((sum(i * s for i, s in zip(index, strides)), Box(offsets, part_shape)))
+    return out
 
 
 @dataclass(frozen=True)

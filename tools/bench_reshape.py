@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_reshape.py --rounds 3            # ~2.1 GiB checkpoint, caches dropped per step
     .venv/bin/python tools/bench_reshape.py --layers 2 --rounds 1  # a quick smoke run
+    .venv/bin/python tools/bench_reshape.py --layers 2 --vocab 262144 --rounds 1  # 768 MiB tensors
 
 The source is a reference-GPT training checkpoint (fp32 weights, fp32 masters, Adam moments: 16
 bytes per parameter) laid out for tp=2 × dp=2 with ZeRO-2, as four rank files. Each round times,
@@ -52,17 +53,18 @@ def drop_caches(mode: str, src: Path) -> bool:
     return all([evict_file(path) for path in src.rglob("*") if path.is_file()])
 
 
-def make_source(root: Path, layers: int) -> Path:
-    """A tp2 x dp2 ZeRO-2 checkpoint of a reference GPT with ``layers`` layers (made once, reused)."""
-    src = root / f"src-l{layers}"
+def make_source(root: Path, layers: int, vocab: int | None = None) -> Path:
+    """A tp2 x dp2 ZeRO-2 checkpoint of a reference GPT with ``layers`` layers and the preset's
+    vocabulary or ``vocab`` (large tensors: the embedding, its master and moments; made once, reused)."""
+    src = root / (f"src-l{layers}" + (f"-v{vocab}" if vocab else ""))
     if (src / "manifest.json").exists():
         return src
     import ucp
     from training import Engine
     from training.models.gpt import PRESETS
 
-    cfg = PRESETS["gpt-100m"].model_copy(update={"n_layer": layers})
-    one = root / f"one-l{layers}"
+    cfg = PRESETS["gpt-100m"].model_copy(update={"n_layer": layers, **({"vocab_size": vocab} if vocab else {})})
+    one = root / f"one-{src.name}"
     shutil.rmtree(one, ignore_errors=True)
     engine = Engine(cfg, zero_stage=1)  # initial weights; optimizer states are zeros (the bytes cost the same)
     ucp.save(engine.state_dict_for_checkpoint(), one, metadata=_engine_metadata(engine))
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", type=Path, default=Path("/tmp/ucp-bench-reshape"), help="work directory")
     p.add_argument("--layers", type=positive_int, default=18, help="GPT layers (18: ~140M parameters, ~2.1 GiB)")
+    p.add_argument("--vocab", type=positive_int, default=None,
+                   help="vocabulary size (default: the preset's 8k; e.g. 262144 for 768 MiB tensors)")
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--memory-budget", default="512MiB")
     p.add_argument("--drop", choices=("data", "all"), default="all",
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.root = args.root.absolute()  # the steps run with cwd=ROOT: a relative --root must mean the same there
     args.root.mkdir(parents=True, exist_ok=True)
-    src = make_source(args.root, args.layers)
+    src = make_source(args.root, args.layers, args.vocab)
 
     import ucp
 

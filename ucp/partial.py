@@ -6,9 +6,12 @@ pieces that intersect it are found with ``reshard.box`` and read:
 * straight into the target's memory when the piece holds exactly the target's
   elements in the same order and dtype (a reload with the saved layout);
 * otherwise into a staging buffer, then copied (with a dtype cast if needed)
-  into every target that wants part of it. When verifying, the whole piece is
-  read (its CRC covers all of it); otherwise only the span of it the targets need,
-  rounded out to 4 KiB so that the read is O_DIRECT-aligned.
+  into every target that wants part of it: the span of the piece the targets
+  need, rounded out to 4 KiB so that the read is O_DIRECT-aligned. When verifying,
+  a piece that fits the staging is read whole (its CRC covers all of it); a larger
+  one is read span by span and checksummed as its spans arrive in order, the rest
+  of it read at the end (:meth:`SourceIndex.finish`), so that memory stays bounded
+  by the staging, not by the largest tensor.
 
 Reads are grouped in batches of about ``BATCH_BYTES``; the next ``READ_AHEAD``
 batches are read while batch k is checksummed and copied.
@@ -22,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import crc32c as _crc32c
 import numpy as np
 
 from reshard.box import Box, FlatRange, element_span, transfers
@@ -29,7 +33,7 @@ from reshard.box import Box, FlatRange, element_span, transfers
 from .dtypes import itemsize, torch_dtype
 from .errors import CheckpointError
 from .manifest import Manifest
-from .reader import FileBuffer, FilePiece, check_crc, check_file_size, pieces_by_file, read_and_check_header
+from .reader import FileBuffer, FilePiece, check_crc, check_file_size, crc_error, pieces_by_file, read_and_check_header
 from .regions import Buffer, as_flat_range, copy_region, same_elements
 from .storage import Storage
 
@@ -60,7 +64,10 @@ class _Need:
     targets: list[Target]
     direct: Target | None = None  # read straight into this target's memory
     direct_at: int = 0  # ... at this element offset
+    direct_from: int = 0  # ... elements [direct_from, direct_from + direct_count) of the piece
+    direct_count: int | None = None  # None: all of the piece
     check: bool = True  # verify this piece's CRC (then it is read whole)
+    stream: bool = False  # verify it span by span instead (a staged piece larger than the staging)
     first: int = 0  # staged: first element of the piece read
     read_at: int = 0  # staged: file offset of the (aligned) read
     read_len: int = 0
@@ -74,6 +81,15 @@ class _Batch:
     nbytes: int = 0
 
 
+def _takes_stored_bytes(t: Target, fp: FilePiece) -> bool:
+    """Whether the piece's bytes can land in ``t.buffer``'s memory as they are (same dtype, contiguous host memory)."""
+    b = t.buffer
+    if isinstance(b, np.ndarray):
+        return b.itemsize == itemsize(fp.dtype) and b.flags.c_contiguous and b.flags.writeable
+    return not (b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous()
+                or b.requires_grad or b.is_conj() or b.is_neg())  # conjugate/negative views: memory is not the values
+
+
 def _direct_offset(t: Target, fp: FilePiece) -> int | None:
     """Element offset in ``t.buffer`` where the whole piece can be read straight in, else None.
 
@@ -81,12 +97,7 @@ def _direct_offset(t: Target, fp: FilePiece) -> int | None:
     or both contiguous in the global tensor with the piece inside the target: a row block of a
     whole tensor, a flat ZeRO partition inside a row block...).
     """
-    b = t.buffer
-    if isinstance(b, np.ndarray):
-        if b.itemsize != itemsize(fp.dtype) or not b.flags.c_contiguous or not b.flags.writeable:
-            return None
-    elif (b.device.type != "cpu" or b.dtype != torch_dtype(fp.dtype) or not b.is_contiguous() or b.requires_grad
-          or b.is_conj() or b.is_neg()):  # conjugate/negative views: their memory is not the values
+    if not _takes_stored_bytes(t, fp):
         return None
     region = fp.piece.region()
     if same_elements(t.region, region, fp.shape):
@@ -97,15 +108,39 @@ def _direct_offset(t: Target, fp: FilePiece) -> int | None:
     return inner.start - outer.start
 
 
+def _direct_span(t: Target, fp: FilePiece) -> tuple[int, int, int] | None:
+    """``(element in the piece, element in the target, count)`` when the elements the two share form
+    one run of each, in order (both contiguous in the global tensor: a row slab of a larger stored
+    block, a part of a flat partition...), so that part of the piece can be read straight in."""
+    if not _takes_stored_bytes(t, fp):
+        return None
+    piece, target = as_flat_range(fp.piece.region(), fp.shape), as_flat_range(t.region, fp.shape)
+    if piece is None or target is None:
+        return None
+    lo, hi = max(piece.start, target.start), min(piece.stop, target.stop)
+    return (lo - piece.start, lo - target.start, hi - lo) if lo < hi else None
+
+
+@dataclass
+class _Running:
+    """A piece checksummed span by span: its bytes ``[0, pos)`` went into ``crc``."""
+
+    fp: FilePiece
+    pos: int = 0
+    crc: int = 0
+
+
 @dataclass
 class SourceIndex:
     """What repeated partial reads of one checkpoint share (e.g. a reshape's many batches).
 
     The pieces of each tensor with their files, which files' sizes and headers were already
-    checked, and which pieces' CRCs are being or have been verified: each piece is claimed for
-    verification by the first read that needs it (it reads the piece whole); concurrent and later
-    reads take only the span they need. Should the claimer find a bad CRC, its error fails the
-    whole operation, so nothing read from that piece is ever committed.
+    checked, and which pieces' CRCs are being or have been verified: a piece that fits the staging
+    is claimed for verification by the first read that needs it (it reads the piece whole);
+    concurrent and later reads take only the span they need. A larger piece is checksummed as its
+    spans arrive (:meth:`feed`), in order; :meth:`finish` reads what no span brought in order and
+    completes the check. Should a CRC be bad, the error fails the whole operation, so nothing read
+    from that piece is ever committed.
     """
 
     manifest: Manifest
@@ -113,7 +148,52 @@ class SourceIndex:
     by_tensor: dict[str, list[tuple[str, FilePiece]]]
     checked_files: set[str] = field(default_factory=set)
     claimed: set[tuple[str, int]] = field(default_factory=set)
+    running: dict[tuple[str, int], _Running] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def feed(self, file: str, fp: FilePiece, start: int, data: memoryview) -> None:
+        """Bytes ``[start, start + len(data))`` of a piece checksummed span by span; CorruptCheckpointError
+        once all of it went in and the CRC differs. Bytes that do not continue the running CRC are left
+        for :meth:`finish` (a span read ahead of its predecessor, or by another file's reader)."""
+        key = (file, fp.piece.offset)
+        with self.lock:
+            if key in self.claimed:  # a whole read checks it
+                return
+            run = self.running.setdefault(key, _Running(fp))
+            end = min(start + data.nbytes, fp.piece.length)
+            if not start <= run.pos < end:
+                return
+            run.crc = _crc32c.crc32c(data[run.pos - start : end - start], run.crc)
+            run.pos = end
+            if end < fp.piece.length:
+                return
+            self.claimed.add(key)  # done: later spans need no checking
+            del self.running[key]
+        if run.crc != fp.piece.crc32c:
+            raise crc_error(fp, file, run.crc)
+
+    def finish(self, storage: Storage, name: str, chunk_bytes: int = BATCH_BYTES) -> None:
+        """Complete the check of every piece checksummed span by span: read what is left of each,
+        ``chunk_bytes`` at a time (a staging's worth of memory)."""
+        with self.lock:
+            left = [(key, run) for key, run in self.running.items() if key not in self.claimed]
+        if not left:
+            return
+        buf = FileBuffer(max(ALIGN, min(chunk_bytes, max(r.fp.piece.length - r.pos for _, r in left)) // ALIGN * ALIGN
+                             + ALIGN))
+        for (file, _), run in sorted(left, key=lambda kv: kv[0]):
+            fp = run.fp
+            while run.pos < fp.piece.length:
+                start = fp.piece.offset + run.pos
+                read_at = start - start % ALIGN
+                size = min(buf.nbytes, self.manifest.files[file].size - read_at)
+                storage.read_ranges(f"{name}/{file}", [(read_at, buf.view(size))])
+                skip, before = start - read_at, run.pos
+                self.feed(file, fp, run.pos, buf.view(min(size - skip, fp.piece.length - run.pos), skip))
+                if (file, fp.piece.offset) in self.claimed:
+                    break
+                if run.pos == before:  # a bug, not a user error: the span did not continue the CRC
+                    raise RuntimeError(f"checking {fp.tensor!r} in {file}: stuck at byte {before}")
 
     def claim(self, file: str, offset: int) -> bool:
         """True for the first caller that asks to verify this piece."""
@@ -138,10 +218,12 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
     """Fill every target from the pieces that intersect it.
 
     ``index``: shared across calls on the same checkpoint (see :class:`SourceIndex`); a piece
-    another call claimed for verification is not checked again. ``staging_bytes``: reads are grouped
-    in batches of about this size; at most ``READ_AHEAD + 1`` batches of staging memory are held
-    (a staged piece larger than that is read alone).
+    another call claimed for verification is not checked again, and the caller calls
+    ``index.finish`` once its last call is done. ``staging_bytes``: reads are grouped in batches of
+    about this size; at most ``READ_AHEAD + 1`` batches of staging memory are held (a staged span
+    larger than that is read alone); staged pieces larger than this are verified span by span.
     """
+    own_index = index is None
     if index is None:
         index = SourceIndex.of(manifest)
     by_tensor: dict[str, list[Target]] = defaultdict(list)
@@ -158,17 +240,32 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
             wanting = [t for t in wanted if transfers(region, t.region, fp.shape)]
             if wanting:
                 at = _direct_offset(wanting[0], fp) if len(wanting) == 1 else None
-                check = verify and index.claim(file, fp.piece.offset)
+                stream = verify and at is None and fp.piece.length > staging_bytes
+                if at is None and (stream or not verify):  # no whole read needed: read parts straight in
+                    staged = []
+                    for t in wanting:
+                        span = _direct_span(t, fp)
+                        if span is None:
+                            staged.append(t)
+                        else:
+                            needs[file].append(_Need(fp, [t], direct=t, direct_at=span[1], direct_from=span[0],
+                                                     direct_count=span[2], check=False, stream=stream))
+                    if staged:
+                        needs[file].append(_Need(fp, staged, check=False, stream=stream))
+                    continue
+                check = verify and not stream and index.claim(file, fp.piece.offset)
                 needs[file].append(_Need(fp, wanting, direct=wanting[0] if at is not None else None,
-                                         direct_at=at or 0, check=check))
+                                         direct_at=at or 0, check=check, stream=stream))
     for file in sorted(needs):
-        file_needs = sorted(needs[file], key=lambda nd: nd.fp.piece.offset)  # sequential reads
+        file_needs = sorted(needs[file], key=lambda nd: (nd.fp.piece.offset, nd.direct_from))  # sequential reads
         size = manifest.files[file].size
         if file not in index.checked_files:
             check_file_size(storage, name, file, size)
             read_and_check_header(storage, name, file, size, index.files[file])
             index.checked_files.add(file)
-        _run(storage, f"{name}/{file}", file, _batches(file_needs, size, staging_bytes))
+        _run(storage, f"{name}/{file}", file, _batches(file_needs, size, staging_bytes), index)
+    if own_index:
+        index.finish(storage, name, staging_bytes)
 
 
 def _span(need: _Need) -> tuple[int, int]:
@@ -190,7 +287,7 @@ def _batches(needs: list[_Need], size: int, batch_bytes: int = BATCH_BYTES) -> l
     batches = [_Batch()]
     for nd in needs:
         if nd.direct is not None:
-            cost = nd.fp.piece.length
+            cost = nd.fp.piece.length if nd.direct_count is None else nd.direct_count * itemsize(nd.fp.dtype)
         else:
             isz = itemsize(nd.fp.dtype)
             lo, hi = _span(nd)
@@ -212,7 +309,7 @@ def _batches(needs: list[_Need], size: int, batch_bytes: int = BATCH_BYTES) -> l
     return [b for b in batches if b.needs]
 
 
-def _run(storage: Storage, rel: str, file: str, batches: list[_Batch]) -> None:
+def _run(storage: Storage, rel: str, file: str, batches: list[_Batch], index: SourceIndex) -> None:
     """Read up to ``READ_AHEAD`` batches ahead (in threads) while the oldest is checked and copied.
 
     Staging buffers rotate through ``READ_AHEAD + 1`` slots, so a batch's slot is reused only
@@ -229,7 +326,7 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch]) -> None:
         ranges, slots, pos = [], [], 0
         for nd in batch.needs:
             if nd.direct is not None:
-                ranges.append((nd.fp.piece.offset, _direct_bytes(nd)))
+                ranges.append((nd.fp.piece.offset + nd.direct_from * itemsize(nd.fp.dtype), _direct_bytes(nd)))
                 slots.append(-1)
             else:
                 assert buf is not None
@@ -247,7 +344,7 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch]) -> None:
                 if k + READ_AHEAD < len(batches):
                     pending.append(start(k + READ_AHEAD))
                 for nd, slot in zip(batch.needs, slots):
-                    _finish(nd, file, buf, slot)
+                    _finish(nd, file, buf, slot, index)
         finally:
             for fut, _, _ in pending:
                 fut.cancel()
@@ -258,20 +355,24 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch]) -> None:
                     pass
 
 
-def _finish(nd: _Need, file: str, buf: FileBuffer | None, slot: int) -> None:
+def _finish(nd: _Need, file: str, buf: FileBuffer | None, slot: int, index: SourceIndex) -> None:
     if nd.direct is not None:
         if nd.check:
             check_crc(nd.fp, file, _direct_bytes(nd))
+        elif nd.stream:
+            index.feed(file, nd.fp, nd.direct_from * itemsize(nd.fp.dtype), _direct_bytes(nd))
     else:
         assert buf is not None
-        _finish_staged(nd, file, buf, slot)
+        _finish_staged(nd, file, buf, slot, index)
 
 
 def _direct_bytes(nd: _Need) -> memoryview:
-    """The bytes of the direct target that the piece fills."""
+    """The bytes of the direct target that the piece (or its part) fills."""
     assert nd.direct is not None
-    start = nd.direct_at * itemsize(nd.fp.dtype)
-    return buffer_bytes(nd.direct.buffer)[start:start + nd.fp.piece.length]
+    size = itemsize(nd.fp.dtype)
+    start = nd.direct_at * size
+    length = nd.fp.piece.length if nd.direct_count is None else nd.direct_count * size
+    return buffer_bytes(nd.direct.buffer)[start:start + length]
 
 
 def buffer_bytes(buf: Buffer) -> memoryview:
@@ -283,14 +384,16 @@ def buffer_bytes(buf: Buffer) -> memoryview:
     return tensor_bytes(buf)
 
 
-def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int) -> None:
-    """Check a staged piece's CRC, then copy what each target wants out of it."""
+def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int, index: SourceIndex) -> None:
+    """Check a staged piece's CRC (or feed its span to the running one), then copy what each target wants out of it."""
     fp = nd.fp
     isz = itemsize(fp.dtype)
     data_off = slot + nd.skip
     if nd.check:
         check_crc(fp, file, buf.view(fp.piece.length, data_off))
     avail = (nd.read_len - nd.skip) // isz
+    if nd.stream:
+        index.feed(file, fp, nd.first * isz, buf.view(min(avail * isz, fp.piece.length - nd.first * isz), data_off))
     for t in nd.targets:
         copy_region(_staged_source(buf, data_off, avail, fp.dtype, t.buffer), fp.piece.region(), nd.first, t.buffer,
                     t.region, fp.shape)

@@ -16,11 +16,12 @@ How it runs, per target file (the files of several ranks in parallel, ``workers`
 
 Memory: the budget is shared by the files written at once, each holding ``BATCHES_HELD``
 batches' worth (batches in flight and their read staging); pieces larger than a batch are
-held whole on top of it (see :func:`reshape`).
+read and written part by part (see :func:`reshape`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -33,6 +34,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from reshard import Box, FlatRange, Layout
+from reshard.box import split_region
 
 from . import commit as _commit
 from .dtypes import itemsize
@@ -44,7 +46,7 @@ from .placement import Placement, SectionKind, layout_metadata, param_shapes, pl
 from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
 from .reader import FileBuffer, check_data_files, read_manifest
 from .storage import Storage, open_storage
-from .writer import write_rank_file
+from .writer import PieceBytes, write_rank_file
 
 DEFAULT_MEMORY_BUDGET = 384 << 20
 MIN_MEMORY_BUDGET = 1 << 20  # the smallest memory budget reshape accepts
@@ -77,10 +79,35 @@ class ReshapeReport(BaseModel):
     seconds: float
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """What one fill reads for the writer: a whole planned piece, or one part of a piece larger than a batch."""
+
+    index: int  # of the piece in its plan
+    piece: PlannedPiece
+    region: Box | FlatRange  # the part's elements (the piece's region when whole)
+    at: int  # byte offset of the part in the piece
+    length: int
+
+    @property
+    def whole(self) -> bool:
+        return self.length == self.piece.length
+
+    @property
+    def phase(self) -> int:
+        """Where the part's memory starts within a page: in phase with its file offset, so that
+        the writer moves large parts straight from it with O_DIRECT."""
+        return (self.piece.offset + self.at) % PAGE if self.piece.length >= DIRECT_MIN_BYTES else 0
+
+    @property
+    def slot(self) -> int:
+        return _slot(self.phase + self.length)
+
+
 @dataclass
 class _Job:
     plan: SavePlan
-    batches: list[list[PlannedPiece]]
+    batches: list[list[_Chunk]]
 
 
 def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout: Layout | None = None,
@@ -96,21 +123,17 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
     are written (``total``: all of them; headers and padding are not counted).
 
     Memory: ``memory_budget`` bounds the data buffers (the batches being read and written, and
-    their read staging) as long as every piece fits in a batch. It is shared by the files written
-    at once, each holding ``BATCHES_HELD`` batches' worth: ``READ_AHEAD`` batches being read, the
-    one being written, the one before it (the writer has not let go of it yet) and the read staging
-    of the fills in progress. A budget too small for ``workers`` files of ``MIN_BATCH_BYTES``
-    batches writes fewer files at once (one at the 1 MiB minimum). Held whole, beyond the budget:
-
-    * a piece larger than a batch, in a batch of its own (up to ``READ_AHEAD + 2`` per file);
-    * staged source bytes (those not read straight into a piece) that do not fit the staging:
-      the whole source piece for its first reader, which checks its CRC, else the span of it that
-      the piece needs (up to ``READ_AHEAD * STAGING_SLOTS`` per file).
-
-    So a tensor of T bytes larger than a batch costs, per file written at once, its piece there
-    plus up to T of source bytes. Measured (one tensor, tracking every buffer): T split in two (tp 1 -> 2)
-    holds 1.5 T with one file at a time, 2.5 T (row split) to 3 T (column split) with two;
-    consolidating two halves holds 1 T (rows: read straight in) to 1.5 T (columns: staged).
+    their read staging). It is shared by the files written at once, each holding ``BATCHES_HELD``
+    batches' worth: ``READ_AHEAD`` batches being read, the one being written, the one before it
+    (the writer has not let go of it yet) and the read staging of the fills in progress. A budget
+    too small for ``workers`` files of ``MIN_BATCH_BYTES`` batches writes fewer files at once (one
+    at the 1 MiB minimum). A piece larger than a batch is read and written part by part (row slabs
+    of a box, sub-ranges of a flat range: :func:`reshard.box.split_region`), and a source piece
+    that only partly fits the staging is read span by span, its CRC checked as the spans arrive in
+    order (:class:`ucp.partial.SourceIndex`), so tensor size does not raise the peak. Beyond the
+    budget only: staged source spans larger than the staging (a part whose rows are wider in the
+    source, e.g. a column split: the source rows it cuts, read alone), and the spans verified at the
+    end (:meth:`ucp.partial.SourceIndex.finish`, a staging's worth at a time).
     Not counted: the destination writer's requests in flight (up to ``queue_depth`` x
     ``block_size`` of the storage's :class:`aio.AioConfig` per file: its own staging blocks or, for
     large aligned pieces, memory of batches already handed over, freed as the writes complete).
@@ -132,12 +155,14 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
         plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
         files_at_once, batch_bytes = _share_budget(memory_budget, workers, sum(p.file is not None for p in plans))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
+        index = SourceIndex.of(manifest)
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         lock_fd = _commit.lock_temp(dst_storage, temp)  # a save in flight, not a leftover to clean
         try:
             reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest,
-                                   SourceIndex.of(manifest), files_at_once, batch_bytes // STAGING_SHARE, advance)
+                                   index, files_at_once, batch_bytes // STAGING_SHARE, advance)
+            index.finish(src_storage, src_name, batch_bytes // STAGING_SHARE)  # CRCs of sources read span by span
             new = _commit.build_manifest(reports, world_size=world, step=manifest.step, metadata=metadata,
                                          mesh=mesh, created=now_utc())
             _commit.commit(dst_storage, temp, dst_name, new)
@@ -253,17 +278,25 @@ def _rank_layouts(manifest: Manifest, mine: list[Placement]) -> list[LeafLayout]
 # -- filling and writing the files -------------------------------------------------------------
 
 
-def _batches(plan: SavePlan, batch_bytes: int) -> list[list[PlannedPiece]]:
+def _batches(plan: SavePlan, batch_bytes: int) -> list[list[_Chunk]]:
     """The plan's pieces in file order, cut into batches of at most ``batch_bytes`` of (page-rounded)
-    memory; a piece larger than that is a batch of its own."""
-    out: list[list[PlannedPiece]] = []
-    size = 0
-    for p in plan.pieces:
-        if not out or (size + _slot(p.length) > batch_bytes and out[-1]):
+    memory; a piece larger than that is cut into parts that fit (each a chunk of its own)."""
+    chunks: list[_Chunk] = []
+    for i, p in enumerate(plan.pieces):
+        if _slot(p.length) <= batch_bytes:
+            chunks.append(_Chunk(i, p, p.region, 0, p.length))
+            continue
+        size = itemsize(p.dtype)
+        for first, part in split_region(p.region, size, batch_bytes - PAGE):  # PAGE: room for the phase
+            chunks.append(_Chunk(i, p, part, first * size, part.numel * size))
+    out: list[list[_Chunk]] = []
+    used = 0
+    for c in chunks:
+        if not out or (used + c.slot > batch_bytes and out[-1]):
             out.append([])
-            size = 0
-        out[-1].append(p)
-        size += _slot(p.length)
+            used = 0
+        out[-1].append(c)
+        used += c.slot
     return out
 
 
@@ -271,37 +304,41 @@ def _slot(nbytes: int) -> int:
     return math.ceil(nbytes / PAGE) * PAGE
 
 
-def _fill(batch: list[PlannedPiece], storage: Storage, name: str, manifest: Manifest,
+def _fill(batch: list[_Chunk], storage: Storage, name: str, manifest: Manifest,
           index: SourceIndex, staging_bytes: int) -> list[memoryview]:
-    """Read a batch's pieces from the source into fresh page-aligned memory; their byte views, in order.
+    """Read a batch's chunks from the source into fresh page-aligned memory; their byte views, in order.
 
     Source bytes that are not read straight into a piece are staged ``staging_bytes`` at a time
     (a source piece larger than that alone, see :func:`ucp.partial.read_targets`).
     """
     # Not pre-faulted: pages are zero-filled as the reads land in them, in the reader threads,
     # instead of all at once here (peak RSS 480-530 MiB against ~620 MiB pre-faulted, 2.09 GiB reshape).
-    arena = FileBuffer(sum(_slot(p.length) for p in batch))
+    arena = FileBuffer(sum(c.slot for c in batch))
     targets, views, pos = [], [], 0
-    for p in batch:
-        item = np.dtype(f"V{itemsize(p.dtype)}")  # elements as opaque items: no torch, no casts
-        flat = np.frombuffer(arena.view(p.length, pos), dtype=item) if p.length else np.empty(0, dtype=item)
-        buf = flat.reshape(tuple(p.region.shape)) if isinstance(p.region, Box) else flat
-        targets.append(Target(p.name, buf, p.region))
-        views.append(arena.view(p.length, pos))
-        pos += _slot(p.length)
+    for c in batch:
+        item = np.dtype(f"V{itemsize(c.piece.dtype)}")  # elements as opaque items: no torch, no casts
+        view = arena.view(c.length, pos + c.phase)
+        flat = np.frombuffer(view, dtype=item) if c.length else np.empty(0, dtype=item)
+        buf = flat.reshape(tuple(c.region.shape)) if isinstance(c.region, Box) else flat
+        targets.append(Target(c.piece.name, buf, c.region))
+        views.append(view)
+        pos += c.slot
     read_targets(storage, name, manifest, targets, verify=True, index=index, staging_bytes=staging_bytes)
     return views
 
 
-class _StreamedViews(Sequence[memoryview]):
-    """The byte views of a plan's pieces, produced batch by batch as the writer consumes them.
+class _StreamedViews(Sequence[PieceBytes]):
+    """The bytes of a plan's pieces, produced batch by batch as the writer consumes them.
 
-    Batches k + 1 and k + 2 are read on helper threads while batch k is written; a batch's memory
-    is freed once the writer and the checksum thread are done with it (the writer's requests in
-    flight may still hold an earlier batch's large pieces: see :func:`reshape`).
+    Batches k + 1 and k + 2 are read while batch k is written; a batch's memory is freed once the
+    writer and the checksum thread are done with it (the writer's requests in flight may still hold
+    an earlier batch's large pieces: see :func:`reshape`). A piece cut into parts is handed to the
+    writer as an iterator over its parts' views, which reads on as the writer goes through it.
+    Fills run one at a time, in file order, so that a source piece read span by span is read (and
+    its CRC computed) in order.
     """
 
-    def __init__(self, job: _Job, fill: Callable[[list[PlannedPiece]], list[memoryview]],
+    def __init__(self, job: _Job, fill: Callable[[list[_Chunk]], list[memoryview]],
                  advance: Callable[[int, str], None], stop: threading.Event | None = None) -> None:
         self.job, self.fill, self.advance = job, fill, advance
         self.stop = stop  # set when the reshape is abandoned (Ctrl-C, another file failed): read no more
@@ -312,18 +349,23 @@ class _StreamedViews(Sequence[memoryview]):
     def __getitem__(self, i: Any) -> Any:  # Sequence protocol; the writer only iterates
         raise TypeError("streamed views are read in order only")
 
-    def __iter__(self) -> Iterator[memoryview]:
+    def __iter__(self) -> Iterator[PieceBytes]:
+        for _, group in itertools.groupby(self._chunk_views(), key=lambda cv: cv[0].index):
+            chunk, view = next(group)
+            yield view if chunk.whole else itertools.chain([view], (v for _, v in group))
+
+    def _chunk_views(self) -> Iterator[tuple[_Chunk, memoryview]]:
         batches = self.job.batches
-        with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="ucp-reshape-read") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-reshape-read") as pool:
             ahead = [pool.submit(self.fill, b) for b in batches[:READ_AHEAD]]
             try:
                 for k, batch in enumerate(batches):
                     if self.stop is not None and self.stop.is_set():
                         raise RuntimeError(f"reshape abandoned while writing {self.job.plan.file}")
                     views = ahead.pop(0).result()
-                    for i, (p, v) in enumerate(zip(batch, views)):
-                        yield v
-                        self.advance(p.length, p.name)
+                    for i, (c, v) in enumerate(zip(batch, views)):
+                        yield c, v
+                        self.advance(c.length, c.piece.name)
                         if i == 0 and k + READ_AHEAD < len(batches):
                             # The writer has moved on to batch k, so it has let go of batch k - 2:
                             # BATCHES_HELD counts k - 1 to k + READ_AHEAD.

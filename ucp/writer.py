@@ -10,7 +10,7 @@ instructions), so checksumming costs no disk time and nothing is read back.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import crc32c as _crc32c
 
@@ -62,14 +62,18 @@ class CrcChain:
         self.close()
 
 
-def write_rank_file(storage: Storage, rel_path: str, plan: SavePlan, views: Sequence[memoryview],
+PieceBytes = memoryview | Iterable[memoryview]
+
+
+def write_rank_file(storage: Storage, rel_path: str, plan: SavePlan, views: Sequence[PieceBytes],
                     *, chunk: int = CHUNK) -> list[tuple[str, Piece]]:
     """Write ``plan``'s file at ``rel_path`` from ``views`` (one per planned piece).
 
-    Returns ``(tensor name, manifest piece)`` for every piece, the file name in each
-    piece being the plan's (relative to the checkpoint directory). On any error the
-    partial file is deleted and the error propagates. The views must not change
-    until this returns.
+    A piece's bytes are one memoryview, or an iterable of consecutive memoryviews (a piece larger
+    than the memory its writer may hold, produced part by part: ``ucp reshape``). Returns
+    ``(tensor name, manifest piece)`` for every piece, the file name in each piece being the
+    plan's (relative to the checkpoint directory). On any error the partial file is deleted and
+    the error propagates. The views must not change until this returns.
     """
     if plan.file is None:
         return []
@@ -84,15 +88,21 @@ def write_rank_file(storage: Storage, rel_path: str, plan: SavePlan, views: Sequ
             for i, (view, piece) in enumerate(zip(views, plan.pieces)):
                 if piece.offset > pos:  # a padding entry that puts the piece in phase with its memory
                     writer.write(bytes(piece.offset - pos))
-                pos = piece.offset + view.nbytes
-                if view.nbytes <= INLINE_CRC:
+                if isinstance(view, memoryview) and view.nbytes <= INLINE_CRC:
                     inline[i] = _crc32c.crc32c(view)
                     writer.write(view)
+                    pos = piece.offset + view.nbytes
                     continue
-                for start in range(0, view.nbytes, chunk):
-                    part = view[start : start + chunk]
-                    crcs.feed(i, part)
-                    writer.write(part, borrow=True)  # the views stay unchanged until we return
+                pos = piece.offset
+                for part in (view,) if isinstance(view, memoryview) else view:
+                    for start in range(0, part.nbytes, chunk):
+                        block = part[start : start + chunk]
+                        crcs.feed(i, block)
+                        writer.write(block, borrow=True)  # the views stay unchanged until we return
+                    pos += part.nbytes
+                if pos != piece.offset + piece.length:
+                    raise RuntimeError(f"{rel_path}: piece {piece.name!r} got {pos - piece.offset} bytes, "
+                                       f"the plan says {piece.length}")
             size = writer.close()
             values = {**crcs.results(), **inline}
         except BaseException:

@@ -236,7 +236,7 @@ def test_bench_reshape_handles_a_root_with_spaces(tmp_path: Path, monkeypatch: p
     root = tmp_path / "my runs"
     src = root / "src"
     ucp.save({"w": torch.arange(8.0)}, src)
-    monkeypatch.setattr(module, "make_source", lambda r, layers: src)
+    monkeypatch.setattr(module, "make_source", lambda r, layers, vocab=None: src)
     monkeypatch.setattr(module, "drop_caches", lambda mode, s: True)  # never drop the shared page cache
     real_copy = module.copy_and_sync
     copies: list[list[str]] = []

@@ -109,12 +109,18 @@ def test_batches_respect_the_memory_budget(sources: dict[str, str], tmp_path: Pa
     manifest = ucp.read_manifest(sources["plain"])
     [layouts], _, _ = _targets(manifest, None, None, None, sources["plain"])
     plan = make_plan(layouts, 0, 1)
-    budget = 64 << 10
+    budget = 8 << 10  # smaller than the largest pieces: those are cut into parts
     batches = _batches(plan, budget)
-    assert [p for b in batches for p in b] == list(plan.pieces)
+    chunks = [c for b in batches for c in b]
+    assert any(not c.whole for c in chunks)
+    for i, piece in enumerate(plan.pieces):  # each piece's parts, in order, tile its bytes
+        mine = [c for c in chunks if c.index == i]
+        assert all(c.piece == piece for c in mine)
+        assert [c.at for c in mine] == [sum(c.length for c in mine[:k]) for k in range(len(mine))]
+        assert sum(c.length for c in mine) == piece.length
+    assert [c.index for c in chunks] == sorted(c.index for c in chunks)
     for b in batches:
-        size = sum(-(-p.length // 4096) * 4096 for p in b)
-        assert size <= budget or len(b) == 1
+        assert sum(c.slot for c in b) <= budget
 
 
 def test_each_source_piece_is_checked_once_and_corruption_is_caught(sources: dict[str, str], tmp_path: Path) -> None:

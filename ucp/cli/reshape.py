@@ -42,9 +42,8 @@ def reshape_cmd(
                                                  "(for checkpoints that recorded no layout).")] = None,
     memory_budget: Annotated[str, typer.Option("--memory-budget", help=(
         "Bytes of data buffers (batches read and written, their read staging) held at once; at least 1 MiB "
-        "(a small budget writes fewer files at once). A tensor piece larger than a batch is held whole on top "
-        "of it, with the source bytes it is read from: typically 1-1.5x its tensor's size per file written at "
-        "once (docs/architecture.md)."))] = "512MiB",
+        "(a small budget writes fewer files at once). Pieces larger than a batch are read and written part by "
+        "part, so large tensors do not raise the peak (docs/architecture.md)."))] = "512MiB",
     workers: Annotated[int, typer.Option("--workers", min=1, help="Target files written in parallel.")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it is a checkpoint.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Read DST back and check every CRC.")] = False,

@@ -59,6 +59,7 @@ def read_batches(storage: Storage, name: str, manifest: Manifest, tensors: Seque
         del values, targets, chosen
         yield out  # consumers pop() from it: each tensor is freed as soon as it is written
         del out
+    index.finish(storage, name)  # pieces checksummed span by span: complete their checks before the export commits
 
 
 def one_by_one(batches: Iterator[list[tuple[ExportTensor, torch.Tensor]]]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
