@@ -218,11 +218,6 @@ class AioHandle:
                 self.pool.release(block)
 
         result: Future = Future()
-        try:
-            inner = self.engine.submit_read(f, start, block.view(length))
-        except BaseException:  # never submitted (io_submit refused it): hand the block back now
-            release()
-            raise
 
         def done(fut: Future) -> None:
             try:
@@ -237,7 +232,14 @@ class AioHandle:
             finally:
                 release()
 
-        inner.add_done_callback(done)
+        inner: Future = Future()
+        inner.add_done_callback(done)  # before the submit: however it ends, the block goes back exactly once
+        try:
+            self.engine.submit_read(f, start, block.view(length), inner)
+        except BaseException as exc:  # e.g. a Ctrl-C: if the engine took the read, it copies into dest when done
+            if not _never_taken(inner, exc):
+                _settle([result])  # ... so wait for that, as the caller may reuse dest once we raise
+            raise
         return result
 
 
@@ -369,16 +371,17 @@ class FileWriter:
         self._fill = 0
 
     def _submit(self, view: memoryview, block: AlignedBuffer | None) -> Future:
+        fut: Future = Future()
+        if block is not None:  # before the submit: however it ends, the block goes back exactly once
+            fut.add_done_callback(lambda _f, b=block: self._h.pool.release(b))
         try:
             while len(self._inflight) >= self._cfg.queue_depth:
                 self._inflight.popleft().result()
-            fut = self._h.engine.submit_write(self._file, self._offset, view)
-        except BaseException:
-            if block is not None:  # never submitted: hand it back, or the pool shrinks for good
-                self._h.pool.release(block)
+            self._h.engine.submit_write(self._file, self._offset, view, fut)
+        except BaseException as exc:
+            if not _never_taken(fut, exc):
+                self._inflight.append(fut)  # the kernel has it: abort() waits for it before the file goes
             raise
-        if block is not None:
-            fut.add_done_callback(lambda _f, b=block: self._h.pool.release(b))
         self._inflight.append(fut)
         return fut
 
@@ -444,6 +447,17 @@ class FileWriter:
 
 
 _MIN_DIRECT = 256 * 1024  # below this, staging costs less than an extra request
+
+
+def _never_taken(fut: Future, exc: BaseException) -> bool:
+    """After a submit raised: whether the request is out of the engine's hands. A pending ``fut``
+    was never taken: it is completed with ``exc`` here (its callbacks give the buffer back). A
+    running one is the engine's, which completes it (False); a done one was completed already."""
+    if fut.running():
+        return False
+    if not fut.done():
+        fut.set_exception(exc)
+    return True
 
 
 def _expect(fut: Future, nbytes: int, f: OpenFile, offset: int) -> Future:

@@ -6,14 +6,24 @@ O_DIRECT files. Each submitted request yields a ``concurrent.futures.Future``
 whose result is the number of bytes moved: always the full length for writes,
 and for reads fewer only when the file ends first. Short transfers are retried
 inside the engine; failures raise ``AioError`` naming the file and offset.
+
+A caller may pass the future to complete (``future=``), with its callbacks already attached. The
+engine sets it running (``Future.running()``) once it has taken the request: from then on only the
+engine completes it, and the buffer must stay valid until it does. A submit that raises before
+that leaves the future pending, so a caller interrupted (Ctrl-C) anywhere in a submit can tell
+whether its buffer is still in use: pending means it never will be.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
 import os
+import signal
+import threading
 from concurrent.futures import Future
+from typing import Iterator
 
 from ..errors import AioError
 from ..files import OpenFile
@@ -22,18 +32,35 @@ from ..files import OpenFile
 MAX_SYSCALL_BYTES = 0x7FFFF000
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back on the main thread (the only one Python raises them in) for the
+    duration: the KeyboardInterrupt comes once the block is done, never half way through it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class Engine(abc.ABC):
     """An async file I/O engine."""
 
     name: str = "?"
 
     @abc.abstractmethod
-    def submit_read(self, f: OpenFile, offset: int, buf: memoryview) -> "Future[int]":
-        """Read ``len(buf)`` bytes from ``f`` at ``offset`` into ``buf``."""
+    def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
+                    future: "Future[int] | None" = None) -> "Future[int]":
+        """Read ``len(buf)`` bytes from ``f`` at ``offset`` into ``buf``; completes ``future`` if given."""
 
     @abc.abstractmethod
-    def submit_write(self, f: OpenFile, offset: int, buf: memoryview) -> "Future[int]":
-        """Write all of ``buf`` to ``f`` at ``offset``."""
+    def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
+                     future: "Future[int] | None" = None) -> "Future[int]":
+        """Write all of ``buf`` to ``f`` at ``offset``; completes ``future`` if given."""
 
     def close(self) -> None:
         """Wait for in-flight requests and release the engine's resources."""

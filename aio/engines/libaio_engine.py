@@ -11,19 +11,16 @@ id to the next ``io_setup``, so a late submit would land in another engine's con
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import signal
 import threading
 from concurrent.futures import Future
 from ctypes import addressof, byref, pointer
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from ..errors import AioError
 from ..files import OpenFile
-from .base import Engine
+from .base import Engine, signals_held
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +47,6 @@ class _Request:
     in_kernel: bool = False  # io_submit accepted it: only its completion may give its slot back
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM back on the main thread (the only one Python raises them in) for the
-    duration: the KeyboardInterrupt comes once the block is done, never half way through it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 class LibaioEngine(Engine):
     name = "libaio"
 
@@ -85,11 +67,13 @@ class LibaioEngine(Engine):
         self._reaper.start()
 
     # -- submission ---------------------------------------------------------------
-    def submit_read(self, f: OpenFile, offset: int, buf: memoryview) -> "Future[int]":
-        return self._start(_Request(f, offset, buf, False, Future()))
+    def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
+                    future: "Future[int] | None" = None) -> "Future[int]":
+        return self._start(_Request(f, offset, buf, False, future or Future()))
 
-    def submit_write(self, f: OpenFile, offset: int, buf: memoryview) -> "Future[int]":
-        return self._start(_Request(f, offset, buf, True, Future()))
+    def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
+                     future: "Future[int] | None" = None) -> "Future[int]":
+        return self._start(_Request(f, offset, buf, True, future or Future()))
 
     def _start(self, req: _Request) -> "Future[int]":
         self._check_usable(req)
@@ -119,10 +103,12 @@ class LibaioEngine(Engine):
         req.block = block
         key = addressof(block._iocb)  # noqa: SLF001 - the iocb is what the kernel hands back
         iocbs = (_raw.iocb_p * 1)(pointer(block._iocb))  # noqa: SLF001
-        with _signals_held():  # a Ctrl-C must not fall between "registered" and "submitted"
+        with signals_held():  # a Ctrl-C must not fall between "registered" and "submitted"
             with self._lock:
                 if new:
                     self._check_usable(req)
+                    # Running before io_submit: the kernel may complete it before io_submit returns.
+                    req.future.set_running_or_notify_cancel()
                 self._inflight[key] = req
             while True:
                 try:
@@ -134,7 +120,10 @@ class LibaioEngine(Engine):
                         continue
                     with self._lock:
                         self._inflight.pop(key, None)
-                    raise AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_submit") from exc
+                    err = AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_submit")
+                    if new:  # running already: complete it, so that nobody waits for it
+                        req.future.set_exception(err)
+                    raise err from exc
 
     def _check_usable(self, req: _Request) -> None:
         """Refuse a new request to a closed or broken engine, naming its file and offset."""

@@ -16,7 +16,6 @@ import os
 import pickle
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,11 +140,11 @@ def test_file_that_shrinks_under_a_read_is_an_error_not_zeros(engine, disk_dir, 
         real = io.engine.submit_read
         shrunk: list[bool] = []
 
-        def shrink_then_read(f, offset, buf):
+        def shrink_then_read(f, offset, buf, future=None):
             if not shrunk:
                 os.truncate(path, 2 * BS + 5)
                 shrunk.append(True)
-            return real(f, offset, buf)
+            return real(f, offset, buf, future)
 
         monkeypatch.setattr(io.engine, "submit_read", shrink_then_read)
         with pytest.raises(AioError) as info:
@@ -504,13 +503,13 @@ class _FailFirstWrite(ThreadEngine):
         super().__init__(2)
         self.writes = 0
 
-    def submit_write(self, f, offset, buf):
+    def submit_write(self, f, offset, buf, future=None):
         self.writes += 1
         if self.writes == 1:
-            fut: Future = Future()
+            fut: Future = future or Future()
             fut.set_exception(AioError(errno.EIO, f.path, offset, "write"))
             return fut
-        return super().submit_write(f, offset, buf)
+        return super().submit_write(f, offset, buf, future)
 
 
 def test_writer_that_failed_cannot_later_close_successfully(disk_dir):
@@ -539,12 +538,12 @@ class _GatedReads(ThreadEngine):
         self.gate = threading.Event()
         self.futures: list[Future] = []
 
-    def submit_read(self, f, offset, buf):
-        def run() -> int:
+    def submit_read(self, f, offset, buf, future=None):
+        def gated(f, offset, buf) -> int:
             self.gate.wait(10)
             return pread_full(f, offset, buf)
 
-        fut = self._pool.submit(run)
+        fut = self._start(gated, f, offset, buf, future or Future())
         self.futures.append(fut)
         return fut
 
@@ -636,10 +635,11 @@ class _FailSecondRead(ThreadEngine):
         super().__init__(2)
         self.futures: list[Future] = []
 
-    def submit_read(self, f, offset, buf):
+    def submit_read(self, f, offset, buf, future=None):
         if self.futures:
             raise AioError(errno.EINVAL, f.path, offset, "io_submit")
-        self.futures.append(self._pool.submit(lambda: (threading.Event().wait(0.3), pread_full(f, offset, buf))[1]))
+        slow = lambda f, offset, buf: (threading.Event().wait(0.3), pread_full(f, offset, buf))[1]  # noqa: E731
+        self.futures.append(self._start(slow, f, offset, buf, future or Future()))
         return self.futures[0]
 
 
@@ -792,3 +792,45 @@ def test_prefetch_takes_one_bare_path_as_one_path(tmp_path, make_data):
         assert not aio.prefetch.is_warm(f)
     finally:
         forget([f])
+
+
+class _InterruptedAfterTaking(ThreadEngine):
+    """A thread engine whose first read is taken (queued, held by ``gate``) and then interrupted: the
+    KeyboardInterrupt of a Ctrl-C landing just after the engine took the request, before submit returned."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.gate = threading.Event()
+        self.taken: list[Future] = []
+
+    def submit_read(self, f, offset, buf, future=None):
+        def gated(f, offset, buf) -> int:
+            self.gate.wait(10)
+            return pread_full(f, offset, buf)
+
+        fut = self._start(gated, f, offset, buf, future or Future())
+        if not self.taken:
+            self.taken.append(fut)
+            threading.Timer(0.3, self.gate.set).start()
+            raise KeyboardInterrupt
+        self.gate.wait(10)
+        return fut
+
+
+def test_interrupt_after_the_engine_took_a_staged_read_keeps_its_block_until_it_completes(disk_dir, make_data):
+    """The staging block of a read the engine already took must not go back to the pool (or the call return)
+    before that read completes: a later read could get the block while the device still writes into it."""
+    data = make_data(4 * BS, seed=11)
+    path = disk_dir / "f.bin"
+    engine = _InterruptedAfterTaking()
+    with AioHandle(AioConfig(block_size=BS, queue_depth=4), engine=engine) as io:
+        io.write_file(path, data)
+        dest = np.zeros(BS // 2, np.uint8)
+        with pytest.raises(KeyboardInterrupt):
+            io.read_into(path, 1, dest)  # unaligned: one staged read
+        assert engine.taken[0].done(), "read_into raised while its read was still in flight"
+        assert dest.tobytes() == data[1 : 1 + BS // 2].tobytes()  # it landed before the call gave up
+        again = np.zeros(BS // 2, np.uint8)
+        io.read_into(path, 3, again)
+        assert again.tobytes() == data[3 : 3 + BS // 2].tobytes()
+        assert len(io.pool._free) == io.pool._created  # every block back, none twice

@@ -19,9 +19,9 @@ def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch,
     seen: list[tuple[int, int]] = []
     original = getattr(io.engine, method)
 
-    def spy(f, offset, buf):  # type: ignore[no-untyped-def]
+    def spy(f, offset, buf, future=None):  # type: ignore[no-untyped-def]
         seen.append((address_of(buf), buf.nbytes))
-        return original(f, offset, buf)
+        return original(f, offset, buf, future)
 
     monkeypatch.setattr(io.engine, method, spy)
     return seen
