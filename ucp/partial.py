@@ -7,11 +7,12 @@ pieces that intersect it are found with ``reshard.box`` and read:
   elements in the same order and dtype (a reload with the saved layout);
 * otherwise into a staging buffer, then copied (with a dtype cast if needed)
   into every target that wants part of it: the span of the piece the targets
-  need, rounded out to 4 KiB so that the read is O_DIRECT-aligned. When verifying,
-  a piece that fits the staging is read whole (its CRC covers all of it); a larger
-  one is read span by span and checksummed as its spans arrive in order, the rest
-  of it read at the end (:meth:`SourceIndex.finish`), so that memory stays bounded
-  by the staging, not by the largest tensor.
+  need, rounded out to 4 KiB so that the read is O_DIRECT-aligned, and cut into
+  parts of at most the staging's size when larger. When verifying, a piece that
+  fits the staging is read whole (its CRC covers all of it); a larger one is read
+  span by span and checksummed as its spans arrive in order, the rest of it read
+  at the end (:meth:`SourceIndex.finish`), so that memory stays bounded by the
+  staging, not by the largest tensor.
 
 Reads are grouped in batches of about ``BATCH_BYTES``; the next ``READ_AHEAD``
 batches are read while batch k is checksummed and copied.
@@ -28,7 +29,7 @@ from typing import Any, Sequence
 import crc32c as _crc32c
 import numpy as np
 
-from reshard.box import Box, FlatRange, element_span, transfers
+from reshard.box import Box, FlatRange, element_span, split_region, transfers
 
 from .dtypes import itemsize, torch_dtype
 from .errors import CheckpointError
@@ -68,6 +69,8 @@ class _Need:
     direct_count: int | None = None  # None: all of the piece
     check: bool = True  # verify this piece's CRC (then it is read whole)
     stream: bool = False  # verify it span by span instead (a staged piece larger than the staging)
+    part: Box | FlatRange | None = None  # staged: only this part of the piece (a span cut to fit the staging) ...
+    part_first: int = 0  # ... which is elements [part_first, part_first + part.numel) of the piece's buffer
     first: int = 0  # staged: first element of the piece read
     read_at: int = 0  # staged: file offset of the (aligned) read
     read_len: int = 0
@@ -251,13 +254,13 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
                             needs[file].append(_Need(fp, [t], direct=t, direct_at=span[1], direct_from=span[0],
                                                      direct_count=span[2], check=False, stream=stream))
                     if staged:
-                        needs[file].append(_Need(fp, staged, check=False, stream=stream))
+                        needs[file].extend(_staged_parts(_Need(fp, staged, check=False, stream=stream), staging_bytes))
                     continue
                 check = verify and not stream and index.claim(file, fp.piece.offset)
                 needs[file].append(_Need(fp, wanting, direct=wanting[0] if at is not None else None,
                                          direct_at=at or 0, check=check, stream=stream))
     for file in sorted(needs):
-        file_needs = sorted(needs[file], key=lambda nd: (nd.fp.piece.offset, nd.direct_from))  # sequential reads
+        file_needs = sorted(needs[file], key=lambda nd: (nd.fp.piece.offset, _first_element(nd)))  # sequential reads
         size = manifest.files[file].size
         if file not in index.checked_files:
             check_file_size(storage, name, file, size)
@@ -268,12 +271,39 @@ def read_targets(storage: Storage, name: str, manifest: Manifest, targets: Seque
         index.finish(storage, name, staging_bytes)
 
 
+def _staged_parts(need: _Need, staging_bytes: int) -> list[_Need]:
+    """A staged need whose span is larger than the staging, cut into needs of one part each (parts of the
+    piece in its buffer order: :func:`reshard.box.split_region`), so that no read stages more than
+    about ``staging_bytes``; each part goes to the targets that want some of it."""
+    fp = need.fp
+    size = itemsize(fp.dtype)
+    lo, hi = _span(need)
+    if (hi - lo) * size <= staging_bytes:
+        return [need]
+    out = []
+    for first, part in split_region(fp.piece.region(), size, staging_bytes):
+        if first + part.numel <= lo or first >= hi:
+            continue
+        wanting = [t for t in need.targets if transfers(part, t.region, fp.shape)]
+        if wanting:
+            out.append(_Need(fp, wanting, check=False, stream=need.stream, part=part, part_first=first))
+    return out
+
+
+def _first_element(nd: _Need) -> int:
+    """Where in its piece a need starts (for reading a file's needs in order)."""
+    return nd.direct_from if nd.direct is not None else nd.part_first
+
+
 def _span(need: _Need) -> tuple[int, int]:
-    """Elements of the piece to read: all of it when checking its CRC, else what the targets want."""
+    """Elements of the piece to read: all of it when checking its CRC, the part for a part's need,
+    else what the targets want."""
     fp = need.fp
     n = fp.piece.length // itemsize(fp.dtype)
     if need.check:
         return 0, n
+    if need.part is not None:
+        return need.part_first, need.part_first + need.part.numel
     region = fp.piece.region()
     lo, hi = n, 0
     for t in need.targets:
@@ -395,7 +425,8 @@ def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int, index: Sour
     if nd.stream:
         index.feed(file, fp, nd.first * isz, buf.view(min(avail * isz, fp.piece.length - nd.first * isz), data_off))
     for t in nd.targets:
-        copy_region(_staged_source(buf, data_off, avail, fp.dtype, t.buffer), fp.piece.region(), nd.first, t.buffer,
+        region, first = (fp.piece.region(), nd.first) if nd.part is None else (nd.part, nd.first - nd.part_first)
+        copy_region(_staged_source(buf, data_off, avail, fp.dtype, t.buffer), region, first, t.buffer,
                     t.region, fp.shape)
 
 

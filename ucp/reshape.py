@@ -130,10 +130,10 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
     at the 1 MiB minimum). A piece larger than a batch is read and written part by part (row slabs
     of a box, sub-ranges of a flat range: :func:`reshard.box.split_region`), and a source piece
     that only partly fits the staging is read span by span, its CRC checked as the spans arrive in
-    order (:class:`ucp.partial.SourceIndex`), so tensor size does not raise the peak. Beyond the
-    budget only: staged source spans larger than the staging (a part whose rows are wider in the
-    source, e.g. a column split: the source rows it cuts, read alone), and the spans verified at the
-    end (:meth:`ucp.partial.SourceIndex.finish`, a staging's worth at a time).
+    order (:class:`ucp.partial.SourceIndex`), so tensor size does not raise the peak. A staged
+    source span larger than the staging (a part of a column split cuts source rows wider than
+    itself) is read in parts of the staging's size too, and what no span brought in order is read
+    at the end (:meth:`ucp.partial.SourceIndex.finish`), a staging's worth at a time.
     Not counted: the destination writer's requests in flight (up to ``queue_depth`` x
     ``block_size`` of the storage's :class:`aio.AioConfig` per file: its own staging blocks or, for
     large aligned pieces, memory of batches already handed over, freed as the writes complete).
@@ -350,7 +350,19 @@ class _StreamedViews(Sequence[PieceBytes]):
         raise TypeError("streamed views are read in order only")
 
     def __iter__(self) -> Iterator[PieceBytes]:
-        for _, group in itertools.groupby(self._chunk_views(), key=lambda cv: cv[0].index):
+        self._chunks = self._chunk_views()
+        self._pieces = self._group(self._chunks)
+        return self._pieces
+
+    def close(self) -> None:
+        """Stop reading ahead now (the writer failed or is done): not when the generators are collected."""
+        for gen in (getattr(self, "_pieces", None), getattr(self, "_chunks", None)):
+            if gen is not None:
+                gen.close()
+
+    @staticmethod
+    def _group(chunks: Iterator[tuple[_Chunk, memoryview]]) -> Iterator[PieceBytes]:
+        for _, group in itertools.groupby(chunks, key=lambda cv: cv[0].index):
             chunk, view = next(group)
             yield view if chunk.whole else itertools.chain([view], (v for _, v in group))
 
@@ -384,7 +396,11 @@ def _write_files(jobs: list[_Job], plans: list[SavePlan], src: Storage, src_name
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan
         fill = lambda batch: _fill(batch, src, src_name, manifest, index, staging_bytes)  # noqa: E731
-        records = write_rank_file(dst, f"{temp}/{plan.file}", plan, _StreamedViews(job, fill, advance, stop))
+        views = _StreamedViews(job, fill, advance, stop)
+        try:
+            records = write_rank_file(dst, f"{temp}/{plan.file}", plan, views)
+        finally:
+            views.close()  # a writer that failed on its own must not leave fills reading on
         return _commit.RankReport(rank=plan.rank, file=plan.file, file_size=plan.file_size,
                                   tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree)
 

@@ -149,3 +149,37 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + str(k)] = v
     return out
+
+
+# -- memory: the data buffers (ucp.reader.FileBuffer) a reshape or partial read holds at once -----------
+
+
+class TrackedFileBuffers:
+    """Counts the bytes of ``FileBuffer``\\s alive at once (``peak``), as created through ``modules``
+    (e.g. ``ucp.reshape`` for fill arenas, ``ucp.partial`` for read staging and ``finish`` chunks)."""
+
+    def __init__(self, monkeypatch: Any, *modules: Any) -> None:
+        import weakref
+
+        import ucp.reader
+
+        self.live = self.peak = 0
+        lock = threading.Lock()
+        real, tracker = ucp.reader.FileBuffer, self
+
+        class Tracked(real):  # type: ignore[misc, valid-type]
+            def __init__(self, nbytes: int) -> None:
+                super().__init__(nbytes)
+                size = len(self._mmap)
+                with lock:
+                    tracker.live += size
+                    tracker.peak = max(tracker.peak, tracker.live)
+
+                def freed() -> None:
+                    with lock:
+                        tracker.live -= size
+
+                weakref.finalize(self._mmap, freed)
+
+        for module in modules:
+            monkeypatch.setattr(module, "FileBuffer", Tracked)

@@ -50,16 +50,18 @@ def read_batches(storage: Storage, name: str, manifest: Manifest, tensors: Seque
                  ) -> Iterator[list[tuple[ExportTensor, torch.Tensor]]]:
     """Yield the tensors, in the given order, as batches of (tensor, full contiguous value in its output dtype)."""
     index = SourceIndex.of(manifest)  # shared by the batches: headers checked once
-    for batch in plan_batches([tensor_cost(t) for t in tensors], budget):
+    batches = plan_batches([tensor_cost(t) for t in tensors], budget)
+    for k, batch in enumerate(batches):
         chosen = [tensors[i] for i in batch]
         values = [torch.empty(t.shape, dtype=t.dtype) for t in chosen]
         targets = [Target(t.name, v, Box.full(t.shape)) for t, v in zip(chosen, values) if v.numel()]
         read_targets(storage, name, manifest, targets, verify=verify, index=index)
+        if k == len(batches) - 1:  # before the last batch goes out (a consumer may stop taking batches then):
+            index.finish(storage, name)  # complete the checks of pieces checksummed span by span
         out = [(t, v.to(t.out_dtype) if t.cast else v) for t, v in zip(chosen, values)]
         del values, targets, chosen
         yield out  # consumers pop() from it: each tensor is freed as soon as it is written
         del out
-    index.finish(storage, name)  # pieces checksummed span by span: complete their checks before the export commits
 
 
 def one_by_one(batches: Iterator[list[tuple[ExportTensor, torch.Tensor]]]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
