@@ -27,7 +27,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict
 
 from .errors import CheckpointError, CommitError, ManifestError
-from .manifest import MANIFEST_NAME, FileInfo, Manifest, Piece, TensorEntry, Topology, check_manifest
+from .manifest import MANIFEST_NAME, BoxModel, FileInfo, FlatModel, Manifest, Piece, TensorEntry, Topology, check_manifest
 from .storage import LocalStorage, Storage
 from .tree import merge_trees
 
@@ -43,6 +43,22 @@ def creator() -> str:
         return "ucp"
 
 
+class Replica(BaseModel):
+    """A region a rank holds but another rank writes, with the CRC-32C of its bytes (``check_replicas``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tensor: str
+    box: BoxModel | None = None
+    flat: FlatModel | None = None
+    crc32c: int
+
+    @classmethod
+    def of(cls, tensor: str, region: Any, crc: int) -> "Replica":
+        if hasattr(region, "offsets"):
+            return cls(tensor=tensor, box=BoxModel(offsets=list(region.offsets), shape=list(region.shape)), crc32c=crc)
+        return cls(tensor=tensor, flat=FlatModel(start=region.start, stop=region.stop), crc32c=crc)
+
+
 class RankReport(BaseModel):
     """What one rank tells rank 0 at commit time."""
 
@@ -54,6 +70,7 @@ class RankReport(BaseModel):
     tensors: list[tuple[str, str, list[int]]] = []  # (name, dtype, global shape) of every tensor it holds
     pieces: list[tuple[str, Piece]] = []
     state: Any = None
+    replicas: list[Replica] = []  # only with check_replicas
 
 
 def make_temp_dir(storage: Storage, name: str) -> str:
@@ -101,7 +118,28 @@ def build_manifest(reports: list[RankReport], *, world_size: int, step: int | No
             hint = (" (plain tensors must be present on every rank; wrap rank-local tensors in "
                     "ShardedTensor/FlatShard, and give exactly one replica of each shard replica_id 0)")
         raise CommitError(f"the ranks' pieces do not form a valid checkpoint: {exc}{hint}") from None
+    check_replicas(reports, manifest)
     return manifest
+
+
+def check_replicas(reports: list[RankReport], manifest: Manifest) -> None:
+    """CommitError when a rank's replica of a region differs from the bytes written for it.
+
+    Each replica is compared with the written piece of the same region (a replica whose region
+    no single piece has, e.g. a shard written in another split, is not compared).
+    """
+    written = {(name, p.box.model_dump_json() if p.box else p.flat.model_dump_json()): p  # type: ignore[union-attr]
+               for name, entry in manifest.tensors.items() for p in entry.pieces}
+    for r in reports:
+        for rep in r.replicas:
+            key = (rep.tensor, rep.box.model_dump_json() if rep.box else rep.flat.model_dump_json())  # type: ignore[union-attr]
+            piece = written.get(key)
+            if piece is not None and piece.crc32c != rep.crc32c:
+                where = f"elements {key[1]}" if rep.flat else f"box {key[1]}"
+                raise CommitError(
+                    f"tensor {rep.tensor!r}: rank {r.rank}'s copy of {where} differs from the one rank "
+                    f"{manifest.files[piece.file].rank} wrote (CRC-32C {rep.crc32c:#010x} vs {piece.crc32c:#010x}); "
+                    "replicas that should be equal are not: nothing was committed")
 
 
 def commit(storage: Storage, temp: str, name: str, manifest: Manifest, *,

@@ -14,6 +14,8 @@ Who writes what:
 * plain tensors are assumed replicated (equal on every rank); each is written by
   one rank chosen by a deterministic rule all ranks compute alike without talking:
   largest first, each to the rank with the fewest replicated bytes so far.
+  ``ucp.save(check_replicas=True)`` verifies the assumption (``snapshot.replica_checksums``,
+  compared at commit by ``commit.check_replicas``).
 
 The data file is a safetensors file whose header is padded so the data starts at
 a multiple of 4096; pieces follow in descending item size, then by name. Each

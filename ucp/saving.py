@@ -37,7 +37,7 @@ from .dist import Group, resolve_group
 from .errors import CommitError, UnsupportedStateError
 from .manifest import Manifest, now_utc
 from .plan import PLAN_CACHE, SavePlan, plan_save
-from .snapshot import snapshot
+from .snapshot import replica_checksums, snapshot
 from .storage import Storage, as_aio_config, open_storage
 from .tree import encode_state
 from .writer import write_rank_file
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, step: int | None = None,
          metadata: dict[str, Any] | None = None, process_group: Any = None,
          aio_config: AioConfig | dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-         mesh: dict[str, int] | None = None) -> Manifest:
+         mesh: dict[str, int] | None = None, check_replicas: bool = False) -> Manifest:
     """Save ``state_dict`` as a checkpoint directory at ``path``, atomically; returns its manifest.
 
     Under torch.distributed every rank of ``process_group`` (default: the world) calls
@@ -56,10 +56,13 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, step: int 
     commits. ``mesh`` (axis name -> size, product = world size) is recorded in the
     manifest's topology. An existing checkpoint at ``path`` is replaced atomically.
 
-    Replicated data is taken from one rank, not compared: a plain tensor (held whole by every
-    rank) is written by the rank the planner assigns it to (spreading bytes over ranks), plain
-    values and ``step``/``metadata``/``mesh`` are rank 0's. A rank that fails makes every rank
-    raise; nothing is committed.
+    Replicated data is taken from one rank: a plain tensor (held whole by every rank) is written
+    by the rank the planner assigns it to (spreading bytes over ranks), a shard by its replica 0;
+    plain values and ``step``/``metadata``/``mesh`` are rank 0's. With ``check_replicas`` every
+    other rank checksums its copies and the save fails (nothing committed) when one differs from
+    the bytes written, naming the tensor and both ranks — a cheap guard against replicas that
+    drifted apart (it costs one CRC-32C pass over the replicated bytes each rank does not write).
+    A rank that fails makes every rank raise; nothing is committed.
     """
     group = resolve_group(process_group)
     try:
@@ -70,7 +73,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, step: int 
             _fail_together(group, exc)
         raise
     with storage:
-        return save_with(storage, name, state_dict, group, step=step, metadata=metadata or {}, mesh=mesh)
+        return save_with(storage, name, state_dict, group, step=step, metadata=metadata or {}, mesh=mesh,
+                         check_replicas=check_replicas)
 
 
 def _fail_together(group: Group, error: BaseException) -> None:
@@ -107,7 +111,7 @@ def _describe(exc: BaseException) -> str:
 
 def save_with(storage: Storage, name: str, state_dict: dict[str, Any], group: Group, *, step: int | None,
               metadata: dict[str, Any], mesh: dict[str, int] | None,
-              before_swap: Callable[[], None] | None = None) -> Manifest:
+              before_swap: Callable[[], None] | None = None, check_replicas: bool = False) -> Manifest:
     """One rank's part of a save into an open storage (see the module docstring for the steps).
 
     Errors on one rank never leave the others waiting: every rank takes part in every
@@ -138,7 +142,8 @@ def save_with(storage: Storage, name: str, state_dict: dict[str, Any], group: Gr
                 raise
     try:
         return _write_and_commit(storage, name, group, group.broadcast(temp), plan, leaves, tree, local_error,
-                                 step=step, metadata=metadata, mesh=mesh, before_swap=before_swap)
+                                 step=step, metadata=metadata, mesh=mesh, before_swap=before_swap,
+                                 check_replicas=check_replicas)
     except BaseException:
         if group.rank == 0:  # e.g. a collective failed as a peer died: rank 0 knows the temp dir, nobody else
             _commit.abort(storage, temp)
@@ -150,7 +155,7 @@ def save_with(storage: Storage, name: str, state_dict: dict[str, Any], group: Gr
 def _write_and_commit(storage: Storage, name: str, group: Group, temp: str | None, plan: SavePlan | None,
                       leaves: list, tree: Any, local_error: BaseException | None, *, step: int | None,
                       metadata: dict[str, Any], mesh: dict[str, int] | None,
-                      before_swap: Callable[[], None] | None) -> Manifest:
+                      before_swap: Callable[[], None] | None, check_replicas: bool = False) -> Manifest:
     """Steps (b)-(e) on every rank: write this rank's file into ``temp``, gather the reports, commit."""
 
     report = _commit.RankReport(rank=group.rank)
@@ -158,9 +163,11 @@ def _write_and_commit(storage: Storage, name: str, group: Group, temp: str | Non
         try:
             views = snapshot(plan, leaves)
             records = write_rank_file(storage, f"{temp}/{plan.file}", plan, views) if plan.file else []
+            replicas = ([_commit.Replica.of(*r) for r in replica_checksums(leaves, group.rank, group.world_size)]
+                        if check_replicas else [])
             report = _commit.RankReport(
                 rank=group.rank, file=plan.file, file_size=plan.file_size,
-                tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree,
+                tensors=[(n, d, list(s)) for n, d, s in plan.tensors], pieces=records, state=tree, replicas=replicas,
             )
         except BaseException as exc:
             local_error = exc

@@ -13,8 +13,10 @@ from typing import Sequence
 
 import torch
 
+from reshard.box import Box, FlatRange
+
 from .errors import SnapshotChangedError, UnsupportedStateError
-from .plan import PlannedPiece, SavePlan
+from .plan import PlannedPiece, SavePlan, assign_replicated, leaf_layouts
 from .sharding import FlatShard, ShardedTensor, Shards
 from .tree import Leaf
 
@@ -64,6 +66,23 @@ def piece_bytes(piece: PlannedPiece, leaf: Leaf) -> memoryview:
 def snapshot(plan: SavePlan, leaves: Sequence[Leaf]) -> list[memoryview]:
     """Byte views of every piece the plan writes, in plan order."""
     return [piece_bytes(p, leaves[p.leaf]) for p in plan.pieces]
+
+
+def replica_checksums(leaves: Sequence[Leaf], rank: int, world_size: int) -> list[tuple[str, Box | FlatRange, int]]:
+    """``(tensor, region, CRC-32C)`` of every region this rank holds but another rank writes: plain
+    tensors the planner gives to another rank, shard replicas with ``replica_id`` > 0. Compared
+    with the written pieces at commit (``ucp.save(check_replicas=True)``)."""
+    import crc32c
+
+    layouts = [(i, lay) for i, leaf in enumerate(leaves) for lay in leaf_layouts(leaf)]
+    owner = assign_replicated([lay for _, lay in layouts], world_size)
+    out = []
+    for i, lay in layouts:
+        if (owner.get(lay.name) == rank) if lay.replicated else lay.replica_id == 0:
+            continue  # written by this rank
+        data = tensor_bytes(host_contiguous(local_tensor(leaves[i], lay.part)))
+        out.append((lay.name, lay.region, crc32c.crc32c(data)))
+    return out
 
 
 class ChangeWatch:

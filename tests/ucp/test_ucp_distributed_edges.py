@@ -139,6 +139,21 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     res["lr"] = out["optim"]["param_groups"][0]["lr"]
     res["full_pg"] = _check_full(ucp.load(path, process_group=dist.group.WORLD))
 
+    # check_replicas: the same state fails on the differing plain tensor "d" (every rank raises, nothing
+    # committed); with equal replicas (plain "r", a shard held by both ranks) it saves
+    res["replicas_differ"] = _attempt(lambda: ucp.save(_state_main(rank), f"{ck}/replicas", check_replicas=True)
+                                      and None)
+    res["replicas_differ"]["exists"] = os.path.exists(f"{ck}/replicas")
+    res["replicas_differ"]["leftovers"] = _leftovers(ck, "replicas")
+    def held_by_both(top: torch.Tensor) -> dict[str, Any]:  # rows 0-2 written by rank 0, rows 2-8 by rank 1
+        return {"r": R.clone(), "s": ucp.Shards([ucp.ShardedTensor(top, (8, 6), (0, 0), replica_id=rank),
+                                                 ucp.ShardedTensor(W[2:].clone(), (8, 6), (2, 0), replica_id=1 - rank)])}
+
+    res["replicas_equal"] = _attempt(lambda: ucp.save(held_by_both(W[:2].clone()), f"{ck}/replicas-ok",
+                                                      check_replicas=True) and None)
+    res["shard_replica_differs"] = _attempt(lambda: ucp.save(held_by_both(W[:2].clone() + rank), f"{ck}/replicas-shard",
+                                                             check_replicas=True) and None)
+
     # load(into=) of this rank's own shards: only its own file, only its own pieces
     spans = {t: _piece_spans(m, t) for t in ("model.w", "optim.state.0.f")}
     for verify in (True, False):
@@ -395,12 +410,28 @@ def test_step_and_metadata_come_from_rank_0(main2):
 
 
 def test_differing_plain_tensor_is_silently_taken_from_its_writer_rank(main2):
-    """Documented (ucp/plan.py, ucp/sharding.py): plain tensors are ASSUMED equal on every rank and not
-    checked; the copy kept is that of the rank the deterministic assignment picked, not always rank 0."""
+    """Documented (ucp/plan.py, ucp.save): plain tensors are ASSUMED equal on every rank and, unless
+    ``check_replicas``, not checked; the copy kept is that of the rank the deterministic assignment
+    picked, not always rank 0."""
     res, ck = main2
     writer = int(res[0]["d_writer"][len("rank-"):-len(".safetensors")])
     assert res[0]["d_pieces"] == 1
     assert res[0]["d_value"] == res[1]["d_value"] == [float(writer)] * 4
+
+
+def test_check_replicas_fails_a_save_whose_replicas_differ(main2):
+    res, ck = main2
+    writer = int(res[0]["d_writer"][len("rank-"):-len(".safetensors")])
+    for r in res:
+        case = r["replicas_differ"]
+        assert not case["ok"] and case["error"]["type"] == "CommitError", case
+        msg = case["error"]["msg"]
+        assert "tensor 'model.d'" in msg and f"rank {1 - writer}'s copy" in msg and f"rank {writer} wrote" in msg
+        assert not case["exists"] and case["leftovers"] == []
+        assert r["replicas_equal"]["ok"], r["replicas_equal"]
+        shard = r["shard_replica_differs"]
+        assert not shard["ok"] and "tensor 's'" in shard["error"]["msg"] and "rank 1's copy of box" in shard["error"]["msg"]
+    assert same_bytes(ucp.load(ck / "replicas-ok")["s"], W)
 
 
 def test_differing_plain_values_are_taken_from_the_lowest_rank(main2):
