@@ -174,3 +174,30 @@ def test_generated_names_never_hold_the_entry_separator(tmp_path):
     assert sorted(m.tensors) == ["a", "a_1"]
     out = ucp.load(tmp_path / "ck")
     assert torch.equal(out["a#1"], torch.ones(2)) and torch.equal(out["a"], torch.tensor([0.0, 1.0]))
+
+
+def test_check_replicas_compares_flat_shard_replicas(tmp_path):
+    """ZeRO-style flat partitions held by two ranks (replica 0 and 1 of each): equal copies save, a copy
+    that differs in one element fails the save naming the tensor and the flat range; off, it saves rank 0's."""
+    w = random_tensor(torch.float32, (6, 5), seed=3)
+    flat = w.reshape(-1)
+
+    def states(drift: float) -> list[dict]:
+        out = []
+        for rank in (0, 1):
+            mine = flat.clone()
+            if rank == 1:
+                mine[17] += drift
+            out.append({"w": ucp.Shards([ucp.FlatShard(mine[:12].clone(), (6, 5), 0, replica_id=rank),
+                                         ucp.FlatShard(mine[12:].clone(), (6, 5), 12, replica_id=1 - rank)])})
+        return out
+
+    save_ranks(tmp_path / "equal", states(0.0), check_replicas=True)
+    assert same_bytes(ucp.load(tmp_path / "equal")["w"], w)
+    with pytest.raises(ucp.CommitError, match=r"tensor 'w': rank 0's copy of elements .*\"start\":12,\"stop\":30.* "
+                                              r"rank 1 wrote"):
+        save_ranks(tmp_path / "drift", states(1.0), check_replicas=True)
+    assert not (tmp_path / "drift").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".drift")] == []
+    save_ranks(tmp_path / "unchecked", states(1.0))  # the default: the writer's copy, no comparison
+    assert ucp.load(tmp_path / "unchecked")["w"].reshape(-1)[17] == flat[17] + 1.0

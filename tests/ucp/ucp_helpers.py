@@ -122,7 +122,8 @@ def save_ranks(path: Path | str, states: list[dict[str, Any]], **kw: Any) -> lis
         storage, name = open_storage(path)
         with storage:
             return save_with(storage, name, states[group.rank], group, step=kw.get("step"),
-                             metadata=kw.get("metadata", {}), mesh=kw.get("mesh"))
+                             metadata=kw.get("metadata", {}), mesh=kw.get("mesh"),
+                             check_replicas=kw.get("check_replicas", False))
 
     return run_ranks(len(states), fn)
 
