@@ -49,7 +49,7 @@ from .errors import CommitError, NotACheckpointError, UnsupportedStateError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .plan import PLAN_CACHE, SavePlan, plan_save
 from .saving import _check_args, save
-from .snapshot import ChangeWatch, local_tensor
+from .snapshot import ChangeWatch, local_tensor, replica_checksums
 from .snapshot import snapshot as snapshot_views
 from .staging import Arena, StagingPool
 from .storage import LocalStorage, Storage, as_aio_config, open_storage
@@ -198,8 +198,12 @@ class AsyncSaver:
     def save(self, state_dict: dict[str, Any], path: str | os.PathLike[str], *, step: int | None = None,
              metadata: dict[str, Any] | None = None, process_group: Any = None,
              aio_config: AioConfig | dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-             mesh: dict[str, int] | None = None, post_commit: _bg.PostCommit | None = None) -> SaveHandle:
+             mesh: dict[str, int] | None = None, post_commit: _bg.PostCommit | None = None,
+             check_replicas: bool = False) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the arguments are those of :func:`ucp.save`.
+
+        With ``check_replicas`` the replicas' checksums are taken here, before returning (one CRC-32C
+        pass over the replicated bytes this rank does not write: part of the stall).
 
         Every rank of ``process_group`` calls it, in the same order. ``post_commit``
         (internal: :class:`ucp.CheckpointManager`) runs on rank 0's writer after the commit.
@@ -225,10 +229,13 @@ class AsyncSaver:
         leaves: list[Leaf] = []
         tree: Any = None
         arena: Arena | None = None
+        replicas: list[_commit.Replica] = []
         try:
             encoded = encode_state(state_dict)
             leaves, tree = encoded.leaves, encoded.tree
             plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
+            replicas = ([_commit.Replica.of(*r) for r in replica_checksums(leaves, group.rank, group.world_size)]
+                        if check_replicas else [])
             if plan.file is not None and self.snapshot != "none":
                 arena = self.pool.acquire(plan.file_size)
         except BaseException as exc:
@@ -266,7 +273,7 @@ class AsyncSaver:
                     metadata=metadata or {}, mesh=mesh,
                     arena_path=arena.path if arena is not None else None,
                     arena_capacity=arena.capacity if arena is not None else 0,
-                    commit_timeout=self.commit_timeout, post_commit=post_commit,
+                    commit_timeout=self.commit_timeout, post_commit=post_commit, replicas=replicas,
                 )
             except BaseException:
                 if arena is not None:
@@ -567,7 +574,7 @@ def default_saver() -> AsyncSaver:
 def async_save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, step: int | None = None,
                metadata: dict[str, Any] | None = None, process_group: Any = None,
                aio_config: AioConfig | dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-               mesh: dict[str, int] | None = None) -> SaveHandle:
+               mesh: dict[str, int] | None = None, check_replicas: bool = False) -> SaveHandle:
     """Like :func:`ucp.save`, but returns a :class:`SaveHandle` as soon as the tensors are snapshotted.
 
     Uses a process-wide :class:`AsyncSaver` (thread mode, one save in flight: a
@@ -575,7 +582,8 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, step
     when the interpreter exits are waited for.
     """
     return default_saver().save(state_dict, path, step=step, metadata=metadata, process_group=process_group,
-                                aio_config=aio_config, storage_options=storage_options, mesh=mesh)
+                                aio_config=aio_config, storage_options=storage_options, mesh=mesh,
+                                check_replicas=check_replicas)
 
 
 def _drain_at_exit() -> None:

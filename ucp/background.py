@@ -244,6 +244,7 @@ class WriteJob(BaseModel):
     arena_capacity: int = 0
     commit_timeout: float = 1800.0
     post_commit: PostCommit | None = None
+    replicas: list[_commit.Replica] = []  # check_replicas: checksums taken when the save was asked for
 
     def open_storage(self) -> tuple[Storage, str]:
         cfg = AioConfig.model_validate(self.aio_config) if self.aio_config is not None else None
@@ -423,7 +424,7 @@ def _execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Pro
                 release_arena()
         report = _commit.RankReport(
             rank=job.rank, file=job.plan.file if job.plan else None, file_size=job.plan.file_size if job.plan else 0,
-            tensors=job.tensors, pieces=records, state=job.tree,
+            tensors=job.tensors, pieces=records, state=job.tree, replicas=job.replicas,
         )
     except BaseException as exc:  # noqa: BLE001 - reported, then re-raised
         error = exc

@@ -358,8 +358,9 @@ class CheckpointManager:
         return self.saver.prepare(state_dict, process_group=self.process_group if process_group is None else process_group)
 
     def save(self, state_dict: dict[str, Any], step: int, *, metadata: dict[str, Any] | None = None,
-             mesh: dict[str, int] | None = None) -> Manifest | SaveHandle:
-        """Save step ``step``: a Manifest (synchronous manager) or a SaveHandle (``async_save=True``)."""
+             mesh: dict[str, int] | None = None, check_replicas: bool = False) -> Manifest | SaveHandle:
+        """Save step ``step``: a Manifest (synchronous manager) or a SaveHandle (``async_save=True``).
+        ``check_replicas``: see :func:`ucp.save`."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         group = resolve_group(self.process_group)
@@ -372,7 +373,8 @@ class CheckpointManager:
                 log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
         if self.saver is None:
             manifest = _save(state_dict, self.path(step), step=step, metadata=metadata,
-                             process_group=self.process_group, aio_config=self.aio_config, mesh=mesh)
+                             process_group=self.process_group, aio_config=self.aio_config, mesh=mesh,
+                             check_replicas=check_replicas)
             if group.rank == 0:
                 after_commit(self.root, step, name, self.keep_last)
             return manifest
@@ -380,7 +382,7 @@ class CheckpointManager:
                           kwargs={"root": self.root, "step": step, "name": name, "keep_last": self.keep_last})
         handle = self.saver.save(state_dict, self.path(step), step=step, metadata=metadata,
                                  process_group=self.process_group, aio_config=self.aio_config, mesh=mesh,
-                                 post_commit=hook)
+                                 post_commit=hook, check_replicas=check_replicas)
         # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
         self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
         return handle

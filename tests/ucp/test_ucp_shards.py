@@ -186,8 +186,8 @@ def test_check_replicas_compares_flat_shard_replicas(tmp_path):
         out = []
         for rank in (0, 1):
             mine = flat.clone()
-            if rank == 1:
-                mine[17] += drift
+            if rank == 1 and drift:
+                mine.view(torch.int32)[17] ^= 1  # one bit of one element
             out.append({"w": ucp.Shards([ucp.FlatShard(mine[:12].clone(), (6, 5), 0, replica_id=rank),
                                          ucp.FlatShard(mine[12:].clone(), (6, 5), 12, replica_id=1 - rank)])})
         return out
@@ -200,4 +200,46 @@ def test_check_replicas_compares_flat_shard_replicas(tmp_path):
     assert not (tmp_path / "drift").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".drift")] == []
     save_ranks(tmp_path / "unchecked", states(1.0))  # the default: the writer's copy, no comparison
-    assert ucp.load(tmp_path / "unchecked")["w"].reshape(-1)[17] == flat[17] + 1.0
+    got = ucp.load(tmp_path / "unchecked")["w"].reshape(-1)
+    assert got.view(torch.int32)[17] == flat.view(torch.int32)[17] ^ 1
+
+
+@pytest.mark.parametrize("snapshot", ["sync", "background"])
+def test_check_replicas_through_the_async_saver_and_manager(tmp_path, snapshot):
+    """The checksums are taken when save() is called; a drifted replica fails the handle, nothing committed."""
+    w = random_tensor(torch.float32, (4, 8), seed=5)
+
+    def state(rank: int, drift: float) -> dict:
+        mine = w.clone()
+        if rank == 1 and drift:
+            mine.view(torch.int32)[0, 3] ^= 1  # one bit of one element
+        return {"w": ucp.Shards([ucp.ShardedTensor(mine[:2].clone(), (4, 8), (0, 0), replica_id=rank),
+                                 ucp.ShardedTensor(mine[2:].clone(), (4, 8), (2, 0), replica_id=1 - rank)])}
+
+    def fn(group):
+        with AsyncSaver(snapshot=snapshot) as saver:
+            saver.save(state(group.rank, 0.0), tmp_path / "ok", process_group=group, check_replicas=True).result(60)
+            bad = saver.save(state(group.rank, 2.0), tmp_path / "bad", process_group=group, check_replicas=True)
+            # rank 0 (the committer) names the tensor; the others learn that it did not commit
+            with pytest.raises(ucp.CommitError, match=r"tensor 'w': rank 1's copy of box" if group.rank == 0 else
+                               "rank 0 did not commit"):
+                bad.result(timeout=60)
+
+    run_ranks(2, fn)
+    assert same_bytes(ucp.load(tmp_path / "ok")["w"], w)
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_manager_passes_check_replicas_on(tmp_path, monkeypatch, async_save):
+    import ucp.manager
+
+    seen = []
+    real_sync, real_async = ucp.manager._save, AsyncSaver.save
+    monkeypatch.setattr(ucp.manager, "_save", lambda *a, **k: (seen.append(k["check_replicas"]), real_sync(*a, **k))[1])
+    monkeypatch.setattr(AsyncSaver, "save",
+                        lambda self, *a, **k: (seen.append(k["check_replicas"]), real_async(self, *a, **k))[1])
+    with ucp.CheckpointManager(tmp_path, async_save=async_save) as manager:
+        manager.save({"x": torch.ones(3)}, 1, check_replicas=True)
+        manager.save({"x": torch.ones(3)}, 2)
+    assert seen == [True, False]
