@@ -191,7 +191,15 @@ class AioHandle:
             direct_len = n if not f.direct else round_down(n, align)
             for start in range(0, direct_len, bs):
                 chunk = dest[start : min(start + bs, direct_len)]
-                futures.append(_expect(self.engine.submit_read(f, offset + start, chunk), chunk.nbytes, f, offset + start))
+                inner: Future = Future()
+                expected = _expect(inner, chunk.nbytes, f, offset + start)
+                try:
+                    self.engine.submit_read(f, offset + start, chunk, inner)
+                except BaseException as exc:  # e.g. a Ctrl-C: a read the engine took still writes into dest
+                    if not _never_taken(inner, exc):
+                        futures.append(expected)  # ... so the caller's settle waits for it
+                    raise
+                futures.append(expected)
             if direct_len < n:
                 futures.append(self._staged_read(f, offset + direct_len, dest[direct_len:]))
             return
@@ -376,7 +384,8 @@ class FileWriter:
             fut.add_done_callback(lambda _f, b=block: self._h.pool.release(b))
         try:
             while len(self._inflight) >= self._cfg.queue_depth:
-                self._inflight.popleft().result()
+                self._inflight[0].result()  # off the list only once done: abort() must still wait for it
+                self._inflight.popleft()
             self._h.engine.submit_write(self._file, self._offset, view, fut)
         except BaseException as exc:
             if not _never_taken(fut, exc):

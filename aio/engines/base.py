@@ -32,19 +32,36 @@ from ..files import OpenFile
 MAX_SYSCALL_BYTES = 0x7FFFF000
 
 
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM back on the main thread (the only one Python raises them in) for the
-    duration: the KeyboardInterrupt comes once the block is done, never half way through it."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Defer SIGINT/SIGTERM for the duration: the KeyboardInterrupt (or whatever their handlers do)
+    comes once the block is done, never half way through it.
+
+    Python runs signal handlers, and so raises KeyboardInterrupt, only in the main thread, but the
+    kernel may deliver a process-directed signal to any thread, so blocking it in the main thread
+    is not enough: the handlers themselves are swapped for one that notes the signal, and the noted
+    signals are handed to the real handlers on the way out. Other threads need nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    noted: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
+           for s in HELD_SIGNALS if signal.getsignal(s) is not None}  # None: a handler not set from Python
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(noted):
+            handler = old[s]
+            if callable(handler):
+                handler(s, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(s)
 
 
 class Engine(abc.ABC):

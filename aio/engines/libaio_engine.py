@@ -119,9 +119,11 @@ class LibaioEngine(Engine):
                     if exc.errno == errno.EAGAIN:
                         continue
                     with self._lock:
-                        self._inflight.pop(key, None)
+                        ours = self._inflight.pop(key, None) is not None
                     err = AioError(exc.errno or errno.EIO, req.f.path, req.offset + req.done, "io_submit")
-                    if new:  # running already: complete it, so that nobody waits for it
+                    if not ours:  # _fail_all took it meanwhile: it released the slot and failed the future
+                        req.in_kernel = True  # (so that _start does not release the slot again)
+                    elif new:  # running already: complete it, so that nobody waits for it
                         req.future.set_exception(err)
                     raise err from exc
 
