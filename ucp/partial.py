@@ -182,8 +182,8 @@ class SourceIndex:
             left = [(key, run) for key, run in self.running.items() if key not in self.claimed]
         if not left:
             return
-        buf = FileBuffer(max(ALIGN, min(chunk_bytes, max(r.fp.piece.length - r.pos for _, r in left)) // ALIGN * ALIGN
-                             + ALIGN))
+        most = min(chunk_bytes, max(r.fp.piece.length - r.pos for _, r in left))
+        buf = FileBuffer((most // ALIGN + 1) * ALIGN)  # one page more: reads start at the aligned offset below
         for (file, _), run in sorted(left, key=lambda kv: kv[0]):
             fp = run.fp
             while run.pos < fp.piece.length:
@@ -317,7 +317,7 @@ def _batches(needs: list[_Need], size: int, batch_bytes: int = BATCH_BYTES) -> l
     batches = [_Batch()]
     for nd in needs:
         if nd.direct is not None:
-            cost = nd.fp.piece.length if nd.direct_count is None else nd.direct_count * itemsize(nd.fp.dtype)
+            cost = _direct_length(nd)
         else:
             isz = itemsize(nd.fp.dtype)
             lo, hi = _span(nd)
@@ -399,10 +399,13 @@ def _finish(nd: _Need, file: str, buf: FileBuffer | None, slot: int, index: Sour
 def _direct_bytes(nd: _Need) -> memoryview:
     """The bytes of the direct target that the piece (or its part) fills."""
     assert nd.direct is not None
-    size = itemsize(nd.fp.dtype)
-    start = nd.direct_at * size
-    length = nd.fp.piece.length if nd.direct_count is None else nd.direct_count * size
-    return buffer_bytes(nd.direct.buffer)[start:start + length]
+    start = nd.direct_at * itemsize(nd.fp.dtype)
+    return buffer_bytes(nd.direct.buffer)[start:start + _direct_length(nd)]
+
+
+def _direct_length(nd: _Need) -> int:
+    """Bytes a direct need reads: the whole piece, or its part."""
+    return nd.fp.piece.length if nd.direct_count is None else nd.direct_count * itemsize(nd.fp.dtype)
 
 
 def buffer_bytes(buf: Buffer) -> memoryview:

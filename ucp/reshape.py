@@ -155,14 +155,14 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
         plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
         files_at_once, batch_bytes = _share_budget(memory_budget, workers, sum(p.file is not None for p in plans))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
-        index = SourceIndex.of(manifest)
+        index, staging = SourceIndex.of(manifest), batch_bytes // STAGING_SHARE
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         lock_fd = _commit.lock_temp(dst_storage, temp)  # a save in flight, not a leftover to clean
         try:
             reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest,
-                                   index, files_at_once, batch_bytes // STAGING_SHARE, advance)
-            index.finish(src_storage, src_name, batch_bytes // STAGING_SHARE)  # CRCs of sources read span by span
+                                   index, files_at_once, staging, advance)
+            index.finish(src_storage, src_name, staging)  # CRCs of sources read span by span
             new = _commit.build_manifest(reports, world_size=world, step=manifest.step, metadata=metadata,
                                          mesh=mesh, created=now_utc())
             _commit.commit(dst_storage, temp, dst_name, new)
