@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -139,31 +139,74 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
     large aligned pieces, memory of batches already handed over, freed as the writes complete).
     """
     started = time.perf_counter()
-    if memory_budget < MIN_MEMORY_BUDGET:
-        raise ValueError(f"memory budget {memory_budget} bytes is below the 1 MiB minimum")
     src_storage, src_name = open_storage(src)
-    dst_storage, dst_name = open_storage(dst)
-    with src_storage, dst_storage:
+    with src_storage:
         manifest = read_manifest(src_storage, src_name)
         check_data_files(src_storage, src_name, manifest)  # before output is planned and preallocated from its claims
+        per_rank, metadata, mesh = _targets(manifest, layout, shapes, sections, src)
+        source = Source(src_storage, src_name, manifest)
+        new, plans = rewrite(source, dst, per_rank, metadata=metadata, mesh=mesh, memory_budget=memory_budget,
+                             workers=workers, overwrite=overwrite, progress=progress)
+    return ReshapeReport(src=os.fspath(src), dst=os.fspath(dst), world_size=len(per_rank), mesh=mesh,
+                         zero_stage=None if layout is None else layout.zero.stage,
+                         files=sum(p.file is not None for p in plans), tensors=len(new.tensors),
+                         bytes_written=sum(p.file_size for p in plans), seconds=time.perf_counter() - started)
+
+
+@dataclass
+class Source:
+    """What a rewrite reads: the files a manifest describes, in ``storage`` under ``name``.
+
+    ``verify``: check each piece's CRC-32C as it is read. A source that is not a UCP checkpoint
+    (an importer's description of foreign files, whose pieces carry no CRCs and whose files no
+    safetensors header) passes ``verify=False``.
+    """
+
+    storage: Storage
+    name: str
+    manifest: Manifest
+    verify: bool = True
+    index: SourceIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = SourceIndex.of(self.manifest)
+        if not self.verify:  # nothing of theirs to check: sizes are the describer's, headers do not exist
+            self.index.checked_files.update(self.manifest.files)
+
+
+def consolidated(manifest: Manifest) -> list[list[LeafLayout]]:
+    """The one target rank of a consolidated copy: every tensor whole, one piece each."""
+    return [[LeafLayout(n, e.dtype, tuple(e.shape), Box.full(tuple(e.shape)), 0, False, _phase(e.nbytes))
+             for n, e in manifest.tensors.items()]]
+
+
+def rewrite(source: Source, dst: str | os.PathLike[str], per_rank: list[list[LeafLayout]], *,
+            metadata: dict[str, Any], mesh: dict[str, int] | None, memory_budget: int = DEFAULT_MEMORY_BUDGET,
+            workers: int = 2, overwrite: bool = False, progress: Progress | None = None
+            ) -> tuple[Manifest, list[SavePlan]]:
+    """Write ``source``'s tensors at ``dst`` as ``per_rank`` lays them out (leaf layouts per target rank),
+    and commit it with ``metadata``; the new manifest and the target ranks' plans. See :func:`reshape`
+    for ``memory_budget``, ``workers``, ``overwrite`` and ``progress``."""
+    if memory_budget < MIN_MEMORY_BUDGET:
+        raise ValueError(f"memory budget {memory_budget} bytes is below the 1 MiB minimum")
+    dst_storage, dst_name = open_storage(dst)
+    with dst_storage:
         if dst_storage.exists(dst_name) and not overwrite:
             raise CheckpointError(f"{dst_storage.describe(dst_name)} already exists (overwrite it explicitly)")
         if dst_storage.exists(dst_name):
             _commit.check_replaceable(dst_storage, dst_name)
-        per_rank, metadata, mesh = _targets(manifest, layout, shapes, sections, src)
         world = len(per_rank)
         plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
         files_at_once, batch_bytes = _share_budget(memory_budget, workers, sum(p.file is not None for p in plans))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
-        index, staging = SourceIndex.of(manifest), batch_bytes // STAGING_SHARE
+        staging = batch_bytes // STAGING_SHARE
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         lock_fd = _commit.lock_temp(dst_storage, temp)  # a save in flight, not a leftover to clean
         try:
-            reports = _write_files(jobs, plans, src_storage, src_name, dst_storage, temp, manifest,
-                                   index, files_at_once, staging, advance)
-            index.finish(src_storage, src_name, staging)  # CRCs of sources read span by span
-            new = _commit.build_manifest(reports, world_size=world, step=manifest.step, metadata=metadata,
+            reports = _write_files(jobs, plans, source, dst_storage, temp, files_at_once, staging, advance)
+            source.index.finish(source.storage, source.name, staging)  # CRCs of sources read span by span
+            new = _commit.build_manifest(reports, world_size=world, step=source.manifest.step, metadata=metadata,
                                          mesh=mesh, created=now_utc())
             _commit.commit(dst_storage, temp, dst_name, new)
         except BaseException:
@@ -171,10 +214,7 @@ def reshape(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, layout:
             raise
         finally:
             _commit.close_fd(lock_fd)
-    return ReshapeReport(src=os.fspath(src), dst=os.fspath(dst), world_size=world, mesh=mesh,
-                         zero_stage=None if layout is None else layout.zero.stage, files=len(jobs),
-                         tensors=len(new.tensors), bytes_written=sum(p.file_size for p in plans),
-                         seconds=time.perf_counter() - started)
+    return new, plans
 
 
 def _share_budget(memory_budget: int, workers: int, files: int) -> tuple[int, int]:
@@ -215,9 +255,7 @@ def _targets(manifest: Manifest, layout: Layout | None, shapes: dict[str, Sequen
     source = {"path": os.fspath(src), "world_size": manifest.topology.world_size, "mesh": manifest.topology.mesh}
     metadata["reshaped_from"] = source
     if layout is None:  # consolidated: one rank, one piece per tensor; no layout needed
-        layouts = [LeafLayout(n, e.dtype, tuple(e.shape), Box.full(tuple(e.shape)), 0, False, _phase(e.nbytes))
-                   for n, e in manifest.tensors.items()]
-        return [layouts], _consolidated_metadata(metadata), None
+        return consolidated(manifest), _consolidated_metadata(metadata), None
     recorded = recorded_layout(manifest, source=f"{os.fspath(src)}/manifest.json")
     sections = dict(sections or recorded.sections)
     if shapes is None:
@@ -304,8 +342,7 @@ def _slot(nbytes: int) -> int:
     return math.ceil(nbytes / PAGE) * PAGE
 
 
-def _fill(batch: list[_Chunk], storage: Storage, name: str, manifest: Manifest,
-          index: SourceIndex, staging_bytes: int) -> list[memoryview]:
+def _fill(batch: list[_Chunk], source: Source, staging_bytes: int) -> list[memoryview]:
     """Read a batch's chunks from the source into fresh page-aligned memory; their byte views, in order.
 
     Source bytes that are not read straight into a piece are staged ``staging_bytes`` at a time
@@ -323,7 +360,8 @@ def _fill(batch: list[_Chunk], storage: Storage, name: str, manifest: Manifest,
         targets.append(Target(c.piece.name, buf, c.region))
         views.append(view)
         pos += c.slot
-    read_targets(storage, name, manifest, targets, verify=True, index=index, staging_bytes=staging_bytes)
+    read_targets(source.storage, source.name, source.manifest, targets, verify=source.verify, index=source.index,
+                 staging_bytes=staging_bytes)
     return views
 
 
@@ -387,15 +425,14 @@ class _StreamedViews(Sequence[PieceBytes]):
                     fut.cancel()
 
 
-def _write_files(jobs: list[_Job], plans: list[SavePlan], src: Storage, src_name: str, dst: Storage, temp: str,
-                 manifest: Manifest, index: SourceIndex, files_at_once: int, staging_bytes: int,
-                 advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
-    tree = manifest.state
+def _write_files(jobs: list[_Job], plans: list[SavePlan], source: Source, dst: Storage, temp: str,
+                 files_at_once: int, staging_bytes: int, advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
+    tree = source.manifest.state
     stop = threading.Event()  # a Ctrl-C (or a failed file) must not leave the other files being written
 
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan
-        fill = lambda batch: _fill(batch, src, src_name, manifest, index, staging_bytes)  # noqa: E731
+        fill = lambda batch: _fill(batch, source, staging_bytes)  # noqa: E731
         views = _StreamedViews(job, fill, advance, stop)
         try:
             records = write_rank_file(dst, f"{temp}/{plan.file}", plan, views)

@@ -56,20 +56,24 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "state_dict" + "".join(f"[{k!r}]" for k in path)
 
 
-def encode_state(state: Any) -> EncodedState:
-    """Split a state dict into its JSON tree and its tensor leaves (in traversal order)."""
+def encode_state(state: Any, *, is_leaf: Callable[[Any], bool] = is_tensor_like) -> EncodedState:
+    """Split a state dict into its JSON tree and its tensor leaves (in traversal order).
+
+    ``is_leaf``: what counts as a tensor (an importer's on-disk tensors, for one).
+    """
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"a state dict must be a dict, got {type(state).__name__}")
     out = EncodedState(tree={})
     names: set[str] = set()
-    out.tree = _encode(state, (), 0, out.leaves, names)
+    out.tree = _encode(state, (), 0, out.leaves, names, is_leaf)
     return out
 
 
-def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], names: set[str]) -> Any:
+def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], names: set[str],
+            is_leaf: Callable[[Any], bool]) -> Any:
     if depth > MAX_DEPTH:
         raise UnsupportedStateError(f"{path_str(path)}: nested deeper than {MAX_DEPTH} levels")
-    if is_tensor_like(obj):
+    if is_leaf(obj):
         name = _unique_name(path, names)
         leaves.append(Leaf(name, path, obj))
         return {"tensor": name}
@@ -87,7 +91,7 @@ def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], nam
             return value
         return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(obj, np.generic) and obj.shape == ():
-        return _encode(obj.item(), path, depth, leaves, names)
+        return _encode(obj.item(), path, depth, leaves, names, is_leaf)
     if isinstance(obj, dict):
         keys = list(obj.keys())
         for k in keys:
@@ -96,12 +100,14 @@ def _encode(obj: Any, path: tuple[Any, ...], depth: int, leaves: list[Leaf], nam
                     f"{path_str(path)}: key {k!r} of type {type(k).__name__} is not supported (only str and int keys)"
                 )
         if all(isinstance(k, str) for k in keys):
-            return {"dict": {plain_key(k): _encode(v, path + (k,), depth + 1, leaves, names) for k, v in obj.items()}}
-        return {"items": [[plain_key(k), _encode(v, path + (k,), depth + 1, leaves, names)] for k, v in obj.items()]}
+            return {"dict": {plain_key(k): _encode(v, path + (k,), depth + 1, leaves, names, is_leaf)
+                             for k, v in obj.items()}}
+        return {"items": [[plain_key(k), _encode(v, path + (k,), depth + 1, leaves, names, is_leaf)]
+                          for k, v in obj.items()]}
     if isinstance(obj, list):
-        return [_encode(v, path + (i,), depth + 1, leaves, names) for i, v in enumerate(obj)]
+        return [_encode(v, path + (i,), depth + 1, leaves, names, is_leaf) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"tuple": [_encode(v, path + (i,), depth + 1, leaves, names) for i, v in enumerate(obj)]}
+        return {"tuple": [_encode(v, path + (i,), depth + 1, leaves, names, is_leaf) for i, v in enumerate(obj)]}
     raise UnsupportedStateError(
         f"{path_str(path)}: values of type {type(obj).__module__}.{type(obj).__qualname__} cannot be saved "
         "(tensors, None, bool, int, float, str, and dicts/lists/tuples of them can)"

@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
 
 import ucp  # noqa: E402
 from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint, reference_fp32, reference_universal  # noqa: E402
-from ucp.importers import convert, detect  # noqa: E402
+from ucp.importers import convert, detect, read  # noqa: E402
 
 MISSING = deepspeed_missing()
 needs_ds = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -170,14 +170,20 @@ def test_tag_folder_imports_like_the_root(imports: Imports, tmp_path: Path) -> N
     _assert_same(ucp.load(tmp_path / "tag"), got["state"])
 
 
-def test_parameter_straddling_partitions_is_two_flat_pieces(imports: Imports) -> None:
-    """No concatenation: a parameter cut by a partition boundary is stored as two flat pieces."""
+def test_parameter_straddling_partitions_is_copied_whole_or_kept_as_flat_pieces(imports: Imports, tmp_path: Path) -> None:
+    """No concatenation in memory: ``convert`` copies a parameter cut by a partition boundary byte range
+    by byte range into one consolidated piece; read into torch tensors it stays two flat views (two pieces)."""
     if MISSING:
         pytest.skip(MISSING)
     got = imports.get((2, "fp32", 2))
-    pieces = ucp.read_manifest(got["dst"]).tensors
+    converted = ucp.read_manifest(got["dst"])
+    assert converted.topology.world_size == 1 and all(len(t.pieces) == 1 for t in converted.tensors.values())
+    _, imported = read(got["ckpt"])  # torch tensors: views of the memory-mapped partitions
+    ucp.save(imported.state, tmp_path / "views", step=imported.step, metadata=imported.metadata)
+    pieces = ucp.read_manifest(tmp_path / "views").tensors
     split = [n for n, t in pieces.items() if n.startswith("optimizer.fp32_master.") and len(t.pieces) == 2]
     assert split and all(p.flat is not None for p in pieces[split[0]].pieces)
+    _assert_same(ucp.load(tmp_path / "views"), got["state"])
 
 
 # -- resuming the import in the training Engine at other meshes (2 gloo processes) ---------------------

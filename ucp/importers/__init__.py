@@ -21,7 +21,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from .common import Imported, Progress
+from .common import Imported, Progress, count_stored
 from .errors import ForeignCheckpointError, UnknownFormatError, UnsafePickleError
 
 FORMATS = ("deepspeed", "deepspeed-universal", "dcp", "hf")
@@ -76,8 +76,12 @@ def detect(path: str | os.PathLike[str]) -> str:
 
 
 def read(src: str | os.PathLike[str], source_format: str = "auto", *, trust_pickle: bool = False,
-         progress: Progress | None = None) -> tuple[str, Imported]:
-    """Read a foreign checkpoint into memory-mapped leaves; ``(format, Imported)``."""
+         progress: Progress | None = None, on_disk: bool = False) -> tuple[str, Imported]:
+    """Read a foreign checkpoint into memory-mapped leaves; ``(format, Imported)``.
+
+    ``on_disk``: a DeepSpeed checkpoint's leaves may come back as byte ranges of its files
+    (:mod:`.stored`, read without torch) instead of torch tensors; ``convert`` copies those.
+    """
     src = _local_source(src)
     fmt = detect(src) if source_format == "auto" else source_format
     if fmt == "ucp":
@@ -92,6 +96,8 @@ def read(src: str | os.PathLike[str], source_format: str = "auto", *, trust_pick
         from .hf import read_hf as reader
     else:
         raise UnknownFormatError(f"unknown source format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    if fmt == "deepspeed":
+        return fmt, reader(src, trust_pickle=trust_pickle, progress=progress, on_disk=on_disk)
     return fmt, reader(src, trust_pickle=trust_pickle, progress=progress)
 
 
@@ -104,20 +110,29 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, source_
     ``ucp.save``). ``dst`` must not exist unless ``overwrite`` (then only a UCP checkpoint there is
     replaced, and never one holding ``src``), so a typo cannot swap away a folder of other data. A
     ``dst`` that is a symlink to a checkpoint is replaced as a link; its target is left untouched.
-    ``progress(done, total, what)`` is called while reading, then once before and after writing.
-    """
-    from ..saving import save
+    ``progress(done, total, what)`` is called while reading, then while writing.
 
+    A DeepSpeed checkpoint whose tensors the torch-free reader can describe (the usual case) is
+    copied byte range by byte range into one consolidated file (:func:`.write_stored.write_stored`:
+    no torch, no tensor in memory); anything else is read into tensors and written by ``ucp.save``.
+    """
     t0 = time.perf_counter()
     s, d = _local_source(src), os.fspath(dst)
     _check_destination(s, d, overwrite=overwrite)
-    fmt, imported = read(s, source_format, trust_pickle=trust_pickle, progress=progress)
-    name = d.rstrip("/").rsplit("/", 1)[-1]
-    if progress:
-        progress(0, 1, f"writing {name}")
-    manifest = save(imported.state, d, step=imported.step, metadata=imported.metadata)
-    if progress:
-        progress(1, 1, f"wrote {name}")
+    fmt, imported = read(s, source_format, trust_pickle=trust_pickle, progress=progress, on_disk=True)
+    if count_stored(imported.state):
+        from .write_stored import write_stored
+
+        manifest = write_stored(imported, d, overwrite=overwrite, progress=progress)
+    else:
+        from ..saving import save
+
+        name = d.rstrip("/").rsplit("/", 1)[-1]
+        if progress:
+            progress(0, 1, f"writing {name}")
+        manifest = save(imported.state, d, step=imported.step, metadata=imported.metadata)
+        if progress:
+            progress(1, 1, f"wrote {name}")
     return ConvertReport(format=fmt, src=str(s), dst=d, step=manifest.step, tensors=len(manifest.tensors),
                          bytes=sum(f.size for f in manifest.files.values()), seconds=round(time.perf_counter() - t0, 3))
 

@@ -13,13 +13,15 @@ import bisect
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-from ..sharding import FlatShard, Shards
+from ..sharding import FlatShard, Shards, is_tensor_like
 from ..tree import MAX_DEPTH
 from .errors import ForeignCheckpointError
+from .stored import StoredTensor, is_stored
+
+if TYPE_CHECKING:  # torch is imported by the functions that build torch tensors, so reading on disk never needs it
+    import torch
 
 # progress(done, total, what) — the signature of ucp.cli.common.progress_bar's update.
 Progress = Callable[[int, int, str], None]
@@ -35,13 +37,13 @@ class Imported:
 
 
 class Segments:
-    """Several 1-d tensors seen as their concatenation, without concatenating them.
+    """Several 1-d tensors (torch or stored) seen as their concatenation, without concatenating them.
 
     Why: ZeRO-3 keeps a rank's partition as a list of sub-group buffers; a parameter's chunk is
     found by its offset in the concatenation and may, in principle, straddle two buffers.
     """
 
-    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+    def __init__(self, parts: Sequence[Any]) -> None:
         self.parts = [p.detach().reshape(-1) for p in parts]
         self.starts: list[int] = []
         total = 0
@@ -50,11 +52,11 @@ class Segments:
             total += p.numel()
         self.numel = total
 
-    def views(self, start: int, stop: int) -> list[tuple[torch.Tensor, int]]:
+    def views(self, start: int, stop: int) -> list[tuple[Any, int]]:
         """``(view, offset of the view's first element relative to start)`` covering ``[start, stop)``."""
         if not 0 <= start <= stop <= self.numel:
             raise IndexError(f"range [{start}, {stop}) outside the {self.numel} elements")
-        out: list[tuple[torch.Tensor, int]] = []
+        out: list[tuple[Any, int]] = []
         i = max(0, bisect.bisect_right(self.starts, start) - 1)
         pos = start
         while pos < stop:
@@ -73,6 +75,8 @@ def leaf(parts: Sequence[tuple[torch.Tensor, int]], shape: Sequence[int]) -> tor
     One part covering everything is the tensor itself (reshaped view: one box piece); several become a
     ``Shards`` of ``FlatShard`` views (one flat piece each). Empty parts are dropped.
     """
+    import torch
+
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     parts = [(v, s) for v, s in parts if v.numel() > 0]
@@ -88,6 +92,8 @@ def leaf(parts: Sequence[tuple[torch.Tensor, int]], shape: Sequence[int]) -> tor
 def cast_leaf(value: torch.Tensor | Shards, dtype: torch.dtype) -> torch.Tensor | Shards:
     """The same leaf in another dtype (a copy when the dtype differs; a fresh wrapper over the same views
     otherwise, so two names may share data)."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value if value.dtype == dtype else value.to(dtype)
     return Shards([FlatShard(p.local if p.dtype == dtype else p.local.to(dtype), p.global_shape, p.start)
@@ -108,7 +114,7 @@ def _plain(value: Any, depth: int, file: str | os.PathLike[str]) -> Any:
     if depth > MAX_DEPTH:
         raise ForeignCheckpointError(f"file {os.fspath(file)!r} holds a value nested deeper than {MAX_DEPTH} levels "
                                      "(more than a checkpoint's state may be)", file=os.fspath(file))
-    if isinstance(value, torch.Tensor):
+    if is_tensor_like(value) or isinstance(value, StoredTensor):
         return value.detach()
     if isinstance(value, bool) or value is None:
         return value
@@ -120,8 +126,6 @@ def _plain(value: Any, depth: int, file: str | os.PathLike[str]) -> Any:
         return {k if isinstance(k, (str, int)) else str(k): _plain(v, depth + 1, file) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v, depth + 1, file) for v in value]
-    if isinstance(value, torch.Size):
-        return [int(v) for v in value]
     if hasattr(value, "__dict__") and type(value).__name__ == "AttributeBag":
         return _plain(vars(value), depth + 1, file)
     return repr(value)
@@ -134,7 +138,7 @@ def json_plain(value: Any, *, file: str | os.PathLike[str]) -> Any:
 
 def _json(value: Any) -> Any:
     """A :func:`plain` value (so of bounded depth) with its tensors as lists, non-finite floats as text."""
-    if isinstance(value, torch.Tensor):
+    if is_tensor_like(value) or isinstance(value, StoredTensor):
         return value.tolist()
     if isinstance(value, dict):
         return {str(k): _json(v) for k, v in value.items()}
@@ -145,10 +149,11 @@ def _json(value: Any) -> Any:
     return value
 
 
-def count_tensors(state: Any) -> int:
-    """How many tensor leaves a state dict holds (a Shards counts once)."""
+def count_stored(state: Any) -> int:
+    """How many leaves of a state dict are still on disk (:mod:`.stored`)."""
     if isinstance(state, dict):
-        return sum(count_tensors(v) for v in state.values())
+        return sum(count_stored(v) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(count_tensors(v) for v in state)
-    return 1 if isinstance(state, (torch.Tensor, Shards, FlatShard)) else 0
+        return sum(count_stored(v) for v in state)
+    return 1 if is_stored(state) else 0
+

@@ -11,28 +11,102 @@ views of the memory-mapped optimizer files: a parameter that straddles two ranks
      "scheduler", "rng"}
 
 is what ``training.Engine.load`` resumes from at any mesh and ZeRO stage.
+
+The layout code runs on either of two kinds of tensors (a :class:`Tensors` strategy): torch
+tensors from ``torch.load`` (:data:`TORCH`), or byte ranges of the archives read without torch
+(:data:`ON_DISK`, see :mod:`.torch_archive`), which ``ucp convert`` copies straight to the new
+checkpoint. The on-disk reading covers what DeepSpeed writes in the common cases; a file or layout
+it cannot express (a cast of ZeRO-3's fp32 masters to bf16 weights, a missing Adam moment, a
+pickle outside its allow-list) raises NeedsTorch and the checkpoint is read again with torch.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-import torch
-
+from ..dtypes import dtype_name, torch_dtype
 from .common import Imported, Progress, Segments, cast_leaf, json_plain, leaf, plain
 from .errors import ForeignCheckpointError, UnknownFormatError
-from .pickles import load_torch
+from .stored import NeedsTorch, stored_leaf
+from .torch_archive import read_archive
+
+log = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _OPTIM = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 MAX_TAG_BYTES = 4096  # a `latest` file holds one folder name
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}  # DeepSpeed's names of the training dtypes
+
+
+class Tensors(Protocol):
+    """How the layout code gets and combines tensors: torch tensors (:data:`TORCH`) or byte ranges (:data:`ON_DISK`).
+
+    Dtypes are ucp names ("F32", "BF16") on both.
+    """
+
+    def open(self, file: Path, trust_pickle: bool) -> Any:
+        """The object a ``.pt`` file holds."""
+
+    def dtype(self, t: Any) -> str: ...
+
+    def zeros(self, n: int) -> Any:
+        """n fp32 zeros (an Adam moment the checkpoint lacks)."""
+
+    def leaf(self, parts: Sequence[tuple[Any, int]], shape: Sequence[int]) -> Any:
+        """A tensor of ``shape`` from flat ``(view, first element)`` parts."""
+
+    def cast(self, value: Any, dtype: str) -> Any: ...
+
+
+class _TorchTensors:
+    def open(self, file: Path, trust_pickle: bool) -> Any:
+        from .pickles import load_torch
+
+        return load_torch(file, trust_pickle=trust_pickle)
+
+    def dtype(self, t: Any) -> str:
+        return dtype_name(t.dtype)
+
+    def zeros(self, n: int) -> Any:
+        import torch
+
+        return torch.zeros(n)
+
+    def leaf(self, parts: Sequence[tuple[Any, int]], shape: Sequence[int]) -> Any:
+        return leaf(parts, shape)
+
+    def cast(self, value: Any, dtype: str) -> Any:
+        return cast_leaf(value, torch_dtype(dtype))
+
+
+class _OnDiskTensors:
+    def open(self, file: Path, trust_pickle: bool) -> Any:
+        return read_archive(file)
+
+    def dtype(self, t: Any) -> str:
+        return t.dtype
+
+    def zeros(self, n: int) -> Any:
+        raise NeedsTorch("an Adam moment is missing (zeros to make)")
+
+    def leaf(self, parts: Sequence[tuple[Any, int]], shape: Sequence[int]) -> Any:
+        return stored_leaf(parts, shape)
+
+    def cast(self, value: Any, dtype: str) -> Any:
+        if value.dtype != dtype:
+            raise NeedsTorch(f"weights to cast from {value.dtype} to {dtype}")
+        return value
+
+
+TORCH: Tensors = _TorchTensors()
+ON_DISK: Tensors = _OnDiskTensors()
 
 
 @dataclass
@@ -150,39 +224,39 @@ def adam_step(values: Iterable[tuple[Any, Path]]) -> int:
     """The one Adam step count of all ranks and groups (0-d tensors or ints); they must agree."""
     seen: dict[int, Path] = {}
     for v, file in values:
-        seen.setdefault(int(v.item() if isinstance(v, torch.Tensor) else v), file)
+        seen.setdefault(int(v.item() if hasattr(v, "item") else v), file)
     if len(seen) > 1:
         raise ForeignCheckpointError("optimizer files disagree on Adam's step: "
                                      + ", ".join(f"{s} in {str(f)!r}" for s, f in seen.items()))
     return next(iter(seen), 0)
 
 
-def training_dtype(module: Mapping[str, torch.Tensor], names: Iterable[str]) -> torch.dtype:
+def training_dtype(module: Mapping[str, Any], names: Iterable[str], tensors: Tensors) -> str:
     for n in names:
         if n in module:
-            return module[n].dtype
-    return torch.float32
+            return tensors.dtype(module[n])
+    return "F32"
 
 
-def assemble(*, module: Mapping[str, torch.Tensor], order: list[str], masters: dict[str, Any],
-             moments: dict[str, dict[str, Any]], weights_from_masters: bool, dtype: torch.dtype,
+def assemble(*, module: Mapping[str, Any], order: list[str], masters: dict[str, Any],
+             moments: dict[str, dict[str, Any]], weights_from_masters: bool, dtype: str,
              shared: Mapping[str, str], extra_model: Mapping[str, Any], step: int, adam: int,
-             hp: dict[str, Any], states: Mapping[str, Any], states_file: Path) -> dict[str, Any]:
+             hp: dict[str, Any], states: Mapping[str, Any], states_file: Path, tensors: Tensors) -> dict[str, Any]:
     """The Engine-structured state dict. ``order``: trainable names in model order; ``extra_model``:
     buffers and frozen parameters (full tensors or leaves); ``states``: the model states, read from
     ``states_file``."""
     model: dict[str, Any] = {}
     for name, value in module.items():
         if name in masters:
-            model[name] = cast_leaf(masters[name], dtype) if weights_from_masters else value.detach()
+            model[name] = tensors.cast(masters[name], dtype) if weights_from_masters else value.detach()
         elif name in extra_model:
             model[name] = extra_model[name]
     for name in order:  # trainable names missing from module (should not happen): from the masters
         if name not in model:
-            model[name] = cast_leaf(masters[name], dtype)
+            model[name] = tensors.cast(masters[name], dtype)
     for alias, source in shared.items():
         if source in model and alias not in model:
-            model[alias] = cast_leaf(model[source], dtype)
+            model[alias] = tensors.cast(model[source], dtype)
     scheduler: dict[str, Any] = {"kind": "constant", "last_step": step}
     if states.get("lr_scheduler") is not None:
         scheduler = {"kind": "deepspeed", "last_step": step, "state": plain(states["lr_scheduler"], file=states_file)}
@@ -203,11 +277,11 @@ def assemble(*, module: Mapping[str, torch.Tensor], order: list[str], masters: d
     }
 
 
-def source_metadata(states: Mapping[str, Any], *, fmt: str, stage: int, world: int, dtype: torch.dtype,
+def source_metadata(states: Mapping[str, Any], *, fmt: str, stage: int, world: int, dtype: str,
                     path: Path, loss_scaler: Any, states_file: Path, scaler_file: Path) -> dict[str, Any]:
     """The imported checkpoint's ``metadata.source``: ``states`` are the model states (from ``states_file``),
     ``loss_scaler`` the optimizer's (from ``scaler_file``)."""
-    meta = {"format": fmt, "zero_stage": stage, "dp_world_size": world, "dtype": DTYPE_NAMES.get(dtype, str(dtype)),
+    meta = {"format": fmt, "zero_stage": stage, "dp_world_size": world, "dtype": DTYPE_NAMES.get(dtype, dtype),
             "ds_version": str(states.get("ds_version", "")), "path": str(path.resolve()),
             "global_samples": states.get("global_samples"), "skipped_steps": states.get("skipped_steps")}
     if loss_scaler is not None:
@@ -218,7 +292,7 @@ def source_metadata(states: Mapping[str, Any], *, fmt: str, stage: int, world: i
 # -- ZeRO-1/2: one flat buffer per group, cut into equal partitions -----------------------------------
 
 def _zero12(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict[str, tuple[int, ...]]],
-            progress: Progress | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]], int]:
+            progress: Progress | None, tensors: Tensors) -> tuple[dict[str, Any], dict[str, dict[str, Any]], int]:
     world = len(osds)
     masters: dict[str, Any] = {}
     moments: dict[str, dict[str, Any]] = {m: {} for m in MOMENTS}
@@ -247,7 +321,7 @@ def _zero12(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict
             if t.numel() + tail[r] != part:
                 raise ForeignCheckpointError(f"file {str(f)!r}: rank {r}'s partition of group {g} is "
                                              f"{t.numel()} + {tail[r]} padding elements, rank 0's is {part}", file=str(f))
-        moment_bufs: dict[str, list[torch.Tensor | None]] = {m: [] for m in MOMENTS}
+        moment_bufs: dict[str, list[Any]] = {m: [] for m in MOMENTS}
         for st, f in zip(states, files.optim):
             for m in MOMENTS:
                 buf = st.get(m)
@@ -260,7 +334,7 @@ def _zero12(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict
         maps = [(o.get("param_slice_mappings") or [{}] * (g + 1))[g] for o in osds]
         for i, (name, shape) in enumerate(group.items()):
             n, off = math.prod(shape), offsets[i]
-            pieces: dict[str, list[tuple[torch.Tensor, int]]] = {"fp32": [], **{m: [] for m in MOMENTS}}
+            pieces: dict[str, list[tuple[Any, int]]] = {"fp32": [], **{m: [] for m in MOMENTS}}
             ranks = range(off // part, min(world, (off + n - 1) // part + 1)) if n else range(0)
             for r in ranks:
                 a, b = max(off, r * part), min(off + n, (r + 1) * part)
@@ -276,10 +350,10 @@ def _zero12(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict
                 pieces["fp32"].append((fp32[r][lo:hi], a - off))
                 for m in MOMENTS:
                     buf = moment_bufs[m][r]
-                    pieces[m].append((buf[lo:hi] if buf is not None else torch.zeros(hi - lo), a - off))
-            masters[name] = leaf(pieces["fp32"], shape)
+                    pieces[m].append((buf[lo:hi] if buf is not None else tensors.zeros(hi - lo), a - off))
+            masters[name] = tensors.leaf(pieces["fp32"], shape)
             for m in MOMENTS:
-                moments[m][name] = leaf(pieces[m], shape)
+                moments[m][name] = tensors.leaf(pieces[m], shape)
             if progress:
                 progress(len(masters), sum(len(s) for s in shapes), name)
     return masters, moments, adam_step(steps)
@@ -288,7 +362,7 @@ def _zero12(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict
 # -- ZeRO-3: every parameter cut into W equal chunks -------------------------------------------------
 
 def _zero3(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict[str, tuple[int, ...]]],
-           progress: Progress | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]], int]:
+           progress: Progress | None, tensors: Tensors) -> tuple[dict[str, Any], dict[str, dict[str, Any]], int]:
     world = len(osds)
     flat: list[Segments] = []
     moment_segs: dict[str, list[Segments | None]] = {m: [] for m in MOMENTS}
@@ -319,7 +393,7 @@ def _zero3(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict[
     for i, (name, shape) in enumerate(chained):
         n = math.prod(shape)
         chunk = math.ceil(n / world)
-        pieces: dict[str, list[tuple[torch.Tensor, int]]] = {"fp32": [], **{m: [] for m in MOMENTS}}
+        pieces: dict[str, list[tuple[Any, int]]] = {"fp32": [], **{m: [] for m in MOMENTS}}
         for r in range(world):
             valid = max(0, min(chunk, n - r * chunk))  # the rest of the chunk is padding (garbage)
             if not valid:
@@ -327,18 +401,18 @@ def _zero3(files: DeepSpeedFiles, osds: list[dict[str, Any]], shapes: list[dict[
             pieces["fp32"] += [(v, r * chunk + s) for v, s in flat[r].views(offset, offset + valid)]
             for m in MOMENTS:
                 ms = moment_segs[m][r]
-                got = ms.views(offset, offset + valid) if ms is not None else [(torch.zeros(valid), 0)]
+                got = ms.views(offset, offset + valid) if ms is not None else [(tensors.zeros(valid), 0)]
                 pieces[m] += [(v, r * chunk + s) for v, s in got]
         offset += chunk
-        masters[name] = leaf(pieces["fp32"], shape)
+        masters[name] = tensors.leaf(pieces["fp32"], shape)
         for m in MOMENTS:
-            moments[m][name] = leaf(pieces[m], shape)
+            moments[m][name] = tensors.leaf(pieces[m], shape)
         if progress:
             progress(i + 1, len(chained), name)
     return masters, moments, adam_step(steps)
 
 
-def _zero3_frozen(model_states: list[Mapping[str, Any]], files: DeepSpeedFiles) -> dict[str, Any]:
+def _zero3_frozen(model_states: list[Mapping[str, Any]], files: DeepSpeedFiles, tensors: Tensors) -> dict[str, Any]:
     """ZeRO-3 frozen (non-trainable) parameters: each rank's fragment, in rank order, truncated to the shape."""
     shapes = model_states[0].get("frozen_param_shapes") or {}
     out: dict[str, Any] = {}
@@ -356,20 +430,33 @@ def _zero3_frozen(model_states: list[Mapping[str, Any]], files: DeepSpeedFiles) 
         if start != n:
             raise ForeignCheckpointError(f"frozen parameter {name!r}: fragments hold {start} of {n} elements",
                                          tensor=name, file=str(files.model[0]))
-        out[str(name)] = leaf(parts, tuple(shape))
+        out[str(name)] = tensors.leaf(parts, tuple(shape))
     return out
 
 
-def read_deepspeed(path: str | os.PathLike[str], *, trust_pickle: bool = False,
-                   progress: Progress | None = None) -> Imported:
-    """Read a DeepSpeed checkpoint root (with ``latest``) or tag folder into the Engine's structure."""
+def read_deepspeed(path: str | os.PathLike[str], *, trust_pickle: bool = False, progress: Progress | None = None,
+                   on_disk: bool = False) -> Imported:
+    """Read a DeepSpeed checkpoint root (with ``latest``) or tag folder into the Engine's structure.
+
+    ``on_disk``: leaves are :mod:`.stored` byte ranges of the archives where the torch-free reader
+    can express the checkpoint (torch tensors otherwise, and always without ``on_disk``).
+    """
     files = find_files(path)
+    if on_disk:
+        try:
+            return _read(files, ON_DISK, trust_pickle, progress)
+        except NeedsTorch as exc:
+            log.info("%s: reading with torch.load (%s)", files.tag_dir, exc)
+    return _read(files, TORCH, trust_pickle, progress)
+
+
+def _read(files: DeepSpeedFiles, tensors: Tensors, trust_pickle: bool, progress: Progress | None) -> Imported:
     n_files = len(files.model) + len(files.optim)
     loaded = 0
 
     def load(f: Path) -> Any:
         nonlocal loaded
-        value = load_torch(f, trust_pickle=trust_pickle)
+        value = tensors.open(f, trust_pickle)
         loaded += 1
         if progress:
             progress(loaded, n_files, f.name)
@@ -392,17 +479,17 @@ def read_deepspeed(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     module = require(states, "module", files.model[0])
     order = [n for n in module if any(n in g for g in shapes)] + \
         [n for g in shapes for n in g if n not in module]
-    dtype = training_dtype(module, order)
+    dtype = training_dtype(module, order, tensors)
     if stage in (1, 2):
-        masters, moments, adam = _zero12(files, osds, shapes, progress)
+        masters, moments, adam = _zero12(files, osds, shapes, progress, tensors)
         extra = {n: t.detach() for n, t in module.items() if n not in masters}
     elif stage == 3:
         if len(files.model) != world:
             raise ForeignCheckpointError(f"{str(files.tag_dir)!r}: ZeRO-3 needs one model-states file per rank, "
                                          f"found {len(files.model)} for {world} ranks", file=str(files.tag_dir))
-        masters, moments, adam = _zero3(files, osds, shapes, progress)
+        masters, moments, adam = _zero3(files, osds, shapes, progress, tensors)
         extra = {n: t.detach() for n, t in module.items() if n not in masters and t.numel() > 0}
-        extra |= _zero3_frozen(model_states, files)
+        extra |= _zero3_frozen(model_states, files, tensors)
     else:
         raise ForeignCheckpointError(f"file {str(files.optim[0])!r}: ZeRO stage {stage} is not supported",
                                      file=str(files.optim[0]))
@@ -415,7 +502,7 @@ def read_deepspeed(path: str | os.PathLike[str], *, trust_pickle: bool = False,
                      dtype=dtype, shared=states.get("shared_params") or {}, extra_model=extra, step=step, adam=adam,
                      hp=hparams(states.get("ds_config"), list(groups), config_file=files.model[0],
                                 groups_file=files.optim[0]),
-                     states=states, states_file=files.model[0])
+                     states=states, states_file=files.model[0], tensors=tensors)
     meta = source_metadata(states, fmt="deepspeed", stage=stage, world=world, dtype=dtype, path=files.tag_dir,
                            loss_scaler=vars(osds[0]["loss_scaler"]) if hasattr(osds[0].get("loss_scaler"), "__dict__")
                            else None, states_file=files.model[0], scaler_file=files.optim[0])

@@ -6,7 +6,8 @@ unpickle runs whatever code the file names. Here:
 * ``torch.save`` files load with ``torch.load(weights_only=True, mmap=True)``: only tensors,
   containers and torch's own rebuild functions, plus inert stand-ins registered under the names of
   DeepSpeed's three harmless classes (a loss scaler and a fragment address, both plain attribute
-  bags, and the ZeRO stage enum, an int). DeepSpeed itself is never imported.
+  bags, and the ZeRO stage enum, an int; see :mod:`.torch_archive`, whose torch-free reader the
+  DeepSpeed importer tries first). DeepSpeed itself is never imported.
 * plain pickles (DCP's ``.metadata``) go through :func:`load_pickle_allowlisted`, a pickle
   unpickler whose ``find_class`` resolves only the names it is given.
 
@@ -27,30 +28,13 @@ from typing import Any, Mapping
 import torch
 
 from .errors import ForeignCheckpointError, UnsafePickleError
+from .torch_archive import DEEPSPEED_NAMES
 
 log = logging.getLogger(__name__)
 
 
-class AttributeBag:
-    """Stand-in for a pickled object that only carries attributes (DeepSpeed's LossScaler, fragment_address)."""
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"AttributeBag({self.__dict__!r})"
-
-
-class StageNumber(int):
-    """Stand-in for DeepSpeed's ZeroStageEnum, pickled as ``ZeroStageEnum(<int>)``."""
-
-
 # (stand-in, the global name the pickle uses): torch >= 2.5 resolves the name to the stand-in.
-DEEPSPEED_STAND_INS: list[tuple[type, str]] = [
-    (AttributeBag, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (AttributeBag, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (StageNumber, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-]
+DEEPSPEED_STAND_INS: list[tuple[type, str]] = [(cls, name) for name, cls in DEEPSPEED_NAMES.items()]
 
 
 def _unsafe_globals(path: str | os.PathLike[str] | io.BytesIO) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .common import Imported, Progress
-from .deepspeed import (MOMENTS, _MODEL, adam_step, assemble, hparams, param_shapes, read_tag, require,
+from .deepspeed import (MOMENTS, _MODEL, TORCH, adam_step, assemble, hparams, param_shapes, read_tag, require,
                         source_metadata, training_dtype)
 from .errors import ForeignCheckpointError, UnknownFormatError
 from .pickles import load_torch
@@ -68,7 +68,7 @@ def read_universal(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     module = require(states, "module", model_files[0])
     order = [n for n in module if any(n in g for g in shapes)] + [n for g in shapes for n in g if n not in module]
     all_shapes = {n: s for g in shapes for n, s in g.items()}
-    dtype = training_dtype(module, order)
+    dtype = training_dtype(module, order, TORCH)
     masters: dict[str, Any] = {}
     moments: dict[str, dict[str, Any]] = {m: {} for m in MOMENTS}
     steps: list[tuple[Any, Path]] = []
@@ -95,7 +95,7 @@ def read_universal(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     state = assemble(module=module, order=order, masters=masters, moments=moments, weights_from_masters=stage == 3,
                      dtype=dtype, shared=states.get("shared_params") or {}, extra_model=extra, step=step, adam=adam,
                      hp=hparams(states.get("ds_config"), list(groups), config_file=model_files[0], groups_file=opt_file),
-                     states=states, states_file=model_files[0])
+                     states=states, states_file=model_files[0], tensors=TORCH)
     ls = osd.get("loss_scaler")
     meta = source_metadata(states, fmt="deepspeed-universal", stage=stage, world=world, dtype=dtype, path=udir,
                            loss_scaler=vars(ls) if hasattr(ls, "__dict__") else None, states_file=model_files[0],
