@@ -34,7 +34,8 @@ from reshard.box import Box, FlatRange, element_span, split_region, transfers
 from .dtypes import itemsize, torch_dtype
 from .errors import CheckpointError
 from .manifest import Manifest
-from .reader import FileBuffer, FilePiece, check_crc, check_file_size, crc_error, pieces_by_file, read_and_check_header
+from .reader import (FileBuffer, FilePiece, MemoryPool, check_crc, check_file_size, crc_error, pieces_by_file,
+                     read_and_check_header)
 from .regions import Buffer, as_flat_range, copy_region, same_elements
 from .storage import Storage
 
@@ -153,6 +154,7 @@ class SourceIndex:
     claimed: set[tuple[str, int]] = field(default_factory=set)
     running: dict[tuple[str, int], _Running] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    staging: MemoryPool | None = None  # where reads that share this index take their staging (None: fresh memory)
 
     def feed(self, file: str, fp: FilePiece, start: int, data: memoryview) -> None:
         """Bytes ``[start, start + len(data))`` of a piece checksummed span by span; CorruptCheckpointError
@@ -352,7 +354,8 @@ def _run(storage: Storage, rel: str, file: str, batches: list[_Batch], index: So
         slot_index = k % len(staging)
         buf = staging[slot_index]
         if batch.staging and (buf is None or buf.nbytes < batch.staging):
-            buf = staging[slot_index] = FileBuffer(batch.staging)
+            buf = staging[slot_index] = (index.staging.buffer(batch.staging) if index.staging is not None
+                                         else FileBuffer(batch.staging))
         ranges, slots, pos = [], [], 0
         for nd in batch.needs:
             if nd.direct is not None:

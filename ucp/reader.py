@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -288,10 +289,10 @@ class FileBuffer:
     against fio's 1.34 on a 1.5 GiB file). Tensors loaded zero-copy view this memory.
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, memory: mmap.mmap | None = None) -> None:
+        """``memory``: a mapping of at least ``nbytes`` to use (from a :class:`MemoryPool`), else a new one."""
         self.nbytes = nbytes
-        self._mmap = mmap.mmap(-1, max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE),
-                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mmap = _anonymous(nbytes) if memory is None else memory
         self._view = memoryview(self._mmap)
 
     def view(self, nbytes: int | None = None, offset: int = 0) -> memoryview:
@@ -307,6 +308,54 @@ class FileBuffer:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self.view(nbytes, offset), dtype=torch.uint8)
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE),
+                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+class MemoryPool:
+    """Mappings of one size for :class:`FileBuffer`, each reused once nothing views its memory any more.
+
+    Why: on the reference VM, faulting in fresh anonymous pages costs ~0.6 s per GB (freed guest
+    memory goes back to the host), about what reading them from disk costs; a reshape or convert
+    fills a new batch buffer and its read staging for every few dozen MB it copies. A mapping is free
+    when no buffer of it is exported: ``mmap.resize`` to its own size is refused while one is. Every
+    view of a FileBuffer (its slices, numpy arrays over them, an I/O request in flight holding its
+    memoryview) keeps the mapping exported, so memory is reused exactly when it would otherwise be
+    freed. The pool holds at most as many mappings as were ever in use at once.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._maps: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self._reusable = True  # False where resize() cannot probe (another platform): plain FileBuffers
+
+    def buffer(self, nbytes: int) -> FileBuffer:
+        """A FileBuffer of ``nbytes`` (its contents are whatever the memory last held)."""
+        if nbytes > self.size or not self._reusable:
+            return FileBuffer(nbytes)
+        with self._lock:  # the FileBuffer (an export) exists before another caller probes the mapping
+            for m in self._maps:
+                if self._free(m):
+                    return FileBuffer(nbytes, m)
+            if not self._reusable:
+                return FileBuffer(nbytes)
+            m = _anonymous(self.size)
+            self._maps.append(m)
+            return FileBuffer(nbytes, m)
+
+    def _free(self, m: mmap.mmap) -> bool:
+        try:
+            m.resize(len(m))
+        except BufferError:
+            return False
+        except (OSError, ValueError, SystemError, TypeError):  # resize unsupported: stop pooling
+            self._reusable = False
+            return False
+        return True
 
 
 def segments(size: int, segment: int = SEGMENT) -> list[tuple[int, int]]:

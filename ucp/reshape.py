@@ -44,7 +44,7 @@ from .partial import READ_AHEAD as STAGED_READ_AHEAD
 from .partial import SourceIndex, Target, read_targets
 from .placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
 from .plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
-from .reader import FileBuffer, check_data_files, read_manifest
+from .reader import MemoryPool, check_data_files, read_manifest
 from .storage import Storage, open_storage
 from .writer import PieceBytes, write_rank_file
 
@@ -200,11 +200,13 @@ def rewrite(source: Source, dst: str | os.PathLike[str], per_rank: list[list[Lea
         files_at_once, batch_bytes = _share_budget(memory_budget, workers, sum(p.file is not None for p in plans))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
         staging = batch_bytes // STAGING_SHARE
+        source.index.staging = MemoryPool(staging)  # batches and staging reuse their memory (see MemoryPool)
+        arenas = MemoryPool(batch_bytes)
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         lock_fd = _commit.lock_temp(dst_storage, temp)  # a save in flight, not a leftover to clean
         try:
-            reports = _write_files(jobs, plans, source, dst_storage, temp, files_at_once, staging, advance)
+            reports = _write_files(jobs, plans, source, arenas, dst_storage, temp, files_at_once, staging, advance)
             source.index.finish(source.storage, source.name, staging)  # CRCs of sources read span by span
             new = _commit.build_manifest(reports, world_size=world, step=source.manifest.step, metadata=metadata,
                                          mesh=mesh, created=now_utc())
@@ -342,15 +344,16 @@ def _slot(nbytes: int) -> int:
     return math.ceil(nbytes / PAGE) * PAGE
 
 
-def _fill(batch: list[_Chunk], source: Source, staging_bytes: int) -> list[memoryview]:
+def _fill(batch: list[_Chunk], source: Source, arenas: MemoryPool, staging_bytes: int) -> list[memoryview]:
     """Read a batch's chunks from the source into fresh page-aligned memory; their byte views, in order.
 
     Source bytes that are not read straight into a piece are staged ``staging_bytes`` at a time
     (a source piece larger than that alone, see :func:`ucp.partial.read_targets`).
     """
     # Not pre-faulted: pages are zero-filled as the reads land in them, in the reader threads,
-    # instead of all at once here (peak RSS 480-530 MiB against ~620 MiB pre-faulted, 2.09 GiB reshape).
-    arena = FileBuffer(sum(c.slot for c in batch))
+    # instead of all at once here (peak RSS 480-530 MiB against ~620 MiB pre-faulted, 2.09 GiB reshape);
+    # an earlier batch's memory is reused once the writer is done with it (no faults at all then).
+    arena = arenas.buffer(sum(c.slot for c in batch))
     targets, views, pos = [], [], 0
     for c in batch:
         item = np.dtype(f"V{itemsize(c.piece.dtype)}")  # elements as opaque items: no torch, no casts
@@ -425,14 +428,14 @@ class _StreamedViews(Sequence[PieceBytes]):
                     fut.cancel()
 
 
-def _write_files(jobs: list[_Job], plans: list[SavePlan], source: Source, dst: Storage, temp: str,
+def _write_files(jobs: list[_Job], plans: list[SavePlan], source: Source, arenas: MemoryPool, dst: Storage, temp: str,
                  files_at_once: int, staging_bytes: int, advance: Callable[[int, str], None]) -> list[_commit.RankReport]:
     tree = source.manifest.state
     stop = threading.Event()  # a Ctrl-C (or a failed file) must not leave the other files being written
 
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan
-        fill = lambda batch: _fill(batch, source, staging_bytes)  # noqa: E731
+        fill = lambda batch: _fill(batch, source, arenas, staging_bytes)  # noqa: E731
         views = _StreamedViews(job, fill, advance, stop)
         try:
             records = write_rank_file(dst, f"{temp}/{plan.file}", plan, views)

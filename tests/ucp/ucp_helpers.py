@@ -156,8 +156,12 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class TrackedFileBuffers:
-    """Counts the bytes of ``FileBuffer``\\s alive at once (``peak``), as created through ``modules``
-    (e.g. ``ucp.reshape`` for fill arenas, ``ucp.partial`` for read staging and ``finish`` chunks)."""
+    """Counts the bytes of the mappings behind ``FileBuffer`` objects (fresh or pooled) alive at once (``peak``).
+
+    Every FileBuffer's memory comes from ``ucp.reader._anonymous``; a :class:`ucp.reader.MemoryPool`
+    keeps its mappings until it is dropped, so pooled memory counts as held from its first use.
+    ``modules`` is kept for the callers' readability (which modules' buffers are meant).
+    """
 
     def __init__(self, monkeypatch: Any, *modules: Any) -> None:
         import weakref
@@ -166,21 +170,20 @@ class TrackedFileBuffers:
 
         self.live = self.peak = 0
         lock = threading.Lock()
-        real, tracker = ucp.reader.FileBuffer, self
+        real, tracker = ucp.reader._anonymous, self
 
-        class Tracked(real):  # type: ignore[misc, valid-type]
-            def __init__(self, nbytes: int) -> None:
-                super().__init__(nbytes)
-                size = len(self._mmap)
+        def tracked(nbytes: int) -> Any:
+            m = real(nbytes)
+            size = len(m)
+            with lock:
+                tracker.live += size
+                tracker.peak = max(tracker.peak, tracker.live)
+
+            def freed() -> None:
                 with lock:
-                    tracker.live += size
-                    tracker.peak = max(tracker.peak, tracker.live)
+                    tracker.live -= size
 
-                def freed() -> None:
-                    with lock:
-                        tracker.live -= size
+            weakref.finalize(m, freed)
+            return m
 
-                weakref.finalize(self._mmap, freed)
-
-        for module in modules:
-            monkeypatch.setattr(module, "FileBuffer", Tracked)
+        monkeypatch.setattr(ucp.reader, "_anonymous", tracked)
