@@ -178,6 +178,28 @@ def test_on_disk_convert_equals_torch_path(tmp_path: Path, monkeypatch: pytest.M
     assert digest(tag_of(ckpt)) == before  # the source is only read
 
 
+UNIVERSAL = {name: u for name, ckpt in CACHED.items() for u in sorted(ckpt.glob("*_universal")) if u.is_dir()}
+
+
+@pytest.mark.parametrize("name", sorted(UNIVERSAL) or [pytest.param("none", marks=pytest.mark.skip("none cached"))])
+def test_universal_on_disk_convert_equals_torch_path(tmp_path: Path, name: str) -> None:
+    """ds_to_universal's per-parameter files take the same two paths (ZeRO-3 bf16: torch, for the cast)."""
+    udir = UNIVERSAL[name]
+    h = harness(CACHED[name])
+    _, on_disk = read(udir, on_disk=True)
+    _, with_torch = read(udir)
+    tensors = tensor_leaves(with_torch.state)
+    cast = h["zero_stage"] == 3 and h["dtype"] != "fp32"
+    assert count_stored(on_disk.state) == (0 if cast else tensors)
+    report = convert(udir, tmp_path / "on-disk")
+    ucp.save(with_torch.state, tmp_path / "torch", step=with_torch.step, metadata=with_torch.metadata)
+    ma, mb = ucp.read_manifest(tmp_path / "on-disk"), ucp.read_manifest(tmp_path / "torch")
+    assert report.format == "deepspeed-universal"
+    assert (ma.state, ma.metadata, ma.step) == (mb.state, mb.metadata, mb.step)
+    assert ucp.verify(tmp_path / "on-disk").ok
+    assert_same_state(ucp.load(tmp_path / "on-disk"), ucp.load(tmp_path / "torch"))
+
+
 @needs_cache
 def test_cli_convert_and_verify(tmp_path: Path) -> None:
     ckpt = find(1, "bf16")

@@ -31,7 +31,8 @@ def test_importing_ucp_and_its_cli_does_not_import_torch() -> None:
 
 def test_the_deepspeed_byte_copy_path_does_not_import_torch() -> None:
     """``ucp convert`` of a DeepSpeed checkpoint reads and copies it without torch in the usual case."""
-    modules = "ucp.importers, ucp.importers.deepspeed, ucp.importers.torch_archive, ucp.importers.write_stored"
+    modules = ("ucp.importers, ucp.importers.deepspeed, ucp.importers.universal, ucp.importers.torch_archive, "
+               "ucp.importers.write_stored")
     assert _python(f"import sys, {modules}; print('torch' in sys.modules)") == "False"
 
 

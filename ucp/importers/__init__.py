@@ -79,7 +79,7 @@ def read(src: str | os.PathLike[str], source_format: str = "auto", *, trust_pick
          progress: Progress | None = None, on_disk: bool = False) -> tuple[str, Imported]:
     """Read a foreign checkpoint into memory-mapped leaves; ``(format, Imported)``.
 
-    ``on_disk``: a DeepSpeed checkpoint's leaves may come back as byte ranges of its files
+    ``on_disk``: a DeepSpeed (native or universal) checkpoint's leaves may come back as byte ranges of its files
     (:mod:`.stored`, read without torch) instead of torch tensors; ``convert`` copies those.
     """
     src = _local_source(src)
@@ -96,7 +96,7 @@ def read(src: str | os.PathLike[str], source_format: str = "auto", *, trust_pick
         from .hf import read_hf as reader
     else:
         raise UnknownFormatError(f"unknown source format {fmt!r}; known: auto, {', '.join(FORMATS)}")
-    if fmt == "deepspeed":
+    if fmt in ("deepspeed", "deepspeed-universal"):
         return fmt, reader(src, trust_pickle=trust_pickle, progress=progress, on_disk=on_disk)
     return fmt, reader(src, trust_pickle=trust_pickle, progress=progress)
 

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 from ..dtypes import dtype_name, torch_dtype
 from .common import Imported, Progress, Segments, cast_leaf, json_plain, leaf, plain
 from .errors import ForeignCheckpointError, UnknownFormatError
-from .stored import NeedsTorch, stored_leaf
+from .stored import NeedsTorch, StoredTensor, stored_leaf
 from .torch_archive import read_archive
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class Tensors(Protocol):
 
     def dtype(self, t: Any) -> str: ...
 
+    def is_tensor(self, value: Any) -> bool: ...
+
     def zeros(self, n: int) -> Any:
         """n fp32 zeros (an Adam moment the checkpoint lacks)."""
 
@@ -73,6 +75,11 @@ class _TorchTensors:
 
     def dtype(self, t: Any) -> str:
         return dtype_name(t.dtype)
+
+    def is_tensor(self, value: Any) -> bool:
+        import torch
+
+        return isinstance(value, torch.Tensor)
 
     def zeros(self, n: int) -> Any:
         import torch
@@ -92,6 +99,9 @@ class _OnDiskTensors:
 
     def dtype(self, t: Any) -> str:
         return t.dtype
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, StoredTensor)
 
     def zeros(self, n: int) -> Any:
         raise NeedsTorch("an Adam moment is missing (zeros to make)")

@@ -3,24 +3,27 @@
 A universal checkpoint already holds one file per parameter and state
 (``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt``): ZeRO-1/2 ones as ``{"param": tensor in its shape,
 "cat_dim": 0}`` with a ``step.pt``, ZeRO-3 ones as bare 1-d tensors (shapes from ``param_shapes``).
-Each file is memory-mapped and its tensor written as one piece. The model states next to ``zero/``
-give the names, shapes, step and (ZeRO-1/2) the training-dtype weights.
+Each file's tensor is written as one piece. The model states next to ``zero/`` give the names,
+shapes, step and (ZeRO-1/2) the training-dtype weights. Like the native importer (:mod:`.deepspeed`),
+it reads the files without torch where it can (``on_disk``: the tensors as byte ranges of the
+archives, copied by ``convert``) and with ``torch.load`` otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .common import Imported, Progress
-from .deepspeed import (MOMENTS, _MODEL, TORCH, adam_step, assemble, hparams, param_shapes, read_tag, require,
-                        source_metadata, training_dtype)
+from .deepspeed import (MOMENTS, _MODEL, ON_DISK, TORCH, Tensors, adam_step, assemble, hparams, param_shapes, read_tag,
+                        require, source_metadata, training_dtype)
 from .errors import ForeignCheckpointError, UnknownFormatError
-from .pickles import load_torch
+from .stored import NeedsTorch
+
+log = logging.getLogger(__name__)
 
 
 def universal_dir(path: str | os.PathLike[str]) -> Path:
@@ -39,12 +42,12 @@ def universal_dir(path: str | os.PathLike[str]) -> Path:
                              "latest_universal file)", file=str(p))
 
 
-def _param_tensor(file: Path, shape: tuple[int, ...], trust_pickle: bool) -> torch.Tensor:
+def _param_tensor(file: Path, shape: tuple[int, ...], trust_pickle: bool, tensors: Tensors) -> Any:
     if not file.is_file():
         raise ForeignCheckpointError(f"file {str(file)!r} is missing", file=str(file))
-    value = load_torch(file, trust_pickle=trust_pickle)
+    value = tensors.open(file, trust_pickle)
     t = value.get("param") if isinstance(value, dict) else value
-    if not isinstance(t, torch.Tensor):
+    if not tensors.is_tensor(t):
         raise ForeignCheckpointError(f"file {str(file)!r} holds neither a tensor nor {{'param': tensor}}", file=str(file))
     if t.numel() != math.prod(shape):
         raise ForeignCheckpointError(f"file {str(file)!r} holds {t.numel()} elements, param_shapes says "
@@ -52,33 +55,46 @@ def _param_tensor(file: Path, shape: tuple[int, ...], trust_pickle: bool) -> tor
     return t.detach().reshape(shape)
 
 
-def read_universal(path: str | os.PathLike[str], *, trust_pickle: bool = False,
-                   progress: Progress | None = None) -> Imported:
-    """Read a universal checkpoint (its folder, or a root with ``latest_universal``) into the Engine's structure."""
+def read_universal(path: str | os.PathLike[str], *, trust_pickle: bool = False, progress: Progress | None = None,
+                   on_disk: bool = False) -> Imported:
+    """Read a universal checkpoint (its folder, or a root with ``latest_universal``) into the Engine's structure.
+
+    ``on_disk``: leaves as byte ranges of the files where the torch-free reader can (see
+    :func:`.deepspeed.read_deepspeed`).
+    """
     udir = universal_dir(path)
+    if on_disk:
+        try:
+            return _read(udir, ON_DISK, trust_pickle, progress)
+        except NeedsTorch as exc:
+            log.info("%s: reading with torch.load (%s)", udir, exc)
+    return _read(udir, TORCH, trust_pickle, progress)
+
+
+def _read(udir: Path, tensors: Tensors, trust_pickle: bool, progress: Progress | None) -> Imported:
     model_files = sorted((f for f in udir.iterdir() if _MODEL.match(f.name)),
                          key=lambda f: int(_MODEL.match(f.name).group(1) or 0))  # type: ignore[union-attr]
     if not model_files:
         raise ForeignCheckpointError(f"no *model_states.pt file in {str(udir)!r}", file=str(udir))
-    states = load_torch(model_files[0], trust_pickle=trust_pickle)
+    states = tensors.open(model_files[0], trust_pickle)
     opt_file = udir / "zero" / "optimizer_state.pt"
-    osd = load_torch(opt_file, trust_pickle=trust_pickle) if opt_file.is_file() else {}
+    osd = tensors.open(opt_file, trust_pickle) if opt_file.is_file() else {}
     stage = int(osd.get("zero_stage", 3 if len(model_files) > 1 else 2))
     shapes = param_shapes(states, model_files[0])
     module = require(states, "module", model_files[0])
     order = [n for n in module if any(n in g for g in shapes)] + [n for g in shapes for n in g if n not in module]
     all_shapes = {n: s for g in shapes for n, s in g.items()}
-    dtype = training_dtype(module, order, TORCH)
+    dtype = training_dtype(module, order, tensors)
     masters: dict[str, Any] = {}
     moments: dict[str, dict[str, Any]] = {m: {} for m in MOMENTS}
     steps: list[tuple[Any, Path]] = []
     for i, name in enumerate(order):
         folder = udir / "zero" / name
-        masters[name] = _param_tensor(folder / "fp32.pt", all_shapes[name], trust_pickle)
+        masters[name] = _param_tensor(folder / "fp32.pt", all_shapes[name], trust_pickle, tensors)
         for m in MOMENTS:
-            moments[m][name] = _param_tensor(folder / f"{m}.pt", all_shapes[name], trust_pickle)
+            moments[m][name] = _param_tensor(folder / f"{m}.pt", all_shapes[name], trust_pickle, tensors)
         if (folder / "step.pt").is_file():
-            steps.append((load_torch(folder / "step.pt", trust_pickle=trust_pickle), folder / "step.pt"))
+            steps.append((tensors.open(folder / "step.pt", trust_pickle), folder / "step.pt"))
         if progress:
             progress(i + 1, len(order), name)
     inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), dict) else {}
@@ -95,7 +111,7 @@ def read_universal(path: str | os.PathLike[str], *, trust_pickle: bool = False,
     state = assemble(module=module, order=order, masters=masters, moments=moments, weights_from_masters=stage == 3,
                      dtype=dtype, shared=states.get("shared_params") or {}, extra_model=extra, step=step, adam=adam,
                      hp=hparams(states.get("ds_config"), list(groups), config_file=model_files[0], groups_file=opt_file),
-                     states=states, states_file=model_files[0], tensors=TORCH)
+                     states=states, states_file=model_files[0], tensors=tensors)
     ls = osd.get("loss_scaler")
     meta = source_metadata(states, fmt="deepspeed-universal", stage=stage, world=world, dtype=dtype, path=udir,
                            loss_scaler=vars(ls) if hasattr(ls, "__dict__") else None, states_file=model_files[0],
