@@ -199,8 +199,10 @@ def rewrite(source: Source, dst: str | os.PathLike[str], per_rank: list[list[Lea
         plans = [make_plan(layouts, r, world) for r, layouts in enumerate(per_rank)]
         files_at_once, batch_bytes = _share_budget(memory_budget, workers, sum(p.file is not None for p in plans))
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
-        staging = batch_bytes // STAGING_SHARE
-        source.index.staging = MemoryPool(staging)  # batches and staging reuse their memory (see MemoryPool)
+        # Staged spans are cut to `staging` bytes and read from page boundaries (up to a page more at
+        # each end), so each staging buffer fits the pool's share of a batch.
+        staging = batch_bytes // STAGING_SHARE - 2 * PAGE
+        source.index.staging = MemoryPool(batch_bytes // STAGING_SHARE)  # batches and staging reuse memory
         arenas = MemoryPool(batch_bytes)
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
@@ -405,7 +407,13 @@ class _StreamedViews(Sequence[PieceBytes]):
     def _group(chunks: Iterator[tuple[_Chunk, memoryview]]) -> Iterator[PieceBytes]:
         for _, group in itertools.groupby(chunks, key=lambda cv: cv[0].index):
             chunk, view = next(group)
-            yield view if chunk.whole else itertools.chain([view], (v for _, v in group))
+            if chunk.whole:
+                yield view
+                continue
+            parts = _parts([view], group)
+            del view  # this frame waits here while the writer goes through the parts: it must not hold one
+            yield parts
+
 
     def _chunk_views(self) -> Iterator[tuple[_Chunk, memoryview]]:
         batches = self.job.batches
@@ -426,6 +434,14 @@ class _StreamedViews(Sequence[PieceBytes]):
             finally:
                 for fut in ahead:
                     fut.cancel()
+
+
+def _parts(first: list[memoryview], rest: Iterator[tuple[_Chunk, memoryview]]) -> Iterator[memoryview]:
+    """A piece's part views in order, each let go of once the writer asks for the next: a batch
+    whose part was written is then free for reuse (``BATCHES_HELD`` counts on it)."""
+    yield first.pop()
+    for _, view in rest:
+        yield view
 
 
 def _write_files(jobs: list[_Job], plans: list[SavePlan], source: Source, arenas: MemoryPool, dst: Storage, temp: str,
