@@ -347,7 +347,7 @@ def _slot(nbytes: int) -> int:
 
 
 def _fill(batch: list[_Chunk], source: Source, arenas: MemoryPool, staging_bytes: int) -> list[memoryview]:
-    """Read a batch's chunks from the source into fresh page-aligned memory; their byte views, in order.
+    """Read a batch's chunks from the source into page-aligned memory (``arenas``); their byte views, in order.
 
     Source bytes that are not read straight into a piece are staged ``staging_bytes`` at a time
     (a source piece larger than that alone, see :func:`ucp.partial.read_targets`).
@@ -413,7 +413,6 @@ class _StreamedViews(Sequence[PieceBytes]):
             parts = _parts([view], group)
             del view  # this frame waits here while the writer goes through the parts: it must not hold one
             yield parts
-
 
     def _chunk_views(self) -> Iterator[tuple[_Chunk, memoryview]]:
         batches = self.job.batches
