@@ -19,13 +19,14 @@ import operator
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from .buffers import AlignedBuffer, BufferPool, address_of, round_down, round_up
 from .config import AioConfig
 from .engines import Engine, create_engine
+from .engines.base import HELD_WAIT, signals_held
 from .errors import AioError
 from .files import OpenFile, open_file, preallocate, sync_file, truncate
 from .prefetch import is_warm
@@ -215,17 +216,23 @@ class AioHandle:
         align = self.config.alignment
         start = round_down(offset, align)
         length = round_up(offset + dest.nbytes, align) - start
-        block = self.pool.acquire()
-        pooled = length <= block.capacity
-        if not pooled:  # only when a caller bypasses _submit_reads' splitting
-            self.pool.release(block)
-            block = AlignedBuffer(length)
+        block: AlignedBuffer | None = None
+        pooled = True
+        result: Future = Future()
+        inner: Future = Future()
+
+        def keep(taken: AlignedBuffer) -> None:  # Ctrl-C held off: taken, and given back when ``inner`` ends
+            nonlocal block, pooled
+            pooled = length <= taken.capacity
+            if not pooled:  # only when a caller bypasses _submit_reads' splitting
+                self.pool.release(taken)
+                taken = AlignedBuffer(length)
+            block = taken
+            inner.add_done_callback(done)  # before the submit: however it ends, the block goes back once
 
         def release() -> None:
             if pooled:  # a one-off block must not join the pool (it would grow past its bound)
                 self.pool.release(block)
-
-        result: Future = Future()
 
         def done(fut: Future) -> None:
             try:
@@ -240,9 +247,9 @@ class AioHandle:
             finally:
                 release()
 
-        inner: Future = Future()
-        inner.add_done_callback(done)  # before the submit: however it ends, the block goes back exactly once
         try:
+            _take(self.pool, keep)
+            assert block is not None
             self.engine.submit_read(f, start, block.view(length), inner)
         except BaseException as exc:  # e.g. a Ctrl-C: if the engine took the read, it copies into dest when done
             if not _never_taken(inner, exc):
@@ -363,13 +370,16 @@ class FileWriter:
     def _stage(self, src: memoryview) -> int:
         """Copy as much of ``src`` as fits into the current staging block; flush it when full."""
         if self._block is None:
-            self._block = self._h.pool.acquire()
+            _take(self._h.pool, self._keep_block)
         n = min(self._cfg.block_size - self._fill, src.nbytes)
         _copy(self._block.view(n, self._fill), src[:n])
         self._fill += n
         if self._fill == self._cfg.block_size:
             self._flush_block(self._fill)
         return n
+
+    def _keep_block(self, block: AlignedBuffer) -> None:
+        self._block = block  # abort() gives it back from here
 
     def _flush_block(self, length: int) -> None:
         block, self._block = self._block, None
@@ -456,6 +466,24 @@ class FileWriter:
 
 
 _MIN_DIRECT = 256 * 1024  # below this, staging costs less than an extra request
+
+
+def _take(pool: BufferPool, keep: Callable[[AlignedBuffer], None]) -> None:
+    """Take a staging block from ``pool`` and hand it to ``keep`` with no Ctrl-C in between.
+
+    A KeyboardInterrupt landing after the take but before the caller put the block where its release
+    will find it would lose the block, and the bounded pool with it: enough lost blocks and every later
+    take waits forever. The wait runs in short held slices, so a Ctrl-C still ends it (nothing taken);
+    one noted during the last slice is raised once ``keep`` has run.
+    """
+    while True:
+        with signals_held():
+            try:
+                block = pool.acquire(timeout=HELD_WAIT)
+            except TimeoutError:
+                continue
+            keep(block)
+            return
 
 
 def _never_taken(fut: Future, exc: BaseException) -> bool:

@@ -33,6 +33,8 @@ MAX_SYSCALL_BYTES = 0x7FFFF000
 
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_held_depth = 0  # signals_held() blocks open in the main thread (only the outermost swaps the handlers)
+HELD_WAIT = 0.05  # seconds one held wait (for a slot, a staging block) lasts before a noted Ctrl-C is raised
 
 
 @contextlib.contextmanager
@@ -45,15 +47,18 @@ def signals_held() -> Iterator[None]:
     is not enough: the handlers themselves are swapped for one that notes the signal, and the noted
     signals are handed to the real handlers on the way out. Other threads need nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
+    global _held_depth
+    if threading.current_thread() is not threading.main_thread() or _held_depth:  # nested: the outer one holds
         yield
         return
     noted: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
            for s in HELD_SIGNALS if signal.getsignal(s) is not None}  # None: a handler not set from Python
+    _held_depth += 1
     try:
         yield
     finally:
+        _held_depth -= 1
         for s, handler in old.items():
             signal.signal(s, handler)
         for s in dict.fromkeys(noted):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..errors import AioError
 from ..files import OpenFile
-from .base import Engine, signals_held
+from .base import HELD_WAIT, Engine, signals_held
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,17 @@ class LibaioEngine(Engine):
         if req.buf.nbytes == 0:
             req.future.set_result(0)
             return req.future
-        self._slots.acquire()
-        try:
-            self._submit(req, new=True)
-        except BaseException:
-            if not req.in_kernel:  # a Ctrl-C after io_submit took it: the reaper releases the slot
-                self._slots.release()
-            raise
-        return req.future
+        while True:  # each wait for a slot is a short held slice: a Ctrl-C ends the wait, never leaks a slot
+            with signals_held():  # taken, then owned by the request (or given back), with no Ctrl-C between
+                if not self._slots.acquire(timeout=HELD_WAIT):
+                    continue
+                try:
+                    self._submit(req, new=True)
+                except BaseException:
+                    if not req.in_kernel:  # a Ctrl-C after io_submit took it: the reaper releases the slot
+                        self._slots.release()
+                    raise
+                return req.future
 
     def _submit(self, req: _Request, *, new: bool = False) -> None:
         """(Re)submit what is left of ``req``; holds one slot.
