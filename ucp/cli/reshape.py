@@ -160,9 +160,9 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
 def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool, quiet: bool):
     from ucp.reshape import reshape
 
-    with progress_bar("reshape", enabled=not quiet) as update:
+    with progress_bar("reshape (MiB)", enabled=not quiet) as update:
         return reshape(src, dst, layout=target, memory_budget=budget, workers=workers, overwrite=overwrite,
-                       progress=lambda done, total, what: update(done, total, what))
+                       progress=lambda done, total, what: update(-(-done >> 20), -(-total >> 20), what))
 
 
 def register(app: typer.Typer) -> None:
