@@ -18,7 +18,7 @@ import errno
 import operator
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, wait
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -438,17 +438,19 @@ class FileWriter:
         if self._state != "open":
             return
         self._state = "aborted"
-        _settle(self._inflight)
-        self._inflight.clear()
-        if self._block is not None:
-            self._h.pool.release(self._block)
-            self._block = None
-        self._unreserve()
-        self._file.close()
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            _settle(self._inflight)  # a Ctrl-C meanwhile is raised once everything below is done
+        finally:
+            self._inflight.clear()
+            if self._block is not None:
+                self._h.pool.release(self._block)
+                self._block = None
+            self._unreserve()
+            self._file.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
     def _unreserve(self) -> None:
         if self._reserved:
@@ -528,24 +530,37 @@ def _destination(path: str | os.PathLike[str], offset: int, dest: Bytes) -> tupl
     return offset, view
 
 
-def _settle(futures: Iterable[Future]) -> None:
-    """Wait for all futures, ignoring their errors: for callers that give up (raise another, or abort)."""
-    for fut in list(futures):
+def _wait_done(fut: Future) -> BaseException | None:
+    """Block until ``fut`` is done, through a Ctrl-C (the device may still use the memory it names);
+    the interrupt that came meanwhile, if any, for the caller to raise once it is safe."""
+    interrupted: BaseException | None = None
+    while True:
         try:
-            fut.result()
-        except BaseException:  # noqa: BLE001
-            pass
+            wait([fut])
+            return interrupted
+        except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt while waiting: wait on
+            interrupted = interrupted or exc
+
+
+def _settle(futures: Iterable[Future]) -> None:
+    """Wait for all futures, ignoring their errors (for callers that give up: raise another, or abort);
+    a Ctrl-C that came while waiting is raised once all are done."""
+    interrupted: BaseException | None = None
+    for fut in list(futures):
+        interrupted = _wait_done(fut) or interrupted
+    if interrupted is not None:
+        raise interrupted
 
 
 def _wait_all(futures: Iterable[Future]) -> None:
-    """Wait for all futures; raise the first error after all have settled."""
+    """Wait for all futures; raise the first error (or a Ctrl-C that came meanwhile) after all have settled."""
     first: BaseException | None = None
     for fut in list(futures):
-        try:
-            fut.result()
-        except BaseException as exc:
-            if first is None:
-                first = exc
+        first = _wait_done(fut) or first
+        if first is None and not fut.cancelled() and fut.exception() is not None:
+            first = fut.exception()
+        elif first is None and fut.cancelled():
+            first = CancelledError()
     if first is not None:
         raise first
 

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 from concurrent.futures import Future
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import AioError
 from ..files import OpenFile
@@ -33,8 +33,27 @@ MAX_SYSCALL_BYTES = 0x7FFFF000
 
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_held_depth = 0  # signals_held() blocks open in the main thread (only the outermost swaps the handlers)
 HELD_WAIT = 0.05  # seconds one held wait (for a slot, a staging block) lasts before a noted Ctrl-C is raised
+
+
+class _Recorder:
+    """The handler of the held signals: notes each while its block runs. Once the block is over it
+    hands every signal straight to the real handler, so one left installed (a signal that raced the
+    restore of the handlers) still does what the real handler does."""
+
+    def __init__(self, real: dict[int, Any]) -> None:
+        self.real = real
+        self.noted: list[int] = []
+        self.holding = True
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.holding:
+            self.noted.append(signum)
+        else:
+            _hand_on(self.real[signum], signum, frame)
+
+
+_holder: _Recorder | None = None  # the outermost block holding the signals in the main thread
 
 
 @contextlib.contextmanager
@@ -44,29 +63,90 @@ def signals_held() -> Iterator[None]:
 
     Python runs signal handlers, and so raises KeyboardInterrupt, only in the main thread, but the
     kernel may deliver a process-directed signal to any thread, so blocking it in the main thread
-    is not enough: the handlers themselves are swapped for one that notes the signal, and the noted
-    signals are handed to the real handlers on the way out. Other threads need nothing.
+    is not enough: the handlers themselves are swapped for a :class:`_Recorder`, and the noted
+    signals are handed to the real handlers on the way out (every one, the first exception raised
+    after). Other threads need nothing; a nested block leaves all of it to the outermost one.
     """
-    global _held_depth
-    if threading.current_thread() is not threading.main_thread() or _held_depth:  # nested: the outer one holds
+    global _holder
+    if threading.current_thread() is not threading.main_thread() or (_holder is not None and _holder.holding):
         yield
         return
-    noted: list[int] = []
-    old = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
-           for s in HELD_SIGNALS if signal.getsignal(s) is not None}  # None: a handler not set from Python
-    _held_depth += 1
+    real: dict[int, Any] = {}
+    for s in HELD_SIGNALS:
+        handler = signal.getsignal(s)
+        if isinstance(handler, _Recorder):  # left installed by an earlier block's raced restore
+            handler = handler.real.get(s)
+        if handler is not None:  # None: a handler not set from Python, left alone
+            real[s] = handler
+    recorder = _Recorder(real)
     try:
+        _holder = recorder
+        _install(dict.fromkeys(real, recorder))
         yield
     finally:
-        _held_depth -= 1
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(noted):
-            handler = old[s]
-            if callable(handler):
-                handler(s, None)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(s)
+        recorder.holding = False  # from here on every signal meets its real handler, whichever is installed
+        if _holder is recorder:
+            _holder = None
+        try:
+            _install(real)
+        finally:
+            _replay(recorder.noted, real)
+
+
+def _install(handlers: dict[int, Any]) -> None:
+    """Set every handler in ``handlers``, even when a signal's handler raises on the way.
+
+    ``signal.signal`` first runs the handlers of signals already pending; one that raises (a
+    KeyboardInterrupt) must not leave the other swaps undone, so each is retried and the first
+    exception raised once all are set.
+    """
+    error: BaseException | None = None
+    left = list(handlers.items())
+    while left:
+        try:
+            while left:
+                signal.signal(*left[0])
+                left.pop(0)
+        except BaseException as exc:  # noqa: BLE001 - a pending signal's handler; raised below
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _hand_on(handler: Any, signum: int, frame: Any) -> None:
+    """Do what ``handler`` (a Python handler, SIG_DFL or SIG_IGN) does with signal ``signum``."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+def _replay(noted: list[int], handlers: dict[int, Any]) -> None:
+    """Hand each noted signal (once) to its real handler; the first exception is raised after all ran."""
+    error: BaseException | None = None
+    for s in dict.fromkeys(noted):
+        try:
+            _hand_on(handlers[s], s, None)
+        except BaseException as exc:  # noqa: BLE001 - raised once every noted signal was handed on
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def _after_fork_in_child() -> None:
+    """A child forked (by any thread) while the main thread held the signals gets the real handlers."""
+    global _holder
+    recorder, _holder = _holder, None
+    if recorder is not None:
+        recorder.holding = False
+        try:
+            _install(recorder.real)
+        except (ValueError, OSError):  # not this interpreter's main thread: the recorder forwards anyway
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Engine(abc.ABC):
