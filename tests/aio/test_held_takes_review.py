@@ -62,6 +62,11 @@ def take_all(io):
             return held
 
 
+class SignalProxy:  # stands in for base.signal, to land a signal at one exact point of signals_held()
+    def __getattr__(self, name):
+        return getattr(signal, name)
+
+
 def later(delay, fn, *args):
     t = threading.Timer(delay, fn, args)
     t.daemon = True
@@ -94,10 +99,7 @@ def test_ctrl_c_between_the_handler_restores_leaves_no_handler_swapped(disk_dir)
         signal.signal(signal.SIGTERM, term)
         real = signal.signal
 
-        class Proxy:  # base.signal only: a Ctrl-C arriving right after SIGINT's real handler is back
-            def __getattr__(self, name):
-                return getattr(signal, name)
-
+        class Proxy(SignalProxy):  # a Ctrl-C arriving right after SIGINT's real handler is back
             fired = False
 
             def signal(self, s, h):
@@ -131,10 +133,7 @@ def test_raising_sigterm_between_the_handler_swaps_leaves_ctrl_c_working(disk_di
         signal.signal(signal.SIGTERM, term)
         real_get = signal.getsignal
 
-        class Proxy:  # base.signal only: a SIGTERM arriving between the two swaps
-            def __getattr__(self, name):
-                return getattr(signal, name)
-
+        class Proxy(SignalProxy):  # a SIGTERM arriving between the two swaps
             def getsignal(self, s):
                 if s == signal.SIGTERM:
                     os.kill(os.getpid(), signal.SIGTERM)
