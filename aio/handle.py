@@ -30,6 +30,7 @@ from .engines.base import HELD_WAIT, signals_held
 from .errors import AioError
 from .files import OpenFile, open_file, preallocate, sync_file, truncate
 from .prefetch import is_warm
+from .scatter import ReadRequest, plan_reads
 
 Bytes = memoryview | bytes | bytearray | np.ndarray | AlignedBuffer  # and contiguous CPU torch tensors
 _SINGLE = (memoryview, bytes, bytearray, np.ndarray, AlignedBuffer)
@@ -162,100 +163,73 @@ class AioHandle:
     def _read_all(self, f: OpenFile, ranges: list[tuple[int, memoryview]]) -> None:
         """Read checked ``(offset, view)`` ranges of ``f``, all in flight together; raise the first error.
 
-        If a submit fails, the requests already in flight are waited for before raising: they
-        write into the caller's memory, which the caller may reuse or free once we return.
+        The ranges become few large aligned requests (:mod:`aio.scatter`). If a submit fails, the
+        requests already in flight are waited for before raising: they write into the caller's
+        memory, which the caller may reuse or free once we return.
         """
+        align = self.config.alignment if f.direct else 1
+        requests = plan_reads(ranges, align=align, block_size=self.config.block_size,
+                              max_segments=self.engine.max_segments)
         futures: list[Future] = []
         try:
-            for offset, dest in ranges:
-                self._submit_reads(f, offset, dest, futures)
+            for req in requests:
+                futures.append(self._submit_request(f, req))
         except BaseException:
             _settle(futures)
             raise
         _wait_all(futures)
 
-    def _submit_reads(self, f: OpenFile, offset: int, dest: memoryview, futures: list[Future]) -> None:
-        """Submit the reads for one range, appending futures (that raise on short reads) to ``futures``."""
-        n = dest.nbytes
-        if n == 0:
-            return
-        bs, align = self.config.block_size, self.config.alignment
-        if f.direct and offset % align and (offset - address_of(dest)) % align == 0:
-            # In phase (file offset = address mod alignment, as a save lays large pieces out):
-            # stage the head up to the next aligned offset; the rest then reads straight in.
-            head = min(n, align - offset % align)
-            futures.append(self._staged_read(f, offset, dest[:head]))
-            self._submit_reads(f, offset + head, dest[head:], futures)
-            return
-        if not f.direct or (offset % align == 0 and address_of(dest) % align == 0):
-            # Straight into the caller's memory; only an unaligned tail needs staging.
-            direct_len = n if not f.direct else round_down(n, align)
-            for start in range(0, direct_len, bs):
-                chunk = dest[start : min(start + bs, direct_len)]
-                inner: Future = Future()
-                expected = _expect(inner, chunk.nbytes, f, offset + start)
-                try:
-                    self.engine.submit_read(f, offset + start, chunk, inner)
-                except BaseException as exc:  # e.g. a Ctrl-C: a read the engine took still writes into dest
-                    if not _never_taken(inner, exc):
-                        futures.append(expected)  # ... so the caller's settle waits for it
-                    raise
-                futures.append(expected)
-            if direct_len < n:
-                futures.append(self._staged_read(f, offset + direct_len, dest[direct_len:]))
-            return
-        # Unaligned: read the covering aligned span block by block through staging.
-        first = round_down(offset, align)
-        end = round_up(offset + n, align)
-        for span in range(first, end, bs):
-            lo, hi = max(span, offset), min(span + bs, offset + n)
-            futures.append(self._staged_read(f, lo, dest[lo - offset : hi - offset]))
-
-    def _staged_read(self, f: OpenFile, offset: int, dest: memoryview) -> Future:
-        """Read ``dest`` (within one staging block's reach) via an aligned staging block."""
-        align = self.config.alignment
-        start = round_down(offset, align)
-        length = round_up(offset + dest.nbytes, align) - start
+    def _submit_request(self, f: OpenFile, req: ReadRequest) -> Future:
+        """Submit one planned read; its future raises if the file ends before the wanted bytes. A request
+        with staged segments holds a staging block until it completes and its bytes are copied out."""
+        if not req.staged:
+            inner: Future = Future()
+            expected = _expect(inner, req.need, f, req.offset)
+            try:
+                self._submit_vector(f, req.offset, req.buffers(None), inner)
+            except BaseException as exc:  # e.g. a Ctrl-C: a read the engine took still writes into dest
+                if not _never_taken(inner, exc):
+                    _settle([expected])  # ... so wait for it, as the caller may reuse dest once we raise
+                raise
+            return expected
         block: AlignedBuffer | None = None
-        pooled = True
         result: Future = Future()
-        inner: Future = Future()
+        inner = Future()
 
         def keep(taken: AlignedBuffer) -> None:  # Ctrl-C held off: taken, and given back when ``inner`` ends
-            nonlocal block, pooled
-            pooled = length <= taken.capacity
-            if not pooled:  # only when a caller bypasses _submit_reads' splitting
-                self.pool.release(taken)
-                taken = AlignedBuffer(length)
+            nonlocal block
             block = taken
             inner.add_done_callback(done)  # before the submit: however it ends, the block goes back once
 
-        def release() -> None:
-            if pooled:  # a one-off block must not join the pool (it would grow past its bound)
-                self.pool.release(block)
-
         def done(fut: Future) -> None:
+            assert block is not None
             try:
                 got = fut.result()
-                need = offset - start + dest.nbytes
-                if got < need:
-                    raise AioError(errno.ENODATA, f.path, start + got, f"file ends before {offset + dest.nbytes}")
-                _copy(dest, block.view(dest.nbytes, offset - start))
-                result.set_result(dest.nbytes)
+                if got < req.need:
+                    raise AioError(errno.ENODATA, f.path, req.offset + got, f"file ends before {req.offset + req.need}")
+                for at, dest in req.copies:
+                    _copy(dest, block.view(dest.nbytes, at))
+                result.set_result(got)
             except BaseException as exc:
                 result.set_exception(exc)
             finally:
-                release()
+                self.pool.release(block)
 
         try:
             _take(self.pool, keep)
             assert block is not None
-            self.engine.submit_read(f, start, block.view(length), inner)
+            self._submit_vector(f, req.offset, req.buffers(block.view(req.staged)), inner)
         except BaseException as exc:  # e.g. a Ctrl-C: if the engine took the read, it copies into dest when done
             if not _never_taken(inner, exc):
                 _settle([result])  # ... so wait for that, as the caller may reuse dest once we raise
             raise
         return result
+
+    def _submit_vector(self, f: OpenFile, offset: int, buffers: list[memoryview], future: Future) -> None:
+        if len(buffers) == 1:
+            self.engine.submit_read(f, offset, buffers[0], future)
+        else:
+            self.engine.submit_readv(f, offset, buffers, future)
 
 
 class FileWriter:

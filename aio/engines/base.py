@@ -23,13 +23,17 @@ import os
 import signal
 import threading
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from ..errors import AioError
 from ..files import OpenFile
 
 # One read()/write() syscall moves at most 2 GiB - 4 KiB on Linux.
 MAX_SYSCALL_BYTES = 0x7FFFF000
+try:  # buffers one preadv / IOCB_CMD_PREADV takes
+    IOV_MAX = max(1, os.sysconf("SC_IOV_MAX"))
+except (ValueError, OSError):  # pragma: no cover - not a POSIX system
+    IOV_MAX = 16
 
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -153,11 +157,18 @@ class Engine(abc.ABC):
     """An async file I/O engine."""
 
     name: str = "?"
+    max_segments: int = 1  # buffers one read may scatter into (``submit_readv``); 1: one buffer per request
 
     @abc.abstractmethod
     def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
                     future: "Future[int] | None" = None) -> "Future[int]":
         """Read ``len(buf)`` bytes from ``f`` at ``offset`` into ``buf``; completes ``future`` if given."""
+
+    def submit_readv(self, f: OpenFile, offset: int, buffers: Sequence[memoryview],
+                     future: "Future[int] | None" = None) -> "Future[int]":
+        """Read consecutive bytes of ``f`` from ``offset`` into ``buffers`` in order, as one request (at
+        most ``max_segments`` of them); the result counts the bytes read in all."""
+        raise NotImplementedError(f"the {self.name} engine reads into one buffer per request")
 
     @abc.abstractmethod
     def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
@@ -174,19 +185,44 @@ class Engine(abc.ABC):
         self.close()
 
 
-def pread_full(f: OpenFile, offset: int, buf: memoryview) -> int:
-    """Blocking read of all of ``buf`` (less only at end of file), retrying short reads."""
-    done, total = 0, buf.nbytes
+def rest_of(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
+    """What is left of ``buffers`` (in order) after their first ``done`` bytes were moved."""
+    out = []
+    for b in buffers:
+        if done >= b.nbytes:
+            done -= b.nbytes
+            continue
+        out.append(b[done:] if done else b)
+        done = 0
+    return out
+
+
+def pread_full(f: OpenFile, offset: int, buf: memoryview | Sequence[memoryview]) -> int:
+    """Blocking read of all of ``buf`` (one buffer, or several filled in order: ``preadv``), less only at
+    end of file, retrying short reads."""
+    buffers = [buf] if isinstance(buf, memoryview) else list(buf)
+    done, total = 0, sum(b.nbytes for b in buffers)
     while done < total:
-        chunk = buf[done : done + min(total - done, MAX_SYSCALL_BYTES)]
+        chunk = _at_most(rest_of(buffers, done), MAX_SYSCALL_BYTES)
         try:
-            n = os.preadv(f.fd, [chunk], offset + done)
+            n = os.preadv(f.fd, chunk, offset + done)
         except OSError as exc:
             raise AioError(exc.errno or errno.EIO, f.path, offset + done, "read") from exc
         if n == 0:
             break
         done += n
     return done
+
+
+def _at_most(buffers: list[memoryview], limit: int) -> list[memoryview]:
+    """The leading buffers holding at most ``limit`` bytes (one syscall's worth)."""
+    out, left = [], limit
+    for b in buffers:
+        if left <= 0:
+            break
+        out.append(b[:left] if b.nbytes > left else b)
+        left -= b.nbytes
+    return out
 
 
 def pwrite_full(f: OpenFile, offset: int, buf: memoryview) -> int:

@@ -17,10 +17,11 @@ import threading
 from concurrent.futures import Future
 from ctypes import addressof, byref, pointer
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..errors import AioError
 from ..files import OpenFile
-from .base import HELD_WAIT, Engine, signals_held
+from .base import HELD_WAIT, IOV_MAX, Engine, rest_of, signals_held
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +40,21 @@ except Exception as exc:  # pragma: no cover - depends on the machine
 class _Request:
     f: OpenFile
     offset: int
-    buf: memoryview
+    buffers: list[memoryview]  # filled (or written) in order from ``offset``: one iovec each
     write: bool
     future: "Future[int]"
     done: int = 0
     block: object = field(default=None, repr=False)
     in_kernel: bool = False  # io_submit accepted it: only its completion may give its slot back
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(b.nbytes for b in self.buffers)
 
 
 class LibaioEngine(Engine):
     name = "libaio"
+    max_segments = IOV_MAX
 
     def __init__(self, queue_depth: int = 32, *, single_submit: bool = False) -> None:
         if _pylibaio is None:
@@ -69,15 +75,19 @@ class LibaioEngine(Engine):
     # -- submission ---------------------------------------------------------------
     def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
                     future: "Future[int] | None" = None) -> "Future[int]":
-        return self._start(_Request(f, offset, buf, False, future or Future()))
+        return self._start(_Request(f, offset, [buf], False, future or Future()))
+
+    def submit_readv(self, f: OpenFile, offset: int, buffers: Sequence[memoryview],
+                     future: "Future[int] | None" = None) -> "Future[int]":
+        return self._start(_Request(f, offset, list(buffers), False, future or Future()))
 
     def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
                      future: "Future[int] | None" = None) -> "Future[int]":
-        return self._start(_Request(f, offset, buf, True, future or Future()))
+        return self._start(_Request(f, offset, [buf], True, future or Future()))
 
     def _start(self, req: _Request) -> "Future[int]":
         self._check_usable(req)
-        if req.buf.nbytes == 0:
+        if req.nbytes == 0:
             req.future.set_result(0)
             return req.future
         while True:  # each wait for a slot is a short held slice: a Ctrl-C ends the wait, never leaks a slot
@@ -101,7 +111,7 @@ class LibaioEngine(Engine):
         """
         mode = _pylibaio.AIOBLOCK_MODE_WRITE if req.write else _pylibaio.AIOBLOCK_MODE_READ
         block = _pylibaio.AIOBlock(
-            mode, target_file=req.f.fd, buffer_list=[req.buf[req.done :]], offset=req.offset + req.done
+            mode, target_file=req.f.fd, buffer_list=rest_of(req.buffers, req.done), offset=req.offset + req.done
         )
         req.block = block
         key = addressof(block._iocb)  # noqa: SLF001 - the iocb is what the kernel hands back
@@ -186,7 +196,7 @@ class LibaioEngine(Engine):
             self._finish(req, AioError(-res, req.f.path, where, "write" if req.write else "read"))
             return
         req.done += res
-        if req.done < req.buf.nbytes:
+        if req.done < req.nbytes:
             if res == 0:
                 if req.write:
                     self._finish(req, AioError(errno.EIO, req.f.path, where, "write made no progress"))

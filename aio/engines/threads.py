@@ -7,14 +7,15 @@ flight at the device. Works on any OS and file system Python supports.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from ..files import OpenFile
-from .base import Engine, pread_full, pwrite_full, signals_held
+from .base import IOV_MAX, Engine, pread_full, pwrite_full, signals_held
 
 
 class ThreadEngine(Engine):
     name = "threads"
+    max_segments = IOV_MAX
 
     def __init__(self, thread_count: int = 4) -> None:
         self.thread_count = thread_count
@@ -26,12 +27,17 @@ class ThreadEngine(Engine):
         self._check_open("reading", f, offset)
         return self._start(pread_full, f, offset, buf, future or Future())
 
+    def submit_readv(self, f: OpenFile, offset: int, buffers: Sequence[memoryview],
+                     future: "Future[int] | None" = None) -> "Future[int]":
+        self._check_open("reading", f, offset)
+        return self._start(pread_full, f, offset, list(buffers), future or Future())
+
     def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
                      future: "Future[int] | None" = None) -> "Future[int]":
         self._check_open("writing", f, offset)
         return self._start(pwrite_full, f, offset, buf, future or Future())
 
-    def _start(self, move: Callable[[OpenFile, int, memoryview], int], f: OpenFile, offset: int, buf: memoryview,
+    def _start(self, move: Callable[[OpenFile, int, Any], int], f: OpenFile, offset: int, buf: Any,
                future: "Future[int]") -> "Future[int]":
         """Queue ``move`` on the pool to complete ``future``, set running first (see :mod:`aio.engines.base`)."""
         def run() -> None:

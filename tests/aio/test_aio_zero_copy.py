@@ -15,7 +15,8 @@ MIB = 1 << 20
 
 def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch,
                     method: str = "submit_write") -> list[tuple[int, int]]:
-    """Wrap the engine's ``method`` (submit_write / submit_read) to record (buffer address, length) of every request."""
+    """Wrap the engine's ``method`` (submit_write / submit_read; reads also submit_readv, whose buffers are
+    recorded one by one) to record (buffer address, length) of every buffer a request moves."""
     seen: list[tuple[int, int]] = []
     original = getattr(io.engine, method)
 
@@ -24,6 +25,14 @@ def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch,
         return original(f, offset, buf, future)
 
     monkeypatch.setattr(io.engine, method, spy)
+    if method == "submit_read":
+        original_v = io.engine.submit_readv
+
+        def spy_v(f, offset, buffers, future=None):  # type: ignore[no-untyped-def]
+            seen.extend((address_of(b), b.nbytes) for b in buffers)
+            return original_v(f, offset, buffers, future)
+
+        monkeypatch.setattr(io.engine, "submit_readv", spy_v)
     return seen
 
 
