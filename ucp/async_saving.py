@@ -44,6 +44,7 @@ from aio import AioConfig
 
 from . import background as _bg
 from . import commit as _commit
+from . import step_guard
 from .dist import Group, resolve_group
 from .errors import CommitError, NotACheckpointError, UnsupportedStateError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -140,6 +141,9 @@ class AsyncSaver:
 
     In both deferred modes a tensor changed in place before it was read (its torch version counter
     moved) fails the save with :class:`ucp.SnapshotChangedError` naming it; nothing is committed.
+    With ``hold_optimizer_steps`` (default) every ``torch.optim`` optimizer's ``step()`` waits
+    until the deferred snapshots running have read the tensors (:mod:`ucp.step_guard`), so a
+    training loop saves the state it asked for even without ``wait_snapshot()``.
 
     ``pipeline=True``: the writer starts writing the chunks already copied while
     the snapshot is still running — durable 5–9% sooner, but the copy then shares
@@ -151,7 +155,7 @@ class AsyncSaver:
     def __init__(self, max_in_flight: int = 1, mode: Mode = "thread",
                  aio_config: AioConfig | dict[str, Any] | None = None, *, staging_dir: str = "/dev/shm",
                  commit_timeout: float = 1800.0, pipeline: bool = False,
-                 snapshot: Literal["sync", "background", "none"] = "sync") -> None:
+                 snapshot: Literal["sync", "background", "none"] = "sync", hold_optimizer_steps: bool = True) -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
         if snapshot not in ("sync", "background", "none"):
@@ -160,6 +164,7 @@ class AsyncSaver:
             raise ValueError("snapshot='none' writes from this process's memory: it needs mode='thread'")
         self.mode = mode
         self.snapshot = snapshot
+        self.hold_optimizer_steps = hold_optimizer_steps
         self._copier: ThreadPoolExecutor | None = None
         self.aio_config = as_aio_config(aio_config)
         self.commit_timeout = commit_timeout
@@ -281,6 +286,8 @@ class AsyncSaver:
                 _bg.close_fd(lock_fd)
                 raise
             future, copying = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock, even on error
+            if copying is not None and self.hold_optimizer_steps:
+                step_guard.hold_steps_until(copying)
         finally:
             storage.close()
         handle = SaveHandle(os.fspath(path), step, future, time.perf_counter() - t0, copying)
