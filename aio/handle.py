@@ -177,7 +177,10 @@ class AioHandle:
         except BaseException:
             _settle(futures)
             raise
-        _wait_all(futures)
+        try:
+            _wait_all(futures)
+        finally:  # an error raised from here must not keep the caller's buffers referenced by this frame
+            futures = requests = ranges = []
 
     def _submit_request(self, f: OpenFile, req: ReadRequest) -> Future:
         """Submit one planned read; its future raises if the file ends before the wanted bytes. A request
@@ -203,17 +206,19 @@ class AioHandle:
 
         def done(fut: Future) -> None:
             assert block is not None
+            got, error = _outcome(fut, req.need, f, req.offset)
             try:
-                got = fut.result()
-                if got < req.need:
-                    raise AioError(errno.ENODATA, f.path, req.offset + got, f"file ends before {req.offset + req.need}")
-                for at, dest in req.copies:
-                    _copy(dest, block.view(dest.nbytes, at))
-                result.set_result(got)
-            except BaseException as exc:
-                result.set_exception(exc)
+                if error is None:
+                    for at, dest in req.copies:
+                        _copy(dest, block.view(dest.nbytes, at))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                error = exc
             finally:
-                self.pool.release(block)
+                self.pool.release(block)  # before the waiter wakes: a read returns with its blocks back
+            if error is None:
+                result.set_result(got)
+            else:
+                result.set_exception(error)
 
         try:
             _take(self.pool, keep)
@@ -363,9 +368,9 @@ class FileWriter:
         self._fill = 0
 
     def _submit(self, view: memoryview, block: AlignedBuffer | None) -> Future:
-        fut: Future = Future()
-        if block is not None:  # before the submit: however it ends, the block goes back exactly once
-            fut.add_done_callback(lambda _f, b=block: self._h.pool.release(b))
+        """Submit one write; the future waited for completes only once ``block`` (if any) is back in the pool."""
+        fut: Future = Future()  # the engine's
+        waited = fut if block is None else _after_release(fut, self._h.pool, block)
         try:
             while len(self._inflight) >= self._cfg.queue_depth:
                 self._inflight[0].result()  # off the list only once done: abort() must still wait for it
@@ -373,10 +378,10 @@ class FileWriter:
             self._h.engine.submit_write(self._file, self._offset, view, fut)
         except BaseException as exc:
             if not _never_taken(fut, exc):
-                self._inflight.append(fut)  # the kernel has it: abort() waits for it before the file goes
+                self._inflight.append(waited)  # the kernel has it: abort() waits for it before the file goes
             raise
-        self._inflight.append(fut)
-        return fut
+        self._inflight.append(waited)
+        return waited
 
     def close(self) -> int:
         """Write the tail, wait for every request, trim padding, fsync. Returns the file size.
@@ -478,16 +483,50 @@ def _expect(fut: Future, nbytes: int, f: OpenFile, offset: int) -> Future:
     out: Future = Future()
 
     def done(inner: Future) -> None:
-        try:
-            got = inner.result()
-            if got < nbytes:
-                raise AioError(errno.ENODATA, f.path, offset + got, f"file ends before {offset + nbytes}")
+        got, error = _outcome(inner, nbytes, f, offset)
+        if error is None:
             out.set_result(got)
-        except BaseException as exc:
-            out.set_exception(exc)
+        else:
+            out.set_exception(error)
 
     fut.add_done_callback(done)
     return out
+
+
+def _after_release(fut: Future, pool: BufferPool, block: AlignedBuffer) -> Future:
+    """A future with ``fut``'s outcome, completed after ``block`` went back to ``pool``: whoever waits
+    for it finds the block back (set before the submit, so however ``fut`` ends the block goes back once)."""
+    out: Future = Future()
+
+    def done(inner: Future) -> None:
+        pool.release(block)
+        if inner.cancelled():
+            out.set_exception(CancelledError())
+        elif inner.exception() is not None:
+            out.set_exception(inner.exception())
+        else:
+            out.set_result(inner.result())
+
+    fut.add_done_callback(done)
+    return out
+
+
+def _outcome(fut: Future, need: int, f: OpenFile, offset: int) -> tuple[int, BaseException | None]:
+    """(bytes read, the error) of a finished read that needed ``need`` bytes from ``offset``.
+
+    Nothing is raised here: an exception raised in a done-callback would keep, through its traceback,
+    the frames that reference the caller's buffers alive until the cyclic collector runs (an arena the
+    caller wants to reuse, or free, would still look in use).
+    """
+    if fut.cancelled():
+        return 0, CancelledError()
+    error = fut.exception()
+    if error is not None:
+        return 0, error
+    got = fut.result()
+    if got < need:
+        return got, AioError(errno.ENODATA, f.path, offset + got, f"file ends before {offset + need}")
+    return got, None
 
 
 def _destination(path: str | os.PathLike[str], offset: int, dest: Bytes) -> tuple[int, memoryview]:
@@ -529,14 +568,19 @@ def _settle(futures: Iterable[Future]) -> None:
 def _wait_all(futures: Iterable[Future]) -> None:
     """Wait for all futures; raise the first error (or a Ctrl-C that came meanwhile) after all have settled."""
     first: BaseException | None = None
+    fut: Future | None = None
     for fut in list(futures):
         first = _wait_done(fut) or first
         if first is None and not fut.cancelled() and fut.exception() is not None:
             first = fut.exception()
         elif first is None and fut.cancelled():
             first = CancelledError()
+    del fut, futures  # not referenced from the traceback of the error raised below
     if first is not None:
-        raise first
+        try:
+            raise first
+        finally:
+            first = None
 
 
 _shared: dict[tuple[int, AioConfig], AioHandle] = {}

@@ -533,6 +533,8 @@ def test_writer_that_failed_cannot_later_close_successfully(disk_dir):
 class _GatedReads(ThreadEngine):
     """Reads wait for ``gate``: a slow device, so requests are still in flight when the caller returns."""
 
+    max_segments = 1  # every read through submit_read, which this engine hooks
+
     def __init__(self) -> None:
         super().__init__(2)
         self.gate = threading.Event()
@@ -797,6 +799,8 @@ def test_prefetch_takes_one_bare_path_as_one_path(tmp_path, make_data):
 class _InterruptedAfterTaking(ThreadEngine):
     """A thread engine whose first read is taken (queued, held by ``gate``) and then interrupted: the
     KeyboardInterrupt of a Ctrl-C landing just after the engine took the request, before submit returned."""
+
+    max_segments = 1  # every read through submit_read, which this engine hooks
 
     def __init__(self) -> None:
         super().__init__(2)

@@ -41,6 +41,8 @@ class _TakeThenInterrupt(ThreadEngine):
     """Takes its first request of ``kind`` (held by ``gate``), then raises KeyboardInterrupt as a Ctrl-C
     landing just after the engine took it would; ``gate`` opens 0.3 s later."""
 
+    max_segments = 1  # every read through submit_read, which this engine hooks
+
     def __init__(self, kind: str) -> None:
         super().__init__(2)
         self.kind = kind
