@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -435,6 +435,21 @@ class _StreamedViews(Sequence[PieceBytes]):
                     fut.cancel()
 
 
+def _results(futures: list[Future]) -> list[Any]:
+    """The futures' results in order, the first failure raised as soon as it happens.
+
+    Waits in short slices: a Ctrl-C taken by a worker thread's signal handler reaches the main thread
+    only when that thread runs Python code, so a blocking wait would let every job finish first.
+    """
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in done if f.exception() is not None), None)
+        if failed is not None:
+            failed.result()  # raises its error
+    return [f.result() for f in futures]
+
+
 def _parts(first: list[memoryview], rest: Iterator[tuple[_Chunk, memoryview]]) -> Iterator[memoryview]:
     """A piece's part views in order, each let go of once the writer asks for the next: a batch
     whose part was written is then free for reuse (``BATCHES_HELD`` counts on it)."""
@@ -461,7 +476,7 @@ def _write_files(jobs: list[_Job], plans: list[SavePlan], source: Source, arenas
 
     with ThreadPoolExecutor(max_workers=files_at_once, thread_name_prefix="ucp-reshape") as pool:
         try:
-            written = {r.rank: r for r in pool.map(run, jobs)}
+            written = {r.rank: r for r in _results([pool.submit(run, job) for job in jobs])}
         except BaseException:
             stop.set()  # the jobs still running stop at their next batch; the pool's exit waits for that
             raise
