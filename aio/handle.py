@@ -206,7 +206,8 @@ class AioHandle:
 
         def done(fut: Future) -> None:
             assert block is not None
-            got, error = _outcome(fut, req.need, f, req.offset)
+            got, error = _outcome(fut)
+            error = error or _short(got, req.need, f, req.offset)
             try:
                 if error is None:
                     for at, dest in req.copies:
@@ -215,10 +216,7 @@ class AioHandle:
                 error = exc
             finally:
                 self.pool.release(block)  # before the waiter wakes: a read returns with its blocks back
-            if error is None:
-                result.set_result(got)
-            else:
-                result.set_exception(error)
+            _complete(result, got, error)
 
         try:
             _take(self.pool, keep)
@@ -483,11 +481,8 @@ def _expect(fut: Future, nbytes: int, f: OpenFile, offset: int) -> Future:
     out: Future = Future()
 
     def done(inner: Future) -> None:
-        got, error = _outcome(inner, nbytes, f, offset)
-        if error is None:
-            out.set_result(got)
-        else:
-            out.set_exception(error)
+        got, error = _outcome(inner)
+        _complete(out, got, error or _short(got, nbytes, f, offset))
 
     fut.add_done_callback(done)
     return out
@@ -500,33 +495,35 @@ def _after_release(fut: Future, pool: BufferPool, block: AlignedBuffer) -> Futur
 
     def done(inner: Future) -> None:
         pool.release(block)
-        if inner.cancelled():
-            out.set_exception(CancelledError())
-        elif inner.exception() is not None:
-            out.set_exception(inner.exception())
-        else:
-            out.set_result(inner.result())
+        _complete(out, *_outcome(inner))
 
     fut.add_done_callback(done)
     return out
 
 
-def _outcome(fut: Future, need: int, f: OpenFile, offset: int) -> tuple[int, BaseException | None]:
-    """(bytes read, the error) of a finished read that needed ``need`` bytes from ``offset``.
+def _outcome(fut: Future) -> tuple[int, BaseException | None]:
+    """(bytes moved, the error) of a finished request.
 
-    Nothing is raised here: an exception raised in a done-callback would keep, through its traceback,
-    the frames that reference the caller's buffers alive until the cyclic collector runs (an arena the
-    caller wants to reuse, or free, would still look in use).
+    Nothing is raised in the done-callbacks that use it: an exception raised there would keep, through
+    its traceback, the frames that reference the caller's buffers alive until the cyclic collector runs
+    (an arena the caller wants to reuse, or free, would still look in use).
     """
     if fut.cancelled():
         return 0, CancelledError()
     error = fut.exception()
-    if error is not None:
-        return 0, error
-    got = fut.result()
-    if got < need:
-        return got, AioError(errno.ENODATA, f.path, offset + got, f"file ends before {offset + need}")
-    return got, None
+    return (0, error) if error is not None else (fut.result(), None)
+
+
+def _short(got: int, need: int, f: OpenFile, offset: int) -> AioError | None:
+    """The error of a read from ``offset`` that got fewer than the ``need`` bytes it wanted (the file ends first)."""
+    return AioError(errno.ENODATA, f.path, offset + got, f"file ends before {offset + need}") if got < need else None
+
+
+def _complete(fut: Future, got: int, error: BaseException | None) -> None:
+    if error is None:
+        fut.set_result(got)
+    else:
+        fut.set_exception(error)
 
 
 def _destination(path: str | os.PathLike[str], offset: int, dest: Bytes) -> tuple[int, memoryview]:
