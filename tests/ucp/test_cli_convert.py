@@ -104,3 +104,24 @@ def test_existing_destination_needs_force(tmp_path: Path) -> None:
     assert again.exit_code == 2 and "already exists" in _text(again)
     forced = runner.invoke(app, ["convert", str(tmp_path / "model.safetensors"), str(ok), "--json", "--force"])
     assert forced.exit_code == 0 and json.loads(forced.stdout)["tensors"] == 1
+
+
+def test_convert_progress_shows_a_percentage_not_raw_byte_counts(monkeypatch) -> None:
+    """The convert bar counts files while reading, then bytes while writing: it shows how far in percent."""
+    import io
+
+    from rich.console import Console
+
+    from ucp.cli import common
+
+    buf = io.StringIO()
+    monkeypatch.setattr(common, "err", Console(file=buf, force_terminal=True, width=120))
+    with common.progress_bar("convert (deepspeed)", percent=True) as update:
+        update(1_250_000_000, 2_500_000_000, "writing")
+        common.err.file.flush()
+    shown = buf.getvalue()
+    assert "50%" in shown and "1250000000" not in shown
+    buf.truncate(0)
+    with common.progress_bar("reshape (MiB)") as update:  # the default still counts
+        update(3, 7, "x")
+    assert "3/7" in buf.getvalue()

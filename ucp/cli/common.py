@@ -13,7 +13,8 @@ from typing import Callable, Iterator
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                           TimeElapsedColumn)
 
 # Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.
 # Piped or captured output gets a wide console so tables do not wrap into unreadable columns.
@@ -99,12 +100,17 @@ def load_aio_config(path: Path | None):  # -> aio.AioConfig (imported lazily)
 
 
 @contextmanager
-def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Callable[[int, int, str], None]]:
-    """A rich progress bar on stderr; yields ``update(done, total, what)``. Hidden when not a terminal."""
+def progress_bar(description: str, *, enabled: bool = True,
+                 percent: bool = False) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar on stderr; yields ``update(done, total, what)``. Hidden when not a terminal.
+
+    ``percent``: show how far as a percentage rather than ``done/total`` (for work whose phases count in
+    different units, e.g. files read, then bytes written).
+    """
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        TaskProgressColumn() if percent else MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.fields[what]}"),
         console=err,

@@ -49,7 +49,7 @@ def convert_cmd(
         source_reads_start()
 
         try:
-            with progress_bar(f"convert ({source_format})", enabled=not json_output) as update:
+            with progress_bar(f"convert ({source_format})", enabled=not json_output, percent=True) as update:
                 report = convert(src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force,
                                  progress=update)
         except ucp.CheckpointError as exc:
