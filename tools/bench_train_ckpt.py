@@ -66,10 +66,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--async-mode", default="thread", choices=("thread", "process"))
-    p.add_argument("--snapshot", default="sync", choices=("sync", "background", "none"),
-                   help="async saves: copy the state before save() returns (sync), copy it in the background "
-                        "(background), or copy nothing and write straight from the tensors (none); the engine "
-                        "waits for the copy or write before its next optimizer step")
+    p.add_argument("--snapshot", default="auto", choices=("auto", "cow", "sync", "background", "none"),
+                   help="async saves: write-protect and copy from a helper process (cow; auto picks it where Linux "
+                        "allows it, else sync), copy the state before save() returns (sync), copy it in the "
+                        "background (background), or copy nothing and write straight from the tensors (none); the "
+                        "engine waits for a background copy or a write before its next optimizer step")
     p.add_argument("--writer-threads", type=positive_int, default=None, help="aio thread_count for the writes")
     p.add_argument("--no-fsync", action="store_true", help="skip fdatasync of the data files")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -79,10 +79,11 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
     p.add_argument("--save-every", type=positive_int, default=1, help="save after every N steps (with --save-dir)")
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: asynchronously)")
     p.add_argument("--keep-last", type=positive_int, default=3, help="checkpoints kept under --save-dir")
-    p.add_argument("--snapshot", default="background", choices=("background", "sync", "none"),
-                   help="async saves: copy the state while the next step's forward/backward run (background), "
-                        "before save() returns (sync), or write straight from the tensors (none); the engine waits "
-                        "for the copy or write before its optimizer step")
+    p.add_argument("--snapshot", default="auto", choices=("auto", "cow", "background", "sync", "none"),
+                   help="async saves: write-protect the state and copy it from a helper process (cow; what auto "
+                        "picks where Linux allows it, else sync), copy it while the next step's forward/backward "
+                        "run (background), before save() returns (sync), or write straight from the tensors (none); "
+                        "with background and none the engine waits for the copy or write before its optimizer step")
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
     args = p.parse_args(argv)
 

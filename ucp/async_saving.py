@@ -44,13 +44,14 @@ from aio import AioConfig
 
 from . import background as _bg
 from . import commit as _commit
+from . import cow as _cow
 from . import step_guard
 from .dist import Group, resolve_group
 from .errors import CommitError, NotACheckpointError, UnsupportedStateError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .plan import PLAN_CACHE, SavePlan, plan_save
 from .saving import _check_args, save
-from .snapshot import ChangeWatch, local_tensor, replica_checksums
+from .snapshot import ChangeWatch, image_sources, local_tensor, replica_checksums
 from .snapshot import snapshot as snapshot_views
 from .staging import Arena, StagingPool
 from .storage import LocalStorage, Storage, as_aio_config, open_storage
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 COPY_CHUNK = 64 << 20  # the snapshot reports progress to the writer every this many bytes
 Mode = Literal["thread", "process"]
+Snapshot = Literal["auto", "cow", "sync", "background", "none"]
 
 
 class SaveHandle:
@@ -155,21 +157,29 @@ class AsyncSaver:
     def __init__(self, max_in_flight: int = 1, mode: Mode = "thread",
                  aio_config: AioConfig | dict[str, Any] | None = None, *, staging_dir: str = "/dev/shm",
                  commit_timeout: float = 1800.0, pipeline: bool = False,
-                 snapshot: Literal["sync", "background", "none"] = "sync", hold_optimizer_steps: bool = True) -> None:
+                 snapshot: Snapshot = "auto", hold_optimizer_steps: bool = True) -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
-        if snapshot not in ("sync", "background", "none"):
-            raise ValueError(f"snapshot must be 'sync', 'background' or 'none', got {snapshot!r}")
-        if snapshot == "none" and mode != "thread":
-            raise ValueError("snapshot='none' writes from this process's memory: it needs mode='thread'")
+        if snapshot not in ("auto", "cow", "sync", "background", "none"):
+            raise ValueError(f"snapshot must be 'auto', 'cow', 'sync', 'background' or 'none', got {snapshot!r}")
+        if snapshot in ("none", "cow") and mode != "thread":
+            raise ValueError(f"snapshot={snapshot!r} works on this process's memory: it needs mode='thread'")
+        why_not = _cow.cow_unavailable() if snapshot in ("auto", "cow") and mode == "thread" else "mode='process'"
+        if snapshot == "cow" and why_not is not None:
+            raise _cow.CowUnavailable(f"copy-on-write snapshots are not available here: {why_not}")
+        if snapshot == "auto":
+            snapshot = "cow" if why_not is None else "sync"
         self.mode = mode
-        self.snapshot = snapshot
+        self.snapshot: Snapshot = snapshot  # what "auto" chose: "cow" or "sync"
+        self._cow = _cow.CowSnapshots() if snapshot == "cow" else None
         self.hold_optimizer_steps = hold_optimizer_steps
         self._copier: ThreadPoolExecutor | None = None
         self.aio_config = as_aio_config(aio_config)
         self.commit_timeout = commit_timeout
         self.pipeline = pipeline
-        self.pool = StagingPool(max_in_flight, shared=mode == "process", directory=staging_dir)
+        self.pool = StagingPool(max_in_flight, shared=mode == "process", directory=staging_dir, memfd=self._cow is not None)
+        if self._cow is not None:
+            self.pool.on_drop.append(self._cow.forget)
         self._backend: _bg.ThreadBackend | _bg.ProcessBackend = (
             _bg.ThreadBackend(self.pool) if mode == "thread" else _bg.ProcessBackend(self.pool)
         )
@@ -335,6 +345,8 @@ class AsyncSaver:
             self._copier.shutdown(wait=True)
         self._backend.close()
         self.pool.close()
+        if self._cow is not None:
+            self._cow.close()
         _LIVE.discard(self)
 
     def __enter__(self) -> "AsyncSaver":
@@ -376,6 +388,8 @@ class AsyncSaver:
             return self._run_from_tensors(job, plan, leaves, lock_fd, progress)
         if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
             return self._run_in_background(job, plan, leaves, arena, lock_fd, progress)
+        if self._cow is not None and arena is not None and _on_host(plan, leaves):
+            return self._run_copy_on_write(job, plan, leaves, arena, lock_fd, progress)
 
         def give_up() -> None:
             if arena is not None:
@@ -426,17 +440,22 @@ class AsyncSaver:
             raise
         return future, image.written
 
-    def _run_in_background(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena,
-                           lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, Future]:
-        """The writer starts now and follows the copy, which runs on the copier thread."""
+    def _submit_or_give_back(self, job: _bg.WriteJob, arena: Arena, progress: _bg.Progress,
+                             lock_fd: int | None) -> Future:
+        """Start the writer on ``job`` (it follows ``progress``); if that fails, give back what the job owned."""
         try:
-            watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
-            future = self._backend.submit(job, arena, progress, lock_fd)
+            return self._backend.submit(job, arena, progress, lock_fd)
         except BaseException:
             self.pool.release(arena)
             _bg.close_fd(lock_fd)
             _bg.abandon(job)
             raise
+
+    def _run_in_background(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena,
+                           lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, Future]:
+        """The writer starts now and follows the copy, which runs on the copier thread."""
+        watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
+        future = self._submit_or_give_back(job, arena, progress, lock_fd)
 
         def copy() -> None:
             try:
@@ -454,6 +473,24 @@ class AsyncSaver:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
             copier = self._copier
         return future, copier.submit(copy)
+
+    def _run_copy_on_write(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena,
+                           lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, None]:
+        """The tensors' pages are write-protected and copied by the helper process (:mod:`ucp.cow`);
+        the writer starts now and follows it. Where that cannot run, the copy is made here."""
+        assert self._cow is not None
+        future = self._submit_or_give_back(job, arena, progress, lock_fd)
+        try:
+            try:
+                self._cow.start(plan, leaves, arena, progress)  # type: ignore[arg-type]
+            except _cow.CowUnavailable as exc:
+                log.info("copy-on-write snapshot of %s not possible (%s); copying now", job.path, exc)
+                if snapshot_into(plan, leaves, arena, progress, self._stream_for):
+                    raise AssertionError("host tensors gave CUDA copy events") from None
+        except BaseException as exc:
+            progress.fail(f"snapshot failed: {_bg.describe(exc)}")  # the job fails, cleans up, gives the arena back
+            raise
+        return future, None
 
     def _stream_for(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -503,20 +540,11 @@ def snapshot_into(plan: SavePlan, leaves: Sequence[Leaf], arena: Arena, progress
     def advance(n: int) -> None:
         progress.advance(min(n, hold))
 
-    arena.view(plan.data_start)[:] = plan.header
-    advance(plan.data_start)
     events: list[Any] = []
-    pos = plan.data_start
-    for i, p in enumerate(plan.pieces):
-        if p.offset > pos:  # padding the plan put before this piece: zeros, as ucp.save writes them
-            arena.tensor(p.offset - pos, pos).zero_()
-        pos = p.offset + p.length
-        src = local_tensor(leaves[p.leaf], p.part).detach()
-        if src.numel() * src.element_size() != p.length:
-            raise UnsupportedStateError(
-                f"tensor {p.name!r}: holds {src.numel() * src.element_size()} bytes but the plan expects "
-                f"{p.length}; was the state dict changed while it was being saved?"
-            )
+    for i, src in image_sources(plan, leaves, arena):
+        if i == 0:
+            advance(plan.data_start)
+        p = plan.pieces[i]
         dst = arena.tensor(p.length, p.offset).view(src.dtype)
         if src.device.type == "cuda":
             events.append(_copy_from_cuda(dst.view(src.shape), src, stream_for(src.device)))

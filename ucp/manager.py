@@ -26,6 +26,7 @@ resumes from ``latest`` and falls back to the newest complete checkpoint if
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from pydantic import BaseModel
 
 from aio import AioConfig, fsync_dir
 
-from .async_saving import AsyncSaver, Mode, SaveHandle, wait_all
+from .async_saving import AsyncSaver, Mode, SaveHandle, Snapshot, wait_all
 from .background import PostCommit
 from .commit import dir_in_use
 from .dist import resolve_group
@@ -104,16 +105,24 @@ def read_latest(root: str | os.PathLike[str]) -> tuple[int, str] | None:
 def write_latest(root: str | os.PathLike[str], step: int, name: str) -> None:
     """Point ``root/latest`` at ``name`` atomically and durably."""
     root = os.fspath(root)
-    tmp = os.path.join(root, f".latest.tmp-{secrets.token_hex(6)}")
     data = (json.dumps({"step": step, "name": name}) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(root, LATEST))
-    fsync_dir(root)
+    for attempt in range(3):
+        tmp = os.path.join(root, f".latest.tmp-{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # clean_leftovers leaves a pointer being written alone
+            os.write(fd, data)
+            os.fsync(fd)
+            try:
+                os.replace(tmp, os.path.join(root, LATEST))
+            except FileNotFoundError:  # a cleaner removed it between its creation and our lock: again
+                if attempt == 2:
+                    raise
+                continue
+        finally:
+            os.close(fd)
+        fsync_dir(root)
+        return
 
 
 # -- looking at a root ---------------------------------------------------------------------------
@@ -236,6 +245,22 @@ def resume_choice(infos: list[CheckpointInfo]) -> CheckpointInfo | None:
     return max(complete, key=lambda i: i.step) if complete else None
 
 
+def _remove_unlocked(path: str) -> bool:
+    """Remove a pointer temp file unless :func:`write_latest` holds it (a save committing right now)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+        return True
+    except OSError:  # locked (being written) or already gone
+        return False
+    finally:
+        os.close(fd)
+
+
 def clean_leftovers(root: str | os.PathLike[str], *, keep: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
     """Delete ``.tmp-``/``.old-`` directories of interrupted saves and stray pointer temp files.
 
@@ -255,12 +280,8 @@ def clean_leftovers(root: str | os.PathLike[str], *, keep: set[str] = frozenset(
                 continue
             remove_path(path)  # a symlinked entry: the link goes, its target stays
             removed.append(name)
-        elif LATEST_TMP_RE.match(name):
-            try:
-                os.unlink(path)
-                removed.append(name)
-            except OSError:
-                pass
+        elif LATEST_TMP_RE.match(name) and _remove_unlocked(path):
+            removed.append(name)
     return removed
 
 
@@ -322,7 +343,8 @@ class CheckpointManager:
     ``process_group`` is used for saves and loads; rank 0 does all file-system
     housekeeping. The root must be a local or mounted shared directory. ``commit_timeout``
     bounds how long an asynchronous save's ranks wait for each other (a rank that dies is
-    noticed at once on local storage; this is for ranks that hang). ``snapshot="background"`` or
+    noticed at once on local storage; this is for ranks that hang). ``snapshot`` is the
+    :class:`~ucp.AsyncSaver`'s (default "auto": copy-on-write where Linux allows it). ``"background"`` or
     ``"none"`` (asynchronous saves, see :class:`~ucp.AsyncSaver`): :meth:`save` returns before the
     state is copied (or, with "none", written straight from the tensors), and the caller must call
     ``handle.wait_snapshot()`` before changing it (``training.Engine`` does, before its optimizer step).
@@ -331,7 +353,7 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, async_save: bool = False,
                  mode: Mode = "thread", max_in_flight: int = 1, process_group: Any = None,
                  aio_config: AioConfig | dict[str, Any] | None = None, saver: AsyncSaver | None = None,
-                 commit_timeout: float = 1800.0, snapshot: Literal["sync", "background", "none"] = "sync") -> None:
+                 commit_timeout: float = 1800.0, snapshot: Snapshot = "auto") -> None:
         if "://" in os.fspath(root):
             raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")
         if keep_last is not None and keep_last < 1:

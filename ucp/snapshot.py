@@ -9,7 +9,7 @@ step only sees ``memoryview``\\ s.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -20,6 +20,9 @@ from .plan import PlannedPiece, SavePlan, assign_replicated, leaf_layouts
 from .sharding import FlatShard, ShardedTensor, Shards
 from .tree import Leaf
 
+if TYPE_CHECKING:
+    from .staging import Arena
+
 
 def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
     """The tensor a leaf's piece is made of (the local part of a sharded leaf, or of part ``part`` of a Shards)."""
@@ -27,6 +30,24 @@ def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
     if isinstance(value, Shards):
         value = value.parts[part or 0]
     return value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
+
+
+def image_sources(plan: SavePlan, leaves: Sequence[Leaf], arena: "Arena") -> Iterator[tuple[int, torch.Tensor]]:
+    """Write the rank file's header and the zero padding between pieces into ``arena``; yield each
+    piece's index and source tensor in file order (the caller copies it to ``plan.pieces[i].offset``)."""
+    arena.view(plan.data_start)[:] = plan.header
+    pos = plan.data_start
+    for i, p in enumerate(plan.pieces):
+        if p.offset > pos:  # padding the plan put before this piece: zeros, as ucp.save writes them
+            arena.tensor(p.offset - pos, pos).zero_()
+        pos = p.offset + p.length
+        src = local_tensor(leaves[p.leaf], p.part).detach()
+        if src.numel() * src.element_size() != p.length:
+            raise UnsupportedStateError(
+                f"tensor {p.name!r}: holds {src.numel() * src.element_size()} bytes but the plan expects "
+                f"{p.length}; was the state dict changed while it was being saved?"
+            )
+        yield i, src
 
 
 def host_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ class SharedArena:
     when it exits after its trainer died, so no staging file outlives both.
     """
 
-    def __init__(self, path: str, capacity: int, mapping: mmap.mmap, *, owner: bool, pinned: bool = False) -> None:
+    def __init__(self, path: str | None, capacity: int, mapping: mmap.mmap, *, owner: bool, pinned: bool = False) -> None:
         self.path: str | None = path
         self.capacity = capacity
         self._mmap: mmap.mmap | None = mapping
@@ -209,6 +209,40 @@ class SharedArena:
                 pass
 
 
+class MemfdArena(SharedArena):
+    """Nameless shared memory (a memfd) for copy-on-write snapshots (:mod:`ucp.cow`).
+
+    This process's writer thread reads it; the snapshot helper process maps it through
+    the descriptor, passed over a socket. Unlike a ``/dev/shm`` file it needs no room on a
+    mount (containers often give ``/dev/shm`` 64 MiB) and vanishes with its last user.
+    ``token`` names it to the helper, which keeps it mapped between saves.
+    """
+
+    def __init__(self, nbytes: int, *, pin_memory: bool | None = None) -> None:
+        capacity = _round_up(nbytes, ROUND)
+        fd = os.memfd_create("ucp-staging", os.MFD_CLOEXEC)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, capacity)  # ENOSPC now rather than SIGBUS mid-copy
+            except OSError as exc:
+                raise OSError(exc.errno, f"no memory for a {capacity}-byte staging arena: {exc.strerror}") from None
+            mapping = _map(fd, capacity)
+        except BaseException:
+            os.close(fd)
+            raise
+        super().__init__(None, capacity, mapping, owner=False)
+        self.fd = fd
+        self.token = secrets.token_hex(8)
+        if pin_memory if pin_memory is not None else cuda_available():
+            self.pinned = pin(self.address, capacity)
+
+    def close(self, *, unlink: bool | None = None) -> None:
+        super().close(unlink=False)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 def _map(fd: int, capacity: int) -> mmap.mmap:
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(fd, capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -232,11 +266,12 @@ class StagingPool:
     """
 
     def __init__(self, max_arenas: int, *, shared: bool = False, directory: str = "/dev/shm",
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, memfd: bool = False) -> None:
         if max_arenas < 1:
             raise ValueError("a staging pool needs room for at least one arena")
         self.max_arenas = max_arenas
         self.shared = shared
+        self.memfd = memfd  # MemfdArena (copy-on-write snapshots) rather than private memory
         # Shared arenas are files <prefix>-<random>: the owner's pid and this pool, so that a writer process
         # whose trainer died can remove exactly this pool's files.
         self.prefix = os.path.join(directory, f"ucp-staging-{os.getpid()}-{secrets.token_hex(4)}")
@@ -267,6 +302,8 @@ class StagingPool:
         try:
             if self.shared:
                 new: Arena = SharedArena.create(nbytes, prefix=self.prefix, pin_memory=self.pin_memory)
+            elif self.memfd:
+                new = MemfdArena(nbytes, pin_memory=self.pin_memory)
             else:
                 new = HostArena(nbytes, pin_memory=self.pin_memory)
         except BaseException:

@@ -19,11 +19,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ucp  # noqa: E402
+from ucp import cow as ucp_cow  # noqa: E402
 from ucp.async_saving import AsyncSaver, SaveHandle, aload, asave, async_save, default_saver  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 HERE = Path(__file__).resolve()
-MODES = ["thread", "process"]
+MODES = ["thread", "process"]  # "thread" copies before returning (snapshot="sync") in these tests
+COW = None if ucp_cow.cow_unavailable() else "cow"  # copy-on-write snapshots, where this machine allows them
+ALL = MODES + ([COW] if COW else [])
+
+
+def make_saver(mode: str, **kw) -> AsyncSaver:
+    """A saver of one test mode: "thread" and "process" copy before returning, "cow" protects and copies later."""
+    if mode == "cow":
+        return AsyncSaver(mode="thread", snapshot="cow", **kw)
+    return AsyncSaver(mode=mode, snapshot="sync", **kw)
 
 
 def awkward_state(seed: int = 0) -> dict:
@@ -79,13 +89,13 @@ def scribble(obj) -> None:
 def savers():
     """One saver per mode for the whole module (a process-mode writer takes seconds to start); both
     pipelined (not the default), so the writer follows the copy (in process mode: progress messages)."""
-    made = {m: AsyncSaver(mode=m, pipeline=True) for m in MODES}
+    made = {m: make_saver(m, pipeline=True) for m in ALL}
     yield made
     for s in made.values():
         s.close()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL)
 def test_checkpoint_holds_the_values_of_the_moment_of_the_call(tmp_path, savers, mode, monkeypatch):
     # many progress steps: the writer follows the copy 
     monkeypatch.setattr(sys.modules["ucp.async_saving"], "COPY_CHUNK", 1 << 20)
@@ -103,7 +113,7 @@ def test_checkpoint_holds_the_values_of_the_moment_of_the_call(tmp_path, savers,
     assert sorted(os.listdir(tmp_path / "ck")) == ["manifest.json", "rank-00000.safetensors"]
 
 
-@pytest.mark.parametrize("snapshot", ["sync", "background", "none"])
+@pytest.mark.parametrize("snapshot", ["sync", "background", "none"] + ([COW] if COW else []))
 def test_prepare_allocates_the_staging_the_first_save_then_uses(tmp_path, snapshot):
     state = {"w": random_tensor(torch.float32, (512, 300), 2), "b": random_tensor(torch.bfloat16, (77,), 3), "step": 0}
     with AsyncSaver(snapshot=snapshot) as saver:
@@ -120,7 +130,7 @@ def test_prepare_allocates_the_staging_the_first_save_then_uses(tmp_path, snapsh
     assert manager.prepare(state) == 0  # a synchronous manager stages nothing
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL)
 def test_staging_is_reused_and_saves_replace_each_other(tmp_path, savers, mode):
     saver = savers[mode]
     created = saver.pool.created
@@ -164,7 +174,7 @@ def test_errors_before_the_snapshot_raise_at_once_and_leave_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL)
 def test_errors_after_return_come_from_result_and_clean_up(tmp_path, savers, mode):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "precious.txt").write_text("user data")
@@ -414,9 +424,9 @@ def worker(rank: int, world: int, init: str, ck: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    savers = {m: AsyncSaver(mode=m) for m in MODES}
+    savers = {m: make_saver(m) for m in ALL}
     savers["process"].start(wait=False)  # its writer process starts up while the thread mode runs
-    for mode in MODES:
+    for mode in ALL:
         with savers[mode] as saver:
             for round_ in range(2):  # the second save replaces the first (the commit's exchange path)
                 state = rank_state(rank)

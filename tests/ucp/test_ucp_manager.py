@@ -161,3 +161,35 @@ def test_manager_rejects_bad_arguments(tmp_path):
         CheckpointManager("s3://bucket/run")
     with pytest.raises(ValueError):
         CheckpointManager(tmp_path).save({}, -1)
+
+
+def test_cleaning_leftovers_never_breaks_a_pointer_being_written(tmp_path):
+    """A save's commit moves ``latest`` (on the writer thread) while the next save cleans leftovers."""
+    import threading
+
+    from ucp.manager import clean_leftovers, write_latest
+
+    held = tmp_path / ".latest.tmp-0123abcd"
+    held.write_text("{}")
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as write_latest holds it
+    assert clean_leftovers(tmp_path) == [] and held.exists()
+    os.close(fd)
+    assert clean_leftovers(tmp_path) == [held.name] and not held.exists()
+
+    stop = threading.Event()
+
+    def cleaner() -> None:
+        while not stop.is_set():
+            clean_leftovers(tmp_path)
+
+    t = threading.Thread(target=cleaner)
+    t.start()
+    try:
+        for step in range(300):
+            write_latest(tmp_path, step, f"step-{step:08d}")
+            assert read_latest(tmp_path) == (step, f"step-{step:08d}")
+    finally:
+        stop.set()
+        t.join()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".latest.tmp-")]

@@ -76,10 +76,12 @@ class BenchSaveOptions(BaseModel):
     drop_caches: bool = True
     aio: AioConfig = Field(default_factory=AioConfig, description="UCP's aio config; also fio's block size and depth")
     seed: int = 0
-    async_snapshots: list[Literal["sync", "background"]] = Field(
-        default_factory=lambda: ["sync", "background"],
-        description="async_save snapshot modes to time: sync copies before returning; background copies while "
-                    "the next step computes (stall = return + wait_snapshot before the step that changes the state)")
+    async_snapshots: list[Literal["sync", "background", "cow"]] = Field(
+        default_factory=lambda: ["sync", "background", "cow"],
+        description="AsyncSaver snapshot modes to time: sync copies before returning; background copies while "
+                    "the next step computes (it waits for the copy before changing the state); cow (the default "
+                    "where Linux allows it) write-protects the tensors and copies them from a helper process "
+                    "(the step's writes wait for pages not yet copied)")
     async_compute_s: float = Field(1.0, ge=0, description="the next training step's forward/backward, simulated by "
                                    "this many seconds of CPU matrix products between async_save and wait_snapshot")
     op_timeout_s: int = Field(3600, description="a rank silent for this long during one operation fails the bench")
@@ -122,9 +124,11 @@ class MethodResult(BaseModel):
 
 class AsyncSample(BaseModel):
     round: int
-    stall_s: float = Field(description="time the caller was held (slowest rank): until async_save returned, plus "
-                                       "wait_snapshot after the simulated compute")
+    stall_s: float = Field(description="time the training loop lost (slowest rank): until the save returned, plus "
+                                       "wait_snapshot after the simulated compute, plus the step's slowdown")
     waited_s: float = Field(0.0, description="the part of the stall spent in wait_snapshot (slowest rank)")
+    step_slower_s: float = Field(0.0, description="the part of the stall the simulated optimizer step took longer "
+                                                  "than with no save in flight (slowest rank)")
     total_s: float = Field(description="until its result was in on every rank")
 
 
@@ -422,6 +426,9 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
             has_async, async_where = bool(found["available"]), str(found["where"])
             if not has_async:
                 skipped["async"] = f"{async_where} (stall not measured)"
+            elif "cow" in options.async_snapshots and found.get("no_cow"):
+                skipped["async-cow"] = f"copy-on-write snapshots unavailable: {found['no_cow']}"
+                options = options.model_copy(update={"async_snapshots": [m for m in options.async_snapshots if m != "cow"]})
         run = _Run(options, state_bytes, progress, _steps(options, tool is not None, has_async))
         raw_samples: tuple[list[OpSample], list[OpSample]] = ([], [])
         for rnd in range(1, options.rounds + 1):
@@ -534,7 +541,8 @@ def _round_async(run: _Run, world: World, n: int, workdir: Path, rnd: int) -> No
                 raise BenchError(f"ucp.async_save ({mode} snapshot) with {n} rank(s) wrote wrong data (round {rnd}): {bad[0]}")
             run.asyncs.setdefault((n, mode), []).append(
                 AsyncSample(round=rnd, stall_s=max(r["stall_s"] for r in replies),
-                            waited_s=max(r["waited_s"] for r in replies), total_s=replies[0]["seconds"]))
+                            waited_s=max(r["waited_s"] for r in replies),
+                            step_slower_s=max(r.get("step_slower_s", 0.0) for r in replies), total_s=replies[0]["seconds"]))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -621,8 +629,8 @@ def _async_results(options: BenchSaveOptions, run: _Run, has_async: bool, where:
                                        sync_save_s=sync_s))
                 continue
             stall = statistics.median(s.stall_s for s in samples)
-            how = ("stall = until it returned (the copy is made first)" if mode == "sync" else
-                   f"stall = until it returned + wait_snapshot after {compute:g} s of simulated compute")
+            how = (f"stall = until it returned + wait_snapshot after {compute:g} s of simulated compute + how much "
+                   "longer the next optimizer step (rewriting every saved tensor) took than without a save")
             out.append(AsyncResult(
                 ranks=n, snapshot=mode, compute_s=compute, available=True,
                 note=f"{where}, snapshot={mode!r}; {how} (slowest rank); total = until result() on every rank",
@@ -701,14 +709,14 @@ def _row(m: MethodResult, rounds: int) -> list[str]:
 
 
 def _async_line(a: AsyncResult) -> str:
-    who = f"{a.ranks} rank{'s' if a.ranks > 1 else ''}, {a.snapshot} snapshot"
-    if a.snapshot != "sync":
-        who += f" (next step after {a.compute_s:g} s of compute)"
+    who = f"{a.ranks} rank{'s' if a.ranks > 1 else ''}, {a.snapshot} snapshot (next step after {a.compute_s:g} s of compute)"
     if not a.available:
         sync = f" (ucp.save took {a.sync_save_s:.2f} s)" if a.sync_save_s else ""
         return f"async save, {who}: {a.note}{sync}"
     first = "" if a.first_stall_s is None else f" (first save, allocating the staging: stall {a.first_stall_s:.2f} s)"
-    return (f"async save, {who}: stall {a.stall_s:.3f} s, result after {a.total_s:.2f} s; ucp.save {_num(a.sync_save_s)} s; "
+    slower = statistics.median(x.step_slower_s for x in a.samples) if a.samples else 0.0
+    return (f"async save, {who}: stall {a.stall_s:.3f} s (step slower by {slower:.3f} s), result after {a.total_s:.2f} s; "
+            f"ucp.save {_num(a.sync_save_s)} s; "
             f"stall/sync {_num(a.stall_vs_sync, '{:.3f}')}{first}")
 
 

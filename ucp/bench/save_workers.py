@@ -171,6 +171,23 @@ class RankState:
         return sum(get_path(self.plain, p).nbytes for p in self.paths)
 
 
+def _saved_tensors(tree: Any) -> list[Any]:
+    """The tensors of a state dict as ``ucp.save`` gets it (a FlatShard's local part)."""
+    import torch
+
+    from ucp import FlatShard
+
+    if isinstance(tree, FlatShard):
+        return [tree.local]
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _saved_tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _saved_tensors(v)]
+    return []
+
+
 def get_path(tree: Any, path: tuple[Any, ...]) -> Any:
     for k in path:
         tree = tree[k]
@@ -374,36 +391,50 @@ class Worker:
         else:
             raise ValueError(f"unknown load method {method!r}")
 
-    def async_save(self, directory: str, snapshot: str = "sync", compute_s: float = 0.0) -> tuple[float, float, float]:
-        """(stall, waited, total) seconds of an async save followed by a simulated training step.
+    def async_save(self, directory: str, snapshot: str = "sync", compute_s: float = 0.0) -> tuple[float, float, float, float]:
+        """(stall, waited, step slowdown, total) seconds of an async save followed by a simulated training step.
 
-        ``snapshot="sync"`` uses ``ucp.async_save`` (it copies before it returns); other modes an
-        ``AsyncSaver(snapshot=...)``, whose copy runs while the step computes. The stall is the time
-        the caller was held: until the call returned, plus ``wait_snapshot`` after ``compute_s`` s
-        of CPU work (the forward/backward before the optimizer step changes the state).
+        The saver is an ``AsyncSaver(snapshot=...)``, reused across rounds. After the call returns,
+        ``compute_s`` s of CPU work stand for the forward/backward; then ``wait_snapshot`` (deferred
+        copies), then the optimizer step, simulated by rewriting every saved tensor's bytes in place.
+        The stall is the time the training loop lost: until the call returned, plus the wait, plus
+        how much longer that step took than the same step with no save in flight (measured just
+        before) — copy-on-write snapshots make writes to pages not yet copied wait.
         """
         fn, _ = find_async_save()
         if fn is None:
             raise RuntimeError("ucp.async_save does not exist")
-        if snapshot != "sync":
-            import ucp
+        import ucp
 
-            saver = self._savers.get(snapshot)
-            if saver is None:
-                saver = self._savers[snapshot] = ucp.AsyncSaver(snapshot=snapshot)
-            fn = saver.save
+        saver = self._savers.get(snapshot)
+        if saver is None:
+            saver = self._savers[snapshot] = ucp.AsyncSaver(snapshot=snapshot)
+        baseline = self.rewrite_state()
         self.comm.barrier()
         t0 = time.perf_counter()
-        handle = fn(self.state.ucp, os.path.join(directory, "ckpt"), step=STEP, aio_config=self._aio())
+        handle = saver.save(self.state.ucp, os.path.join(directory, "ckpt"), step=STEP, aio_config=self._aio())
         returned = time.perf_counter() - t0
         busy_compute(compute_s)
         t1 = time.perf_counter()
-        getattr(handle, "wait_snapshot", lambda: None)()
+        handle.wait_snapshot()
         waited = time.perf_counter() - t1
-        wait = getattr(handle, "result", None) or getattr(handle, "wait")
-        wait()
+        slower = max(0.0, self.rewrite_state() - baseline)
+        handle.result()
         self.comm.barrier()
-        return returned + waited, waited, time.perf_counter() - t0
+        return returned + waited + slower, waited, slower, time.perf_counter() - t0
+
+    def rewrite_state(self) -> float:
+        """Seconds to rewrite every tensor ``ucp.save`` gets, in place, with the same bytes (numpy: no
+        fast path can skip it) — the memory traffic of an optimizer step."""
+        import numpy as np
+        import torch
+
+        t0 = time.perf_counter()
+        for t in _saved_tensors(self.state.ucp):
+            if t.numel():
+                b = t.view(-1).view(torch.uint8).numpy()
+                np.bitwise_or(b, 0, out=b)
+        return time.perf_counter() - t0
 
     # -- the bit-exact check
 
@@ -510,12 +541,18 @@ class Worker:
             return reply
         if op == "async_save":
             c0 = cpu_seconds()
-            stall, waited, total = self.async_save(cmd["dir"], cmd.get("snapshot", "sync"), cmd.get("compute_s", 0.0))
-            return {"stall_s": stall, "waited_s": waited, "seconds": total, "cpu_s": cpu_seconds() - c0,
+            stall, waited, slower, total = self.async_save(cmd["dir"], cmd.get("snapshot", "sync"),
+                                                           cmd.get("compute_s", 0.0))
+            return {"stall_s": stall, "waited_s": waited, "step_slower_s": slower, "seconds": total,
+                    "cpu_s": cpu_seconds() - c0,
                     "mismatch": self.check_saved_ucp(cmd["dir"])}
         if op == "has_async":
             fn, where = find_async_save()
-            return {"available": fn is not None, "where": where}
+            try:
+                from ucp.cow import cow_unavailable
+            except ImportError:
+                return {"available": fn is not None, "where": where, "no_cow": "not in this build"}
+            return {"available": fn is not None, "where": where, "no_cow": cow_unavailable()}
         raise ValueError(f"unknown command {op!r}")
 
 

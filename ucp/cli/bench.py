@@ -123,9 +123,10 @@ def bench_save(
         bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every load (needs root).")
     ] = True,
     async_snapshot: Annotated[
-        str, typer.Option("--async-snapshot", help="Comma list of async_save snapshot modes to time: sync (copy, then "
-                                                   "return), background (copy while the next step computes).")
-    ] = "sync,background",
+        str, typer.Option("--async-snapshot", help="Comma list of AsyncSaver snapshot modes to time: sync (copy, then "
+                                                   "return), background (copy while the next step computes), cow "
+                                                   "(write-protect, copy from a helper process; the default).")
+    ] = "sync,background,cow",
     async_compute_s: Annotated[
         float, typer.Option("--async-compute-s", min=0.0, help="Simulated forward/backward (s of CPU work) between "
                                                                "async_save and the wait before the next optimizer step.")
