@@ -43,6 +43,7 @@ from .userfaultfd import PAGE, WriteProtector, unavailable
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 30.0  # seconds for the helper to start and prove it can read our memory
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))  # the helper's copy threads (process_vm_readv in parallel)
 PROTECT_TIMEOUT = 60.0  # seconds for the helper to write-protect a snapshot's pages
 _PR_SET_PTRACER = 0x59616D61  # prctl: let the helper read our memory under Yama ptrace_scope=1
 
@@ -94,7 +95,8 @@ class CowSnapshots:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "ucp.cow_helper", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                    [sys.executable, "-m", "ucp.cow_helper", str(theirs.fileno()), str(COPY_THREADS)],
+                    pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL, env=_helper_env())
             finally:
                 theirs.close()

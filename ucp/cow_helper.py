@@ -32,8 +32,8 @@ import select
 import socket
 import struct
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from .userfaultfd import WriteProtector, read_process_memory
@@ -94,86 +94,112 @@ def _receive_exactly(sock: socket.socket, n: int) -> bytes | None:
 
 # -- one snapshot ----------------------------------------------------------------------------------
 
+_COPYING, _COPIED, _FAILED = 1, 2, 3  # block states (absent: not copied yet)
 
-@dataclass
+
 class _Job:
-    """A snapshot being copied: its pieces in file order as (source address or 0, length, arena offset,
-    file end); 0 marks a piece the trainer copied itself."""
+    """A snapshot being copied. Its pieces in file order are (source address or 0, length, arena offset,
+    file end); 0 marks a piece the trainer copied itself.
 
-    id: int
-    pid: int
-    protector: WriteProtector
-    base: int  # the arena's address in this process
-    runs: list[tuple[int, int]]  # the registered (protected) page ranges, sorted
-    pieces: list[tuple[int, int, int, int]]
-    blocks: dict[int, list[int]] = field(default_factory=dict)  # block number -> pieces overlapping it
-    copied: set[int] = field(default_factory=set)
-    start_after: float = 0.0  # monotonic time before which the bulk copy waits (tests: faults come first)
-    faulted: int = 0  # blocks copied early because the trainer wrote to them
-    next_piece: int = 0
-    next_block: int = -1  # the block of the current piece to look at next
-    reported: int = 0
+    Blocks are claimed (under ``lock``) by one copier each — a copy thread in file order, or the
+    fault server for a block the trainer wrote to first — so each is read exactly once, while still
+    protected, and released right after.
+    """
 
-    def __post_init__(self) -> None:
-        for i, (src, length, _off, _end) in enumerate(self.pieces):
+    def __init__(self, id: int, pid: int, protector: WriteProtector, base: int, runs: list[tuple[int, int]],
+                 pieces: list[tuple[int, int, int, int]], start_after: float = 0.0) -> None:
+        self.id, self.pid, self.protector, self.base = id, pid, protector, base
+        self.runs = runs  # the registered (protected) page ranges, sorted
+        self.run_starts = [r[0] for r in runs]
+        self.pieces = pieces
+        self.start_after = start_after  # monotonic time before which the copy threads wait (tests: faults first)
+        self.lock = threading.Lock()
+        self.blocks: dict[int, list[int]] = {}  # block number -> pieces overlapping it
+        self.order: list[int] = []  # every block once, in file order of the pieces
+        self.remaining = [0] * len(pieces)  # per piece: its blocks not copied yet
+        for i, (src, length, _off, _end) in enumerate(pieces):
             if src and length:
                 for k in range(src // BLOCK, (src + length - 1) // BLOCK + 1):
-                    self.blocks.setdefault(k, []).append(i)
+                    if k not in self.blocks:
+                        self.blocks[k] = []
+                        self.order.append(k)
+                    self.blocks[k].append(i)
+                    self.remaining[i] += 1
+        self.state: dict[int, int] = {}
+        self.next = 0  # index into order of the next block a copy thread may claim
+        self.left = len(self.order)  # blocks not copied yet
+        self.ready_piece = 0  # pieces before this one are complete in the arena
+        self.reported = 0
+        self.faulted = 0  # blocks copied early because the trainer wrote to them
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.next_piece >= len(self.pieces)
+        return self.left == 0 or self.error is not None
 
-    @property
-    def waiting(self) -> bool:
-        return time.monotonic() < self.start_after
+    def claim_next(self) -> int | None:
+        """The next block in file order nobody copies yet, now claimed; None when there is none."""
+        with self.lock:
+            if self.error is not None or time.monotonic() < self.start_after:
+                return None
+            while self.next < len(self.order):
+                k = self.order[self.next]
+                self.next += 1
+                if k not in self.state:
+                    self.state[k] = _COPYING
+                    return k
+            return None
 
-    def copy_block(self, k: int) -> None:
-        """Copy every piece's bytes in block ``k`` into the arena, then lift the block's protection."""
+    def copy(self, k: int) -> None:
+        """Copy every piece's bytes in (claimed) block ``k`` into the arena, then lift its protection."""
         lo, hi = k * BLOCK, (k + 1) * BLOCK
         copies = []
-        for i in self.blocks.get(k, ()):
+        for i in self.blocks[k]:
             src, length, offset, _end = self.pieces[i]
             a, b = max(src, lo), min(src + length, hi)
             copies.append((self.base + offset + (a - src), a, b - a))
-        read_process_memory(self.pid, copies)
-        self.copied.add(k)
-        starts = [r[0] for r in self.runs]
-        at = max(0, bisect.bisect_right(starts, lo) - 1)
-        for start, end in self.runs[at:]:
-            if start >= hi:
-                break
-            a, b = max(start, lo), min(end, hi)
-            if a < b:
-                self.protector.unprotect(a, b - a)
+        try:
+            read_process_memory(self.pid, copies)
+            at = max(0, bisect.bisect_right(self.run_starts, lo) - 1)
+            for start, end in self.runs[at:]:
+                if start >= hi:
+                    break
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    self.protector.unprotect(a, b - a)
+        except OSError as exc:
+            with self.lock:
+                self.error = self.error or f"copy-on-write snapshot failed: {exc}"
+                self.state[k] = _FAILED
+            return
+        with self.lock:
+            self.state[k] = _COPIED
+            self.left -= 1
+            for i in self.blocks[k]:
+                self.remaining[i] -= 1
 
-    def serve_faults(self) -> None:
-        for address in self.protector.faults():
-            k = address // BLOCK
-            if k in self.blocks and k not in self.copied:
-                self.copy_block(k)
+    def serve_fault(self, address: int) -> None:
+        """The trainer wrote to ``address``: copy its block now unless someone has or is doing so."""
+        k = address // BLOCK
+        with self.lock:
+            mine = k in self.blocks and k not in self.state
+            if mine:
+                self.state[k] = _COPYING
                 self.faulted += 1
-            else:  # copied (and released) after the fault was queued: just make sure the writer runs
-                page = address - address % mmap.PAGESIZE
-                self.protector.wake(page, mmap.PAGESIZE)
+            elif self.state.get(k) == _COPYING:
+                return  # its copier lifts the protection, which wakes the writer
+        if mine:
+            self.copy(k)
+        else:  # copied and released after the fault was queued: make sure the writer runs
+            page = address - address % mmap.PAGESIZE
+            self.protector.wake(page, mmap.PAGESIZE)
 
-    def step(self) -> int | None:
-        """Copy the next uncopied block in file order; returns the file bytes now ready when a piece ends."""
-        if self.next_piece >= len(self.pieces):
-            return None
-        src, length, _off, end = self.pieces[self.next_piece]
-        if src and length:
-            last = (src + length - 1) // BLOCK
-            k = max(self.next_block, src // BLOCK)
-            while k <= last and k in self.copied:
-                k += 1
-            if k <= last:
-                self.copy_block(k)
-                self.next_block = k + 1
-                return None
-        self.next_piece += 1
-        self.next_block = -1
-        return end
+    def ready(self) -> int:
+        """Bytes of the file image complete from its start (the writer may write them)."""
+        with self.lock:
+            while self.ready_piece < len(self.pieces) and self.remaining[self.ready_piece] == 0:
+                self.ready_piece += 1
+            return self.pieces[self.ready_piece - 1][3] if self.ready_piece else 0
 
     def close(self) -> None:
         for start, end in self.runs:
@@ -188,54 +214,111 @@ class _Job:
 
 
 class Helper:
-    """The helper's state: the socket to the trainer, the arenas it mapped, the jobs in progress."""
+    """The helper's state: the socket to the trainer, the arenas it mapped, the jobs in progress.
 
-    def __init__(self, sock: socket.socket) -> None:
+    The main thread reads the trainer's messages and serves write faults, and alone opens and closes
+    descriptors. ``threads`` copy threads copy blocks in file order (``process_vm_readv`` releases
+    the GIL, so they run in parallel) and poke the main thread through a pipe when a job advanced.
+    """
+
+    def __init__(self, sock: socket.socket, threads: int = 2) -> None:
         self.sock = sock
         self.arenas: dict[str, tuple[mmap.mmap, int]] = {}  # token -> (mapping, address)
         self.jobs: list[_Job] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.send_lock = threading.Lock()
+        self.poke_r, self.poke_w = os.pipe()
+        os.set_blocking(self.poke_w, False)
+        self.copiers = [threading.Thread(target=self.copier, daemon=True) for _ in range(threads)]
 
     def run(self) -> None:
-        while True:
-            busy = [j for j in self.jobs if not j.finished]
-            timeout = None if not busy else max(0.0, min(j.start_after for j in busy) - time.monotonic())
-            waiting = [self.sock] + [j.protector.fd for j in self.jobs]
-            readable, _, _ = select.select(waiting, [], [], timeout)
-            if self.sock in readable and not self.handle(receive_message(self.sock)):
-                return
-            for job in list(self.jobs):
-                self.guard(job, job.serve_faults)
-            for job in self.jobs:
-                if not job.finished and not job.waiting:
-                    self.guard(job, lambda job=job: self.advance(job))
-                    break
-
-    def guard(self, job: _Job, fn: Any) -> None:
-        """Run ``fn``; a failure ends the job (its descriptor closes: every blocked writer goes on)."""
+        for t in self.copiers:
+            t.start()
         try:
-            fn()
-        except OSError as exc:
-            self.end(job, error=f"copy-on-write snapshot failed: {exc}")
+            while True:
+                with self.cond:
+                    jobs = list(self.jobs)
+                waiting = [self.sock, self.poke_r] + [j.protector.fd for j in jobs]
+                readable, _, _ = select.select(waiting, [], [])
+                if self.sock in readable and not self.handle(receive_message(self.sock)):
+                    return
+                if self.poke_r in readable:
+                    os.read(self.poke_r, 4096)
+                for job in jobs:
+                    for address in job.protector.faults():
+                        job.serve_fault(address)
+                    self.report(job)
+        finally:
+            with self.cond:
+                self.stopping = True
+                self.cond.notify_all()
 
-    def advance(self, job: _Job) -> None:
-        ready = job.step()
+    def copier(self) -> None:
+        """A copy thread: claim the oldest job's next block, copy it, tell the main thread."""
+        while True:
+            with self.cond:
+                claimed = self.claim()
+                while claimed is None:
+                    if self.stopping:
+                        return
+                    now = time.monotonic()
+                    pauses = [j.start_after - now for j in self.jobs if j.start_after > now]
+                    self.cond.wait(min(pauses) if pauses else None)  # new jobs notify
+                    claimed = self.claim()
+            job, k = claimed
+            job.copy(k)
+            if job.finished or job.ready() - job.reported >= REPORT_EVERY:
+                try:
+                    os.write(self.poke_w, b"!")
+                except BlockingIOError:
+                    pass  # the pipe is full of pokes already
+
+    def claim(self) -> tuple[_Job, int] | None:
+        """A block to copy, from the oldest job that has one (called holding ``cond``)."""
+        for job in self.jobs:
+            k = job.claim_next()
+            if k is not None:
+                return job, k
+        return None
+
+    def report(self, job: _Job) -> None:
+        """Tell the trainer how far ``job`` got; end it when it is complete or failed."""
         if job.finished:
-            self.end(job)
-        elif ready is not None and ready - job.reported >= REPORT_EVERY:
+            with job.lock:
+                copying = any(v == _COPYING for v in job.state.values())
+            if copying:
+                return  # a copier still reads with the descriptor (only after an error)
+            with self.cond:
+                if job not in self.jobs:
+                    return
+                self.jobs.remove(job)
+            job.close()
+            self.send({"id": job.id, "error": job.error} if job.error else
+                      {"id": job.id, "done": True, "faulted": job.faulted})
+            return
+        ready = job.ready()
+        if ready - job.reported >= REPORT_EVERY:
             job.reported = ready
-            send_message(self.sock, {"id": job.id, "ready": ready})
+            self.send({"id": job.id, "ready": ready})
 
-    def end(self, job: _Job, error: str | None = None) -> None:
-        job.close()
-        if job in self.jobs:
-            self.jobs.remove(job)
-        send_message(self.sock, {"id": job.id, "error": error} if error else
-                     {"id": job.id, "done": True, "faulted": job.faulted})
+    def send(self, message: dict[str, Any]) -> None:
+        with self.send_lock:
+            send_message(self.sock, message)
 
     def handle(self, received: tuple[dict[str, Any], bytes, list[int]] | None) -> bool:
         """Act on one message from the trainer; False when it is gone or says stop."""
         if received is None:
-            for job in self.jobs:  # the trainer is gone: nothing left to protect or copy for
+            with self.cond:
+                jobs, self.jobs = self.jobs, []
+                self.stopping = True
+                self.cond.notify_all()
+            for job in jobs:  # the trainer is gone: nothing left to protect or copy for
+                with job.lock:
+                    job.error = "the trainer is gone"
+            for t in self.copiers:
+                t.join()
+            for job in jobs:
                 job.close()
             return False
         message, binary, fds = received
@@ -246,9 +329,9 @@ class Helper:
             try:
                 buf = bytearray(message["length"])
                 read_process_memory(message["pid"], [(_address(buf), message["address"], len(buf))])
-                send_message(self.sock, {"hello": bytes(buf).hex()})
+                self.send({"hello": bytes(buf).hex()})
             except OSError as exc:
-                send_message(self.sock, {"hello": None, "error": str(exc)})
+                self.send({"hello": None, "error": str(exc)})
         elif op == "forget":
             mapped = self.arenas.pop(message["arena"], None)
             if mapped is not None:
@@ -273,17 +356,20 @@ class Helper:
         runs = [(words[2 * i], words[2 * i + 1]) for i in range(n_runs)]
         rest = words[2 * n_runs:]
         pieces = [(rest[i], rest[i + 1], rest[i + 2], rest[i + 3]) for i in range(0, len(rest), 4)]
-        job = _Job(id=message["id"], pid=message["pid"], protector=protector, base=self.arenas[token][1],
-                   runs=runs, pieces=pieces, start_after=time.monotonic() + message.get("pause", 0.0))
+        job = _Job(message["id"], message["pid"], protector, self.arenas[token][1], runs, pieces,
+                   start_after=time.monotonic() + message.get("pause", 0.0))
         try:
             for start, end in runs:
                 protector.protect(start, end - start)
         except OSError as exc:
             job.close()  # lifts what was protected
-            send_message(self.sock, {"id": job.id, "protected": False, "error": f"write-protecting: {exc}"})
+            self.send({"id": job.id, "protected": False, "error": f"write-protecting: {exc}"})
             return
-        self.jobs.append(job)
-        send_message(self.sock, {"id": job.id, "protected": True})
+        with self.cond:
+            self.jobs.append(job)
+            self.cond.notify_all()
+        self.send({"id": job.id, "protected": True})
+        self.report(job)  # a job with nothing to copy is done at once
 
 
 def _address(buffer: Any) -> int:
@@ -294,8 +380,9 @@ def _address(buffer: Any) -> int:
 
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
+    threads = int(argv[2]) if len(argv) > 2 else 2
     try:
-        Helper(sock).run()
+        Helper(sock, threads).run()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the trainer is gone
     return 0

@@ -83,7 +83,8 @@ class BenchSaveOptions(BaseModel):
                     "where Linux allows it) write-protects the tensors and copies them from a helper process "
                     "(the step's writes wait for pages not yet copied)")
     async_compute_s: float = Field(1.0, ge=0, description="the next training step's forward/backward, simulated by "
-                                   "this many seconds of CPU matrix products between async_save and wait_snapshot")
+                                   "CPU matrix products between async_save and wait_snapshot: as many as take this "
+                                   "many seconds with no save in flight")
     op_timeout_s: int = Field(3600, description="a rank silent for this long during one operation fails the bench")
 
 
@@ -129,6 +130,8 @@ class AsyncSample(BaseModel):
     waited_s: float = Field(0.0, description="the part of the stall spent in wait_snapshot (slowest rank)")
     step_slower_s: float = Field(0.0, description="the part of the stall the simulated optimizer step took longer "
                                                   "than with no save in flight (slowest rank)")
+    compute_slower_s: float = Field(0.0, description="not part of the stall: how much longer the simulated compute "
+                                                     "took than with no save in flight (slowest rank)")
     total_s: float = Field(description="until its result was in on every rank")
 
 
@@ -542,7 +545,8 @@ def _round_async(run: _Run, world: World, n: int, workdir: Path, rnd: int) -> No
             run.asyncs.setdefault((n, mode), []).append(
                 AsyncSample(round=rnd, stall_s=max(r["stall_s"] for r in replies),
                             waited_s=max(r["waited_s"] for r in replies),
-                            step_slower_s=max(r.get("step_slower_s", 0.0) for r in replies), total_s=replies[0]["seconds"]))
+                            step_slower_s=max(r.get("step_slower_s", 0.0) for r in replies),
+                            compute_slower_s=max(r.get("compute_slower_s", 0.0) for r in replies), total_s=replies[0]["seconds"]))
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -630,7 +634,7 @@ def _async_results(options: BenchSaveOptions, run: _Run, has_async: bool, where:
                 continue
             stall = statistics.median(s.stall_s for s in samples)
             how = (f"stall = until it returned + wait_snapshot after {compute:g} s of simulated compute + how much "
-                   "longer the next optimizer step (rewriting every saved tensor) took than without a save")
+                   "longer the next optimizer step (rewriting every saved tensor) took than with no save in flight")
             out.append(AsyncResult(
                 ranks=n, snapshot=mode, compute_s=compute, available=True,
                 note=f"{where}, snapshot={mode!r}; {how} (slowest rank); total = until result() on every rank",
@@ -714,8 +718,10 @@ def _async_line(a: AsyncResult) -> str:
         sync = f" (ucp.save took {a.sync_save_s:.2f} s)" if a.sync_save_s else ""
         return f"async save, {who}: {a.note}{sync}"
     first = "" if a.first_stall_s is None else f" (first save, allocating the staging: stall {a.first_stall_s:.2f} s)"
-    slower = statistics.median(x.step_slower_s for x in a.samples) if a.samples else 0.0
-    return (f"async save, {who}: stall {a.stall_s:.3f} s (step slower by {slower:.3f} s), result after {a.total_s:.2f} s; "
+    step = statistics.median(x.step_slower_s for x in a.samples) if a.samples else 0.0
+    compute = statistics.median(x.compute_slower_s for x in a.samples) if a.samples else 0.0
+    return (f"async save, {who}: stall {a.stall_s:.3f} s (of it, the step slower by {step:.3f} s; the compute "
+            f"meanwhile slower by {compute:.3f} s), result after {a.total_s:.2f} s; "
             f"ucp.save {_num(a.sync_save_s)} s; "
             f"stall/sync {_num(a.stall_vs_sync, '{:.3f}')}{first}")
 

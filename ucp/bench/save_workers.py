@@ -308,7 +308,8 @@ class Worker:
         self.state = build_state(cfg.spec, cfg.rank, cfg.world, cfg.seed)
         self.loaded: Any = None
         self._checks: list[tuple[tuple[Any, ...], Any]] = []  # (path, expected bytes) of the next check
-        self._savers: dict[str, Any] = {}  # AsyncSaver per snapshot mode, reused (its staging too) across rounds
+        self._savers: dict[str, Any] = {}
+        self._iteration_s: float | None = None  # seconds per busy_compute iteration, idle  # AsyncSaver per snapshot mode, reused (its staging too) across rounds
 
     # -- helpers
 
@@ -391,15 +392,20 @@ class Worker:
         else:
             raise ValueError(f"unknown load method {method!r}")
 
-    def async_save(self, directory: str, snapshot: str = "sync", compute_s: float = 0.0) -> tuple[float, float, float, float]:
-        """(stall, waited, step slowdown, total) seconds of an async save followed by a simulated training step.
+    def async_save(self, directory: str, snapshot: str = "sync", compute_s: float = 0.0) -> dict[str, float]:
+        """Seconds of an async save followed by a simulated training step.
 
         The saver is an ``AsyncSaver(snapshot=...)``, reused across rounds. After the call returns,
-        ``compute_s`` s of CPU work stand for the forward/backward; then ``wait_snapshot`` (deferred
-        copies), then the optimizer step, simulated by rewriting every saved tensor's bytes in place.
-        The stall is the time the training loop lost: until the call returned, plus the wait, plus
-        how much longer that step took than the same step with no save in flight (measured just
-        before) — copy-on-write snapshots make writes to pages not yet copied wait.
+        a fixed amount of CPU work (``compute_s`` s of it with no save in flight) stands for the
+        forward/backward; then ``wait_snapshot`` (deferred copies), then the optimizer step, simulated
+        by rewriting every saved tensor's bytes in place. Both are also timed just before, with no
+        save in flight.
+
+        * ``stall_s``: the time training was held — until the call returned, plus the wait, plus how
+          much longer the step took (copy-on-write: writes to pages not copied yet wait);
+        * ``compute_slower_s``: how much longer the compute took (not a stall: the copy and the
+          writer share the CPUs and memory bandwidth with it);
+        * ``seconds``: until the save's result.
         """
         fn, _ = find_async_save()
         if fn is None:
@@ -409,19 +415,35 @@ class Worker:
         saver = self._savers.get(snapshot)
         if saver is None:
             saver = self._savers[snapshot] = ucp.AsyncSaver(snapshot=snapshot)
-        baseline = self.rewrite_state()
+        work = self.compute_iterations(compute_s)
+        self.comm.barrier()
+        base_compute, base_step = busy_compute(work), self.rewrite_state()
         self.comm.barrier()
         t0 = time.perf_counter()
         handle = saver.save(self.state.ucp, os.path.join(directory, "ckpt"), step=STEP, aio_config=self._aio())
         returned = time.perf_counter() - t0
-        busy_compute(compute_s)
+        computed = busy_compute(work)
         t1 = time.perf_counter()
         handle.wait_snapshot()
         waited = time.perf_counter() - t1
-        slower = max(0.0, self.rewrite_state() - baseline)
+        step_slower = max(0.0, self.rewrite_state() - base_step)
         handle.result()
         self.comm.barrier()
-        return returned + waited + slower, waited, slower, time.perf_counter() - t0
+        return {"stall_s": returned + waited + step_slower, "waited_s": waited, "step_slower_s": step_slower,
+                "compute_slower_s": max(0.0, computed - base_compute), "seconds": time.perf_counter() - t0}
+
+    def compute_iterations(self, seconds: float) -> int:
+        """How many :func:`busy_compute` iterations take ``seconds`` here (measured once, idle)."""
+        if seconds <= 0:
+            return 0
+        if self._iteration_s is None:
+            self.comm.barrier()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.5:
+                busy_compute(8)
+                n += 8
+            self._iteration_s = (time.perf_counter() - t0) / n
+        return max(1, round(seconds / self._iteration_s))
 
     def rewrite_state(self) -> float:
         """Seconds to rewrite every tensor ``ucp.save`` gets, in place, with the same bytes (numpy: no
@@ -541,10 +563,8 @@ class Worker:
             return reply
         if op == "async_save":
             c0 = cpu_seconds()
-            stall, waited, slower, total = self.async_save(cmd["dir"], cmd.get("snapshot", "sync"),
-                                                           cmd.get("compute_s", 0.0))
-            return {"stall_s": stall, "waited_s": waited, "step_slower_s": slower, "seconds": total,
-                    "cpu_s": cpu_seconds() - c0,
+            reply = self.async_save(cmd["dir"], cmd.get("snapshot", "sync"), cmd.get("compute_s", 0.0))
+            return {**reply, "cpu_s": cpu_seconds() - c0,
                     "mismatch": self.check_saved_ucp(cmd["dir"])}
         if op == "has_async":
             fn, where = find_async_save()
@@ -564,16 +584,16 @@ def find_async_save() -> tuple[Callable[..., Any] | None, str]:
     return (fn, "ucp.async_save") if callable(fn) else (None, "ucp.async_save does not exist in this build")
 
 
-def busy_compute(seconds: float) -> None:
-    """Stand-in for a training step's forward/backward: ``seconds`` of matrix products on the CPU."""
-    if seconds <= 0:
-        return
+def busy_compute(iterations: int) -> float:
+    """Stand-in for a training step's forward/backward: matrix products on the CPU; returns the seconds."""
     import torch
 
-    a = torch.randn(512, 512)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a = torch.tanh(a @ a)
+    t0 = time.perf_counter()
+    if iterations > 0:
+        a = torch.randn(512, 512)
+        for _ in range(iterations):
+            a = torch.tanh(a @ a)
+    return time.perf_counter() - t0
 
 
 def cpu_seconds() -> float:
