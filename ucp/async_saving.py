@@ -6,7 +6,9 @@
     ...                       # training goes on and may change the tensors right away
     manifest = handle.result()   # or handle.done(), or ``await handle``
 
-What happens on the calling thread (the *stall*):
+What happens on the calling thread (the *stall*), with a copying snapshot
+(``snapshot="sync"``; the default ``"auto"`` picks copy-on-write where Linux allows it,
+:mod:`ucp.cow`, and replaces step 4 by write-protecting the tensors' pages):
 
 1. plan the rank file (cached by layout, as for :func:`ucp.save`);
 2. take a staging arena from the saver's pool (blocks while ``max_in_flight``
@@ -129,6 +131,16 @@ class AsyncSaver:
     one rank file per snapshot). When all are in use, ``save`` blocks until the
     oldest save has written its data file; the commit of one save may overlap
     the snapshot of the next. Saves are written and committed in call order.
+
+    ``snapshot="auto"`` (default): ``"cow"`` in thread mode where a write-protect userfaultfd is
+    allowed (:func:`ucp.cow.cow_unavailable` says why not), else ``"sync"``; :attr:`snapshot` holds
+    the choice. ``"sync"``: the state is copied into the staging arena before ``save`` returns.
+
+    ``snapshot="cow"`` (thread mode, host tensors): ``save`` write-protects the tensors' pages and
+    returns; a helper process copies them in the background, and a write to a page not copied yet
+    (by anything: optimizer step, ``.data``, numpy, the kernel) waits until it is. The checkpoint is
+    the state at the call with no promise asked of the caller (:mod:`ucp.cow`). Raises
+    :class:`ucp.cow.CowUnavailable` where the kernel refuses.
 
     ``snapshot="none"`` (thread mode): nothing is copied; the writer writes straight from the
     tensors, and the caller must not change them until ``handle.wait_snapshot()`` returns (the
@@ -313,6 +325,7 @@ class AsyncSaver:
         The first save otherwise allocates it while the caller waits (measured on the reference
         VM: 0.6-5 s for 2 GiB, as freshly faulted memory is slow there); later saves reuse it.
         Call it where a pause costs nothing, e.g. before the first training step. No collective.
+        With copy-on-write snapshots it also starts the helper process, which maps that memory.
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
@@ -322,7 +335,12 @@ class AsyncSaver:
         plan = plan_save(encode_state(state_dict).leaves, group.rank, group.world_size, cache=PLAN_CACHE)
         if plan.file is None:
             return 0
-        self.pool.release(self.pool.acquire(plan.file_size))
+        arena = self.pool.acquire(plan.file_size)
+        try:
+            if self._cow is not None:
+                self._cow.prepare(arena)  # type: ignore[arg-type]
+        finally:
+            self.pool.release(arena)
         return plan.file_size
 
     def wait(self) -> None:

@@ -26,8 +26,10 @@ safe next to the training loop's own), so ranks meet in the temporary directory:
    directory holds only ``manifest.json`` and the data files;
 3. the other ranks poll until rank 0 has moved *their* temporary directory to the
    final path (same device and inode; on object stores: the final manifest holds
-   their pieces) — or until the temporary directory vanished without that, which
-   means rank 0 gave up.
+   their pieces) — or until rank 0 gave up: it then writes its reason as
+   ``<temp>/.abandoned.json``, waits up to ``ACK_TIMEOUT`` for each waiting rank's
+   ``.abandoned-seen-rank-NNNNN`` (so every rank's error says why), and deletes the
+   directory; a directory that vanished without a commit also means rank 0 gave up.
 
 Temporary directories of saves in flight are held with a shared ``flock``, so a
 cleaner (:class:`ucp.CheckpointManager`) can tell them from leftovers of killed saves. On local
@@ -167,6 +169,14 @@ def drop_alive_files(storage: Storage, job: "WriteJob") -> None:
 
 def report_name(rank: int) -> str:
     return f".report-rank-{rank:05d}.json"
+
+
+ABANDONED_NAME = ".abandoned.json"  # rank 0's reason for giving up a save, for the other ranks to read
+ACK_TIMEOUT = 2.0  # seconds rank 0 waits for the waiting ranks to read that reason before removing the directory
+
+
+def ack_name(rank: int) -> str:
+    return f".abandoned-seen-rank-{rank:05d}"
 
 
 # -- the job -------------------------------------------------------------------------------------
@@ -443,7 +453,7 @@ def _execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Pro
         return wait_for_commit(storage, job, report)
 
     if error is not None:
-        _commit.abort(storage, job.temp)
+        give_up(storage, job, error)
         raise error
     assert report is not None
     try:
@@ -452,8 +462,8 @@ def _execute(job: WriteJob, storage: Storage, arena: Arena | None, progress: Pro
                                           mesh=job.mesh, created=now_utc())
         drop_alive_files(storage, job)
         _commit.commit(storage, job.temp, job.name, manifest)
-    except BaseException:
-        _commit.abort(storage, job.temp)
+    except BaseException as exc:
+        give_up(storage, job, exc)
         raise
     if job.post_commit is not None:
         run_post_commit(job.post_commit, storage.describe(job.name))
@@ -483,6 +493,39 @@ def abandon(job: WriteJob, why: str = "snapshot failed") -> None:
                 publish_report(storage, job, _commit.RankReport(rank=job.rank, error=why))
             except CommitError:
                 pass
+
+
+def give_up(storage: Storage, job: WriteJob, error: BaseException) -> None:
+    """Rank 0 abandons a save: leave its reason in the temporary directory for the ranks waiting on the
+    commit, give them up to ACK_TIMEOUT to read it (ranks that died or failed are not waited for),
+    then remove the directory. Best effort: never masks ``error``."""
+    if job.world_size > 1:
+        try:
+            final = f"{job.temp}/{ABANDONED_NAME}"
+            storage.write_small(final + ".part", json.dumps({"error": describe(error)}).encode())
+            storage.rename(final + ".part", final)
+            deadline = time.monotonic() + ACK_TIMEOUT
+            while time.monotonic() < deadline:
+                names = set(storage.listdir(job.temp))
+                if all(ack_name(r) in names or rank_dead(storage, job, r) for r in range(1, job.world_size)):
+                    break
+                time.sleep(POLL_MAX / 2)
+        except Exception as exc:  # noqa: BLE001 - the directory may be gone, the storage failing
+            log.debug("could not tell the other ranks why %s was abandoned: %s", storage.describe(job.temp), exc)
+    _commit.abort(storage, job.temp)
+
+
+def abandoned_because(storage: Storage, job: WriteJob) -> str | None:
+    """Ranks > 0: rank 0's reason for abandoning this save, once it left one (acknowledged here)."""
+    try:
+        reason = json.loads(storage.read_small(f"{job.temp}/{ABANDONED_NAME}"))["error"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        storage.write_small(f"{job.temp}/{ack_name(job.rank)}", b"")
+    except OSError:
+        pass
+    return str(reason)
 
 
 def publish_report(storage: Storage, job: WriteJob, report: _commit.RankReport) -> None:
@@ -543,6 +586,10 @@ def wait_for_commit(storage: Storage, job: WriteJob, report: _commit.RankReport)
     while True:
         if job.temp_identity is not None and identity(storage, job.name) == job.temp_identity:
             return _committed(storage, job)
+        reason = abandoned_because(storage, job)
+        if reason is not None:
+            raise CommitError(f"rank 0 did not commit {storage.describe(job.name)}: {reason}; "
+                              f"rank {job.rank}'s data was written")
         if not storage.exists(job.temp):
             # The temporary directory is gone: rank 0 committed it (renamed) or gave up (deleted).
             if job.temp_identity is not None:

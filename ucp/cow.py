@@ -180,6 +180,15 @@ class CowSnapshots:
             if not p.done.done():
                 p.done.set_exception(_bg.SnapshotAborted(error))
 
+    def prepare(self, arena: MemfdArena) -> None:
+        """Start the helper and have it map ``arena`` now, so the first snapshot does not wait for either."""
+        try:
+            sock = self._ensure_helper()
+            with self._send_lock:
+                send_message(sock, {"op": "map", "arena": arena.token, "capacity": arena.capacity}, fds=[arena.fd])
+        except (CowUnavailable, OSError) as exc:
+            log.info("copy-on-write helper not prepared: %s", exc)
+
     def forget(self, arena: Any) -> None:
         """The pool dropped ``arena``: the helper unmaps it."""
         token = getattr(arena, "token", None)

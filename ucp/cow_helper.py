@@ -29,6 +29,7 @@ import json
 import mmap
 import os
 import select
+import signal
 import socket
 import struct
 import sys
@@ -336,27 +337,31 @@ class Helper:
             mapped = self.arenas.pop(message["arena"], None)
             if mapped is not None:
                 mapped[0].close()
+        elif op == "map":  # an arena prepared ahead of the first save
+            self.map_arena(message["arena"], message["capacity"], fds[0])
         elif op == "job":
             self.start_job(message, binary, fds)
         return True
 
+    def map_arena(self, token: str, capacity: int, memfd: int) -> int:
+        """The address of arena ``token`` here, mapping it (through ``memfd``, which is closed) the first time."""
+        if token not in self.arenas:
+            mapping = mmap.mmap(memfd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.arenas[token] = (mapping, _address(mapping))
+        os.close(memfd)
+        return self.arenas[token][1]
+
     def start_job(self, message: dict[str, Any], binary: bytes, fds: list[int]) -> None:
         uffd_fd, memfd = fds
         protector = WriteProtector(uffd_fd, message["features"])
-        token = message["arena"]
-        if token in self.arenas:
-            os.close(memfd)
-        else:
-            mapping = mmap.mmap(memfd, message["capacity"], flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            os.close(memfd)
-            self.arenas[token] = (mapping, _address(mapping))
+        base = self.map_arena(message["arena"], message["capacity"], memfd)
         words = array.array("Q")
         words.frombytes(binary)
         n_runs = message["runs"]
         runs = [(words[2 * i], words[2 * i + 1]) for i in range(n_runs)]
         rest = words[2 * n_runs:]
         pieces = [(rest[i], rest[i + 1], rest[i + 2], rest[i + 3]) for i in range(0, len(rest), 4)]
-        job = _Job(message["id"], message["pid"], protector, self.arenas[token][1], runs, pieces,
+        job = _Job(message["id"], message["pid"], protector, base, runs, pieces,
                    start_after=time.monotonic() + message.get("pause", 0.0))
         try:
             for start, end in runs:
@@ -379,6 +384,7 @@ def _address(buffer: Any) -> int:
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; we end when it closes the socket
     sock = socket.socket(fileno=int(argv[1]))
     threads = int(argv[2]) if len(argv) > 2 else 2
     try:

@@ -226,3 +226,25 @@ def test_a_state_that_grows_gets_a_new_arena_and_stays_exact(tmp_path):
             handle.result(timeout=120)
             assert_same_state(expected, ucp.load(tmp_path / f"ck{i}"))
         assert saver.pool.created == 2  # the small arena was dropped (the helper unmapped it) for a larger one
+
+
+@needs_cow
+def test_prepare_starts_the_helper_which_maps_the_staging_ahead(tmp_path):
+    state = state_of(9)
+    with AsyncSaver(snapshot="cow") as saver:
+        assert saver._cow._proc is None  # nothing started yet
+        reserved = saver.prepare(state)
+        helper = saver._cow._proc.pid
+        for _ in range(200):  # the helper maps it as it reads the message
+            with open(f"/proc/{helper}/maps") as f:
+                if "memfd:ucp-staging" in f.read():
+                    break
+            threading.Event().wait(0.05)
+        else:
+            pytest.fail("the helper did not map the prepared staging arena")
+        expected = clone(state)
+        handle = saver.save(state, tmp_path / "ck")
+        state["big"].zero_()
+        handle.result(timeout=120)
+        assert saver.pool.created == 1 and saver._cow._proc.pid == helper and reserved > 0
+    assert_same_state(expected, ucp.load(tmp_path / "ck"))

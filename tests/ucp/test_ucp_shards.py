@@ -220,9 +220,9 @@ def test_check_replicas_through_the_async_saver_and_manager(tmp_path, snapshot):
         with AsyncSaver(snapshot=snapshot) as saver:
             saver.save(state(group.rank, 0.0), tmp_path / "ok", process_group=group, check_replicas=True).result(60)
             bad = saver.save(state(group.rank, 2.0), tmp_path / "bad", process_group=group, check_replicas=True)
-            # rank 0 (the committer) names the tensor; the others learn that it did not commit
+            # rank 0 (the committer) names the tensor; the others learn that it did not commit, and why
             with pytest.raises(ucp.CommitError, match=r"tensor 'w': rank 1's copy of box" if group.rank == 0 else
-                               "rank 0 did not commit"):
+                               r"rank 0 did not commit .*: .*tensor 'w': rank 1's copy of box"):
                 bad.result(timeout=60)
 
     run_ranks(2, fn)
