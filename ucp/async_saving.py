@@ -73,12 +73,13 @@ class SaveHandle:
     """
 
     def __init__(self, path: str, step: int | None, future: Future, snapshot_seconds: float,
-                 snapshot: Future | None = None) -> None:
+                 snapshot: Future | None = None, *, copied: Future | None = None) -> None:
         self.path = path
         self.step = step
         self.future = future
         self.snapshot_seconds = snapshot_seconds  # how long async_save kept the caller (the stall)
         self._snapshot = snapshot  # the copy still running (AsyncSaver(snapshot="background")), if any
+        self._copied = copied if copied is not None else snapshot  # until the save reads the tensors no more
 
     def done(self) -> bool:
         return self.future.done()
@@ -96,6 +97,13 @@ class SaveHandle:
         """
         if self._snapshot is not None:
             self._snapshot.exception(timeout)
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Wait until the save no longer reads the tensors' memory, so their storage may be freed or
+        resized (``resize_``, ``untyped_storage().resize_(0)``). Writes need no wait with
+        copy-on-write snapshots; with the other modes this is :meth:`wait_snapshot`."""
+        if self._copied is not None:
+            self._copied.exception(timeout)
 
     def result(self, timeout: float | None = None) -> Manifest:
         """The committed manifest; raises the save's error, or TimeoutError when not done within ``timeout``."""
@@ -184,6 +192,8 @@ class AsyncSaver:
         self.mode = mode
         self.snapshot: Snapshot = snapshot  # what "auto" chose: "cow" or "sync"
         self._cow = _cow.CowSnapshots() if snapshot == "cow" else None
+        if self._cow is not None:  # a saver dropped without close() still stops its helper process
+            weakref.finalize(self, self._cow.close)
         self.hold_optimizer_steps = hold_optimizer_steps
         self._copier: ThreadPoolExecutor | None = None
         self.aio_config = as_aio_config(aio_config)
@@ -308,15 +318,18 @@ class AsyncSaver:
                 _bg.close_fd(lock_fd)
                 raise
             future, copying = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock, even on error
-            if copying is not None and self.hold_optimizer_steps:
+            protected = isinstance(copying, _CowCopy)  # copy-on-write: the tensors may change at once
+            if copying is not None and not protected and self.hold_optimizer_steps:
                 step_guard.hold_steps_until(copying)
         finally:
             storage.close()
-        handle = SaveHandle(os.fspath(path), step, future, time.perf_counter() - t0, copying)
+        handle = SaveHandle(os.fspath(path), step, future, time.perf_counter() - t0,
+                            None if protected else copying, copied=copying)
         with self._lock:
             self._pending.add(handle)
             self._temps[temp_abs] = job_id
-        handle.add_done_callback(functools.partial(self._forget, temp_abs))
+        handle.add_done_callback(functools.partial(_forget, weakref.ref(self), temp_abs))  # weak: a dropped
+        # saver is collected (and its helper stopped) even while a writer thread still holds the future
         return handle
 
     def prepare(self, state_dict: dict[str, Any], *, process_group: Any = None) -> int:
@@ -493,22 +506,23 @@ class AsyncSaver:
         return future, copier.submit(copy)
 
     def _run_copy_on_write(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena,
-                           lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, None]:
+                           lock_fd: int | None, progress: _bg.Progress) -> tuple[Future, Future | None]:
         """The tensors' pages are write-protected and copied by the helper process (:mod:`ucp.cow`);
         the writer starts now and follows it. Where that cannot run, the copy is made here."""
         assert self._cow is not None
         future = self._submit_or_give_back(job, arena, progress, lock_fd)
         try:
             try:
-                self._cow.start(plan, leaves, arena, progress)  # type: ignore[arg-type]
+                copying: Future | None = _CowCopy.of(self._cow.start(plan, leaves, arena, progress))  # type: ignore[arg-type]
             except _cow.CowUnavailable as exc:
                 log.info("copy-on-write snapshot of %s not possible (%s); copying now", job.path, exc)
+                copying = None
                 if snapshot_into(plan, leaves, arena, progress, self._stream_for):
                     raise AssertionError("host tensors gave CUDA copy events") from None
         except BaseException as exc:
             progress.fail(f"snapshot failed: {_bg.describe(exc)}")  # the job fails, cleans up, gives the arena back
             raise
-        return future, None
+        return future, copying
 
     def _stream_for(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -520,6 +534,31 @@ class AsyncSaver:
         with self._lock:
             self._pending.discard(handle)
             self._temps.pop(temp_abs, None)
+
+
+class _CowCopy(Future):
+    """A copy-on-write snapshot's copy: done once the helper has copied every protected byte."""
+
+    @classmethod
+    def of(cls, done: Future) -> "_CowCopy":
+        mine = cls()
+        mine.set_running_or_notify_cancel()
+
+        def relay(f: Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                mine.set_result(None)
+            else:
+                mine.set_exception(exc)
+
+        done.add_done_callback(relay)
+        return mine
+
+
+def _forget(saver_ref: "weakref.ref[AsyncSaver]", temp_abs: str, handle: SaveHandle) -> None:
+    saver = saver_ref()
+    if saver is not None:
+        saver._forget(temp_abs, handle)
 
 
 def wait_all(handles: Sequence[SaveHandle]) -> None:

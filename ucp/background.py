@@ -287,7 +287,7 @@ class Progress:
 
     def advance(self, upto: int) -> None:
         with self._cond:
-            if upto <= self.ready:
+            if upto <= self.ready or self.error is not None:  # a failed snapshot never becomes complete
                 return
             self.ready = min(upto, self.total)
             self._cond.notify_all()
@@ -310,7 +310,7 @@ class Progress:
         """Block until at least ``need`` bytes are ready; returns how many are. Raises SnapshotAborted."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self.ready < need:
+            while self.ready < need or self.error is not None:
                 if self.error is not None:
                     raise SnapshotAborted(self.error)
                 if self._events is not None:

@@ -18,7 +18,7 @@ mappings (``mmap=True`` loads), or memory another snapshot in flight still prote
 from __future__ import annotations
 
 import array
-import contextlib
+import bisect
 import ctypes
 import logging
 import os
@@ -28,7 +28,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT = 30.0  # seconds for the helper to start and prove it can read our memory
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))  # the helper's copy threads (process_vm_readv in parallel)
 PROTECT_TIMEOUT = 60.0  # seconds for the helper to write-protect a snapshot's pages
+CLOSE_TIMEOUT = 10.0  # seconds for the helper to exit when its saver closes
 _PR_SET_PTRACER = 0x59616D61  # prctl: let the helper read our memory under Yama ptrace_scope=1
 
 
@@ -65,13 +66,21 @@ class _Pending:
 
     progress: _bg.Progress
     done: Future
+    names: list[str]  # the plan's piece names, in file order (the helper's errors give a piece index)
     protected: threading.Event = field(default_factory=threading.Event)
     protect_error: str | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # the source tensors stay alive until copied
 
 
 class CowSnapshots:
-    """The helper process of one saver and the snapshots it is copying."""
+    """The helper process of one saver and the snapshots it is copying.
+
+    Any failure between sending a job and its "protected" answer (the helper gone or stuck, an
+    interrupt) kills the helper: its descriptors close, which releases every protected page and
+    guarantees it writes no arena any more, and later saves copy before returning. A job abandoned
+    after that point (its writer failed) keeps its arena out of the pool until the helper ends it
+    (``arena.busy``), so the next save never shares memory with a copy still running.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -96,8 +105,12 @@ class CowSnapshots:
             try:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "ucp.cow_helper", str(theirs.fileno()), str(COPY_THREADS)],
-                    pass_fds=[theirs.fileno()],
-                    stdin=subprocess.DEVNULL, env=_helper_env())
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=_helper_env())
+            except OSError as exc:
+                ours.close()
+                self._dead = f"the copy-on-write helper could not be started: {exc}"
+                log.warning("%s; saves copy before returning instead", self._dead)
+                raise CowUnavailable(self._dead) from None
             finally:
                 theirs.close()
             _allow_reading(self._proc.pid)
@@ -105,22 +118,34 @@ class CowSnapshots:
             self._hello = Future()
             threading.Thread(target=self._read, args=(ours,), name="ucp-cow-reader", daemon=True).start()
         probe = ctypes.create_string_buffer(b"ucp-cow-probe", 16)
-        send_message(ours, {"op": "hello", "pid": os.getpid(), "address": ctypes.addressof(probe), "length": 16})
         try:
+            with self._send_lock:
+                send_message(ours, {"op": "hello", "pid": os.getpid(), "address": ctypes.addressof(probe),
+                                    "length": 16})
             answer = self._hello.result(HELLO_TIMEOUT)
         except Exception as exc:
-            self._give_up(f"the copy-on-write helper did not start: {exc}")
+            self._kill(f"the copy-on-write helper did not start: {exc}")
             raise CowUnavailable(self._dead or str(exc)) from None
         if answer != probe.raw.hex():
-            self._give_up(f"the copy-on-write helper cannot read this process's memory: {answer}")
+            self._kill(f"the copy-on-write helper cannot read this process's memory: {answer}")
             raise CowUnavailable(self._dead or "")
         return ours
 
-    def _give_up(self, why: str) -> None:
-        log.warning("%s; saves copy before returning instead", why)
+    def _kill(self, why: str) -> None:
+        """Stop the helper for good (see the class docstring); later saves copy before returning."""
         with self._lock:
-            self._dead = why
-        self.close()
+            if self._dead is None:
+                self._dead = why
+                log.warning("%s; saves copy before returning instead", why)
+            proc, sock = self._proc, self._sock
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the reader thread fails what is still pending
+            except OSError:
+                pass
 
     def _read(self, sock: socket.socket) -> None:
         """The reader thread: the helper's progress, completions and failures."""
@@ -166,7 +191,11 @@ class CowSnapshots:
             with self._lock:
                 self._pending.pop(message["id"], None)
                 self.faulted_blocks += message.get("faulted", 0)
-            self._finish(p, message.get("error"))
+            error = message.get("error")
+            if error is not None and message.get("piece") is not None:
+                error = (f"tensor {p.names[message['piece']]!r}: {error} (was its storage freed or resized before "
+                         "the snapshot was copied? wait for handle.wait_copied() first)")
+            self._finish(p, error)
 
     @staticmethod
     def _finish(p: _Pending, error: str | None) -> None:
@@ -201,22 +230,21 @@ class CowSnapshots:
             pass
 
     def close(self) -> None:
-        """Stop the helper after the snapshots it is copying (they finish: their writers follow them)."""
+        """Stop the helper (the saver waited for its saves first; copies still running then fail)."""
         with self._lock:
             sock, proc = self._sock, self._proc
             self._sock = None
         if sock is not None:
             try:
                 with self._send_lock:
-                    if not self._pending:
-                        send_message(sock, {"op": "stop"})
+                    send_message(sock, {"op": "stop"})
+                sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-            sock.shutdown(socket.SHUT_WR)  # the helper sees the end once it has read everything
         if proc is not None:
             try:
-                proc.wait(timeout=PROTECT_TIMEOUT)
-            except subprocess.TimeoutExpired:  # pragma: no cover - a stuck helper
+                proc.wait(timeout=CLOSE_TIMEOUT)
+            except subprocess.TimeoutExpired:  # a stuck (or stopped) helper
                 proc.kill()
                 proc.wait()
         if sock is not None:
@@ -227,8 +255,8 @@ class CowSnapshots:
         """Take the snapshot of ``plan``'s pieces into ``arena``; returns when it is protected.
 
         The returned future completes once every byte is in the arena (``progress`` says how far
-        along, for the writer). Raises :class:`CowUnavailable` before touching anything when the
-        helper cannot run; the caller then copies itself.
+        along, for the writer). Raises :class:`CowUnavailable` when the helper cannot take the job;
+        the caller then copies itself (the helper is gone by then: nothing else writes the arena).
         """
         sock = self._ensure_helper()
         sources = list(image_sources(plan, leaves, arena))  # (piece index, tensor) in file order
@@ -250,33 +278,53 @@ class CowSnapshots:
                         dst = arena.tensor(p.length, p.offset).view(src.dtype)
                         dst.view(src.shape).copy_(src)
                     words.extend((0, p.length, p.offset, p.offset + p.length))
+            pending = _Pending(progress=progress, done=Future(), names=[p.name for p in plan.pieces], keep=keep)
             with self._lock:
                 self._next_id += 1
                 job_id = self._next_id
-                pending = self._pending[job_id] = _Pending(progress=progress, done=Future(), keep=keep)
-            with self._send_lock, _unavailable_on(OSError, lambda: self._pending.pop(job_id, None)):
-                send_message(sock, {"op": "job", "id": job_id, "pid": os.getpid(), "features": protector.features,
-                                    "arena": arena.token, "capacity": arena.capacity, "runs": len(runs),
-                                    "pause": self.pause_before_copy},
-                             words.tobytes(), fds=[protector.fd, arena.fd])
+                self._pending[job_id] = pending
+            arena.busy = pending.done  # the pool takes the arena back only once the helper is done with it
+            try:
+                with self._send_lock:
+                    send_message(sock, {"op": "job", "id": job_id, "pid": os.getpid(),
+                                        "features": protector.features, "arena": arena.token,
+                                        "capacity": arena.capacity, "runs": len(runs),
+                                        "pause": self.pause_before_copy},
+                                 words.tobytes(), fds=[protector.fd, arena.fd])
+            except BaseException as exc:
+                self._abandon(job_id, f"sending the snapshot to the copy-on-write helper failed: {exc!r}")
+                if isinstance(exc, OSError):
+                    raise CowUnavailable(self._dead or str(exc)) from None
+                raise
         finally:
             protector.close()  # the helper holds it now; if it dies, every protected page is released
-        if not pending.protected.wait(PROTECT_TIMEOUT) or pending.protect_error is not None:
-            why = pending.protect_error or "the copy-on-write helper did not protect the snapshot in time"
-            with self._lock:
-                self._pending.pop(job_id, None)
-            raise CowUnavailable(why)
+        try:
+            answered = pending.protected.wait(PROTECT_TIMEOUT)
+        except BaseException as exc:  # an interrupt while the helper protects
+            self._abandon(job_id, f"interrupted while the copy-on-write helper protected the snapshot: {exc!r}")
+            raise
+        if not answered:
+            self._abandon(job_id, f"the copy-on-write helper did not protect a snapshot within {PROTECT_TIMEOUT}s")
+        elif pending.protect_error is not None:  # the helper refused the job and holds nothing of it
+            self._drop(job_id, pending.protect_error)
+        if pending.protect_error is not None or not answered:
+            raise CowUnavailable(pending.protect_error or self._dead or "")
         return pending.done
 
+    def _abandon(self, job_id: int, why: str) -> None:
+        """A job the helper may hold but the save gives up on: kill the helper (nothing writes the arena
+        any more, every page is released), then drop the job. The caller fails or redoes the snapshot."""
+        self._drop(job_id, why)  # first, so the reader thread does not fail its progress as the helper goes
+        self._kill(why)
 
-@contextlib.contextmanager
-def _unavailable_on(kind: type[BaseException], undo: Callable[[], Any]) -> Iterator[None]:
-    """Turn ``kind`` (the helper's socket failing) into CowUnavailable, after ``undo``: the caller copies itself."""
-    try:
-        yield
-    except kind as exc:
-        undo()
-        raise CowUnavailable(f"the copy-on-write helper is gone: {exc}") from None
+    def _drop(self, job_id: int, why: str) -> None:
+        with self._lock:
+            pending = self._pending.pop(job_id, None)
+        if pending is not None:
+            pending.protect_error = pending.protect_error or why
+            pending.keep.clear()
+            if not pending.done.done():
+                pending.done.set_exception(_bg.SnapshotAborted(why))  # frees the arena (arena.busy)
 
 
 def _protectable(t: torch.Tensor) -> bool:
@@ -288,8 +336,8 @@ def _protectable(t: torch.Tensor) -> bool:
 def _register(protector: WriteProtector, pieces: list[tuple[int, torch.Tensor]]) -> tuple[list[tuple[int, int]], set[int]]:
     """Register the page ranges the pieces' memory spans; returns those ranges and the pieces they cover.
 
-    Ranges the kernel refuses (file mappings, memory another snapshot protects) leave their pieces
-    to be copied by the caller.
+    Ranges outside private anonymous memory, and those the kernel refuses (memory another snapshot
+    protects), leave their pieces to be copied by the caller.
     """
     spans = sorted(((t.data_ptr() // PAGE * PAGE, -(-(t.data_ptr() + t.numel() * t.element_size()) // PAGE) * PAGE, i)
                     for i, t in pieces))
@@ -301,7 +349,11 @@ def _register(protector: WriteProtector, pieces: list[tuple[int, torch.Tensor]])
         else:
             groups.append((start, end, [i]))
     runs, covered = [], set()
+    private = _private_anonymous()
+    starts = [a for a, _ in private]
     for start, end, members in groups:
+        if not _covered_by(private, starts, start, end):
+            continue  # shared or file-backed memory: others can write it where we cannot protect it
         try:
             protector.register(start, end - start)
         except OSError as exc:
@@ -310,6 +362,36 @@ def _register(protector: WriteProtector, pieces: list[tuple[int, torch.Tensor]])
         runs.append((start, end))
         covered.update(members)
     return runs, covered
+
+
+def _private_anonymous() -> list[tuple[int, int]]:
+    """This process's private anonymous mappings (heap, malloc's mmaps), sorted, from /proc/self/maps.
+
+    Only there is a write-protected page safe from every other writer: shared memory and files can
+    be written through other mappings (another process, ``write(2)`` to the file) our page tables
+    do not cover.
+    """
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            path = fields[5].strip() if len(fields) > 5 else ""
+            if fields[1][3] == "p" and fields[4] == "0" and (not path or path == "[heap]" or path.startswith("[anon:")):
+                a, b = fields[0].split("-")
+                out.append((int(a, 16), int(b, 16)))
+    return out
+
+
+def _covered_by(ranges: list[tuple[int, int]], starts: list[int], start: int, end: int) -> bool:
+    """Whether sorted, disjoint ``ranges`` cover ``[start, end)`` without a gap."""
+    at = bisect.bisect_right(starts, start) - 1
+    pos = start
+    while 0 <= at < len(ranges) and ranges[at][0] <= pos < ranges[at][1]:
+        pos = ranges[at][1]
+        if pos >= end:
+            return True
+        at += 1
+    return False
 
 
 def _allow_reading(pid: int) -> None:

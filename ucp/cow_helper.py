@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import errno
 import json
 import mmap
 import os
@@ -37,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from .userfaultfd import WriteProtector, read_process_memory
+from .userfaultfd import ReadError, WriteProtector, read_process_memory
 
 BLOCK = 2 << 20  # trainer memory is copied and released in aligned blocks of this size
 REPORT_EVERY = 32 << 20  # bytes of file image between progress messages
@@ -133,6 +134,8 @@ class _Job:
         self.reported = 0
         self.faulted = 0  # blocks copied early because the trainer wrote to them
         self.error: str | None = None
+        self.error_piece: int | None = None  # the piece whose memory could not be read
+        self.gone_ranges: list[tuple[int, int]] = []  # memory the trainer unmapped or discarded meanwhile
 
     @property
     def finished(self) -> bool:
@@ -160,7 +163,13 @@ class _Job:
             a, b = max(src, lo), min(src + length, hi)
             copies.append((self.base + offset + (a - src), a, b - a))
         try:
-            read_process_memory(self.pid, copies)
+            try:
+                read_process_memory(self.pid, copies)
+            except ReadError as exc:
+                with self.lock:
+                    if self.error is None:
+                        self.error_piece = self.blocks[k][exc.index]  # the trainer names its tensor
+                raise
             at = max(0, bisect.bisect_right(self.run_starts, lo) - 1)
             for start, end in self.runs[at:]:
                 if start >= hi:
@@ -170,7 +179,12 @@ class _Job:
                     self.protector.unprotect(a, b - a)
         except OSError as exc:
             with self.lock:
-                self.error = self.error or f"copy-on-write snapshot failed: {exc}"
+                if self.error is None:
+                    gone = exc.errno in (errno.EFAULT, errno.ENOENT, errno.ENOMEM)  # unmapped or unregistered
+                    self.error = (f"its memory was freed or moved before the copy-on-write snapshot copied it ({exc})"
+                                  if gone else f"copy-on-write snapshot failed: {exc}")
+                    if self.error_piece is None:
+                        self.error_piece = self.blocks[k][0]
                 self.state[k] = _FAILED
             return
         with self.lock:
@@ -178,6 +192,9 @@ class _Job:
             self.left -= 1
             for i in self.blocks[k]:
                 self.remaining[i] -= 1
+            for start, end in self.gone_ranges:  # freed while we read it: what we read may be someone else's
+                if start < hi and lo < end:
+                    self._lost(k, start, end)
 
     def serve_fault(self, address: int) -> None:
         """The trainer wrote to ``address``: copy its block now unless someone has or is doing so."""
@@ -194,6 +211,23 @@ class _Job:
         else:  # copied and released after the fault was queued: make sure the writer runs
             page = address - address % mmap.PAGESIZE
             self.protector.wake(page, mmap.PAGESIZE)
+
+    def gone(self, start: int, end: int) -> None:
+        """The trainer unmapped or discarded ``[start, end)``: a block there not copied yet is lost."""
+        with self.lock:
+            self.gone_ranges.append((start, end))
+            for k in range(start // BLOCK, (end - 1) // BLOCK + 1):
+                if k in self.blocks and self.state.get(k) != _COPIED:
+                    self._lost(k, start, end)
+
+    def _lost(self, k: int, start: int, end: int) -> None:
+        """Fail the job if a piece's bytes in block ``k`` overlap ``[start, end)`` (under ``lock``)."""
+        lo, hi = max(k * BLOCK, start), min((k + 1) * BLOCK, end)
+        for i in self.blocks[k]:
+            src, length = self.pieces[i][0], self.pieces[i][1]
+            if src < hi and lo < src + length and self.error is None:
+                self.error = "its memory was freed or moved before the copy-on-write snapshot copied it"
+                self.error_piece = i
 
     def ready(self) -> int:
         """Bytes of the file image complete from its start (the writer may write them)."""
@@ -247,8 +281,11 @@ class Helper:
                 if self.poke_r in readable:
                     os.read(self.poke_r, 4096)
                 for job in jobs:
-                    for address in job.protector.faults():
-                        job.serve_fault(address)
+                    for kind, a, b in job.protector.events():
+                        if kind == "fault":
+                            job.serve_fault(a)
+                        else:
+                            job.gone(a, b)
                     self.report(job)
         finally:
             with self.cond:
@@ -295,7 +332,7 @@ class Helper:
                     return
                 self.jobs.remove(job)
             job.close()
-            self.send({"id": job.id, "error": job.error} if job.error else
+            self.send({"id": job.id, "error": job.error, "piece": job.error_piece} if job.error else
                       {"id": job.id, "done": True, "faulted": job.faulted})
             return
         ready = job.ready()

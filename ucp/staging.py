@@ -26,6 +26,7 @@ import mmap
 import os
 import secrets
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 from aio import AlignedBuffer
@@ -233,6 +234,7 @@ class MemfdArena(SharedArena):
         super().__init__(None, capacity, mapping, owner=False)
         self.fd = fd
         self.token = secrets.token_hex(8)
+        self.busy: Future | None = None  # the helper's copy into this arena (StagingPool.release waits for it)
         if pin_memory if pin_memory is not None else cuda_available():
             self.pinned = pin(self.address, capacity)
 
@@ -315,6 +317,11 @@ class StagingPool:
         return new
 
     def release(self, arena: Arena) -> None:
+        """Take ``arena`` back — once its ``busy`` future (a copy still writing into it) is done."""
+        busy = getattr(arena, "busy", None)
+        if busy is not None and not busy.done():
+            busy.add_done_callback(lambda _f: self.release(arena))
+            return
         with self._cond:
             self._out -= 1
             if self._closed:

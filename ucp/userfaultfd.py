@@ -44,9 +44,12 @@ _UFFDIO_WRITEPROTECT = 0xC018AA06  # struct uffdio_writeprotect {start, len, mod
 _REGISTER_MODE_WP = 2
 _WRITEPROTECT_MODE_WP = 1
 _FEATURE_PAGEFAULT_FLAG_WP = 1 << 0
-_FEATURE_WP_HUGETLBFS_SHMEM = 1 << 12
+_FEATURE_EVENT_REMAP = 1 << 2  # mremap, munmap and madvise(DONTNEED) of watched memory are reported (and
+_FEATURE_EVENT_REMOVE = 1 << 3  # wait until the report is read), so memory freed before it was copied is
+_FEATURE_EVENT_UNMAP = 1 << 6  # noticed before anything else can be mapped there
 _FEATURE_WP_UNPOPULATED = 1 << 13  # protecting never-touched pages too (Linux 6.4)
 _EVENT_PAGEFAULT = 0x12
+_EVENT_REMAP, _EVENT_REMOVE, _EVENT_UNMAP = 0x14, 0x15, 0x16
 MESSAGE_SIZE = 32  # struct uffd_msg: event (u8), padding, then arg.pagefault {flags, address, ...}
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -80,8 +83,11 @@ class WriteProtector:
         nr = _syscall_number(_NR_USERFAULTFD)
         if nr is None:
             raise OSError(errno.ENOSYS, f"userfaultfd is not supported on {sys.platform}/{platform.machine()}")
-        wanted = _FEATURE_PAGEFAULT_FLAG_WP | _FEATURE_WP_UNPOPULATED | _FEATURE_WP_HUGETLBFS_SHMEM
-        for features in (wanted, _FEATURE_PAGEFAULT_FLAG_WP):  # older kernels lack the optional features
+        # Not WP_HUGETLBFS_SHMEM: shared memory can be written through other mappings (another process, the
+        # file) that our page tables do not cover, so registering it must fail and its tensors be copied.
+        events = _FEATURE_EVENT_REMAP | _FEATURE_EVENT_REMOVE | _FEATURE_EVENT_UNMAP
+        wanted = _FEATURE_PAGEFAULT_FLAG_WP | _FEATURE_WP_UNPOPULATED | events
+        for features in (wanted, _FEATURE_PAGEFAULT_FLAG_WP | events):  # older kernels lack WP_UNPOPULATED
             fd = int(_libc.syscall(ctypes.c_long(nr), ctypes.c_long(os.O_CLOEXEC | os.O_NONBLOCK)))
             if fd < 0:
                 err = ctypes.get_errno()
@@ -90,7 +96,7 @@ class WriteProtector:
                 fcntl.ioctl(fd, _UFFDIO_API, bytearray(struct.pack("QQQ", _UFFD_API, features, 0)))
             except OSError as exc:
                 os.close(fd)
-                if exc.errno == errno.EINVAL and features != _FEATURE_PAGEFAULT_FLAG_WP:
+                if exc.errno == errno.EINVAL and features == wanted:
                     continue
                 raise OSError(exc.errno, f"userfaultfd write-protect: {os.strerror(exc.errno or 0)}") from None
             return cls(fd, features)
@@ -119,17 +125,30 @@ class WriteProtector:
     def wake(self, start: int, length: int) -> None:
         fcntl.ioctl(self.fd, _UFFDIO_WAKE, bytearray(struct.pack("QQ", start, length)))
 
-    def faults(self, max_messages: int = 64) -> list[int]:
-        """Addresses of the write faults queued now (empty when none; never blocks)."""
+    def events(self, max_messages: int = 64) -> list[tuple[str, int, int]]:
+        """The events queued now (empty when none; never blocks): ``("fault", address, 0)`` for a write
+        to a protected page, ``("gone", start, end)`` when watched memory was unmapped, moved or
+        discarded (munmap, mremap, madvise(DONTNEED)); reading these lets that call return."""
         try:
             data = os.read(self.fd, MESSAGE_SIZE * max_messages)
         except BlockingIOError:
             return []
         out = []
         for at in range(0, len(data) - MESSAGE_SIZE + 1, MESSAGE_SIZE):
-            if data[at] == _EVENT_PAGEFAULT:
-                out.append(struct.unpack_from("Q", data, at + 16)[0])
+            kind = data[at]
+            if kind == _EVENT_PAGEFAULT:
+                out.append(("fault", struct.unpack_from("Q", data, at + 16)[0], 0))
+            elif kind in (_EVENT_REMOVE, _EVENT_UNMAP):
+                start, end = struct.unpack_from("QQ", data, at + 8)
+                out.append(("gone", start, end))
+            elif kind == _EVENT_REMAP:
+                start, _to, length = struct.unpack_from("QQQ", data, at + 8)
+                out.append(("gone", start, start + length))
         return out
+
+    def faults(self, max_messages: int = 64) -> list[int]:
+        """Addresses of the write faults queued now (other events are dropped)."""
+        return [a for kind, a, _ in self.events(max_messages) if kind == "fault"]
 
     def close(self) -> None:
         """Closing the last descriptor unregisters everything and wakes every blocked writer."""
@@ -176,8 +195,17 @@ def read_process_memory(pid: int, copies: Sequence[tuple[int, int, int]]) -> Non
             continue
         err = ctypes.get_errno() if got < 0 else errno.EFAULT
         done = max(got, 0)
-        for dst, src, n in batch:  # name the range where the copy stopped
+        for at, (dst, src, n) in enumerate(batch):  # name the range where the copy stopped
             if done < n:
-                raise OSError(err, f"reading {n} bytes at 0x{src:x} of process {pid}: {os.strerror(err)}")
+                raise ReadError(err, f"reading {n} bytes at 0x{src:x} of process {pid}: {os.strerror(err)}",
+                                first + at)
             done -= n
-        raise OSError(err, f"reading memory of process {pid}: {os.strerror(err)}")
+        raise ReadError(err, f"reading memory of process {pid}: {os.strerror(err)}", first)
+
+
+class ReadError(OSError):
+    """A cross-process read failed; ``index`` is the position in ``copies`` of the range that failed."""
+
+    def __init__(self, err: int, message: str, index: int) -> None:
+        super().__init__(err, message)
+        self.index = index

@@ -248,3 +248,35 @@ def test_prepare_starts_the_helper_which_maps_the_staging_ahead(tmp_path):
         handle.result(timeout=120)
         assert saver.pool.created == 1 and saver._cow._proc.pid == helper and reserved > 0
     assert_same_state(expected, ucp.load(tmp_path / "ck"))
+
+
+@needs_cow
+def test_memory_freed_and_mapped_again_before_its_copy_fails_the_save_naming_the_tensor(tmp_path):
+    """The caller's allocator unmaps a saved tensor's memory and something else is mapped at the same
+    address before the helper copied it: the save fails naming the tensor, it never commits the new
+    occupant's bytes."""
+    import ctypes
+    import mmap as mm
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    prot, private = mm.PROT_READ | mm.PROT_WRITE, mm.MAP_PRIVATE | mm.MAP_ANONYMOUS
+    length = 16 << 20
+    address = libc.mmap(None, length, prot, private, -1, 0)  # memory as an allocator maps it
+    w = torch.frombuffer((ctypes.c_char * length).from_address(address), dtype=torch.float32)
+    w.copy_(random_tensor(torch.float32, (length // 4,), 12))
+    try:
+        with AsyncSaver(snapshot="cow") as saver:
+            saver._cow.pause_before_copy = 0.5
+            handle = saver.save({"w": w}, tmp_path / "ck")
+            assert libc.munmap(address, length) == 0  # returns once the helper has read the unmap event
+            again = libc.mmap(address, length, prot, private | 0x100000, -1, 0)  # MAP_FIXED_NOREPLACE
+            assert again == address, "could not map the freed range again"
+            ctypes.memset(address, 0x7F, length)  # the new occupant's bytes
+            with pytest.raises(ucp.CheckpointError, match=r"tensor 'w': its memory was freed or moved"):
+                handle.result(timeout=120)
+        assert not (tmp_path / "ck").exists()
+    finally:
+        libc.munmap(address, length)
