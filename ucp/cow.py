@@ -11,8 +11,12 @@ write to a block not copied yet — by an optimizer step, ``.data``, numpy, a
 
 What stays with a copy made before returning (as with ``snapshot="sync"``): the
 safetensors header and padding, and pieces whose memory cannot be protected —
-CUDA tensors, non-contiguous views, conjugate/negative views, tensors in file
-mappings (``mmap=True`` loads), or memory another snapshot in flight still protects.
+CUDA tensors, non-contiguous views, conjugate/negative views, memory outside private
+anonymous mappings (shared memory, ``mmap=True`` loads and other file mappings: other
+mappings can write them), or memory another snapshot in flight still protects.
+
+Writes need no wait; freeing or resizing a saved tensor's storage must wait for
+``handle.wait_copied()`` (done before that, the save fails naming the tensor).
 """
 
 from __future__ import annotations
