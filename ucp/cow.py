@@ -264,7 +264,10 @@ class CowSnapshots:
         """
         sock = self._ensure_helper()
         sources = list(image_sources(plan, leaves, arena))  # (piece index, tensor) in file order
-        protector = WriteProtector.create()
+        try:
+            protector = WriteProtector.create()
+        except OSError as exc:  # e.g. out of descriptors: this save copies
+            raise CowUnavailable(f"no userfaultfd for this snapshot: {exc}") from None
         try:
             protectable = [(i, t) for i, t in sources if _protectable(t)]
             runs, covered = _register(protector, protectable)

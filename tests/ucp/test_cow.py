@@ -280,3 +280,31 @@ def test_memory_freed_and_mapped_again_before_its_copy_fails_the_save_naming_the
         assert not (tmp_path / "ck").exists()
     finally:
         libc.munmap(address, length)
+
+
+@needs_cow
+def test_a_save_that_gets_no_userfaultfd_copies_and_the_next_one_protects_again(tmp_path, monkeypatch):
+    import errno
+
+    state = state_of(13)
+    with AsyncSaver(snapshot="cow") as saver:
+        saver.prepare(state)
+        real = ucp_cow.WriteProtector.create
+
+        def refused() -> ucp_cow.WriteProtector:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(ucp_cow.WriteProtector, "create", staticmethod(refused))
+        expected = clone(state)
+        handle = saver.save(state, tmp_path / "a")
+        state["big"].add_(1)  # copied before save returned: no protection needed
+        handle.result(timeout=120)
+        assert_same_state(expected, ucp.load(tmp_path / "a"))
+        monkeypatch.setattr(ucp_cow.WriteProtector, "create", real)
+        saver._cow.pause_before_copy = 0.3
+        expected = clone(state)
+        handle = saver.save(state, tmp_path / "b")
+        state["big"].add_(1)
+        handle.result(timeout=120)
+        assert saver._cow.faulted_blocks > 0  # protected again
+    assert_same_state(expected, ucp.load(tmp_path / "b"))
