@@ -317,8 +317,7 @@ class AsyncSaver:
                     self.pool.release(arena)
                 _bg.close_fd(lock_fd)
                 raise
-            future, copying = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock, even on error
-            protected = isinstance(copying, _CowCopy)  # copy-on-write: the tensors may change at once
+            future, copying, protected = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock
             if copying is not None and not protected and self.hold_optimizer_steps:
                 step_guard.hold_steps_until(copying)
         finally:
@@ -408,19 +407,21 @@ class AsyncSaver:
         return temp
 
     def _run(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena | None,
-             lock_fd: int | None) -> tuple[Future, Future | None]:
+             lock_fd: int | None) -> tuple[Future, Future | None, bool]:
         """Start the background job and fill its arena (the writer follows the copy when ``pipeline``).
 
         Owns ``arena`` and ``lock_fd``: they go to the job, or are given back here on failure.
-        Returns the job's future and, when the copy runs in the background, the copy's.
+        Returns the job's future; when the copy runs in the background, the copy's; and whether the
+        tensors may change before that copy is done (copy-on-write protects them).
         """
         progress = _bg.Progress(plan.file_size if plan.file is not None else 0)
         if self.snapshot == "none" and plan.file is not None:
-            return self._run_from_tensors(job, plan, leaves, lock_fd, progress)
+            return (*self._run_from_tensors(job, plan, leaves, lock_fd, progress), False)
         if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
-            return self._run_in_background(job, plan, leaves, arena, lock_fd, progress)
+            return (*self._run_in_background(job, plan, leaves, arena, lock_fd, progress), False)
         if self._cow is not None and arena is not None and _on_host(plan, leaves):
-            return self._run_copy_on_write(job, plan, leaves, arena, lock_fd, progress)
+            future, copying = self._run_copy_on_write(job, plan, leaves, arena, lock_fd, progress)
+            return future, copying, copying is not None
 
         def give_up() -> None:
             if arena is not None:
@@ -455,7 +456,7 @@ class AsyncSaver:
                 if isinstance(self._backend, _bg.ProcessBackend):
                     self._backend.abort(job.id, why)
             raise
-        return (future if future is not None else submit()), None
+        return (future if future is not None else submit()), None, False
 
     def _run_from_tensors(self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None,
                           progress: _bg.Progress) -> tuple[Future, Future]:
@@ -513,7 +514,7 @@ class AsyncSaver:
         future = self._submit_or_give_back(job, arena, progress, lock_fd)
         try:
             try:
-                copying: Future | None = _CowCopy.of(self._cow.start(plan, leaves, arena, progress))  # type: ignore[arg-type]
+                copying: Future | None = self._cow.start(plan, leaves, arena, progress)  # type: ignore[arg-type]
             except _cow.CowUnavailable as exc:
                 log.info("copy-on-write snapshot of %s not possible (%s); copying now", job.path, exc)
                 copying = None
@@ -534,25 +535,6 @@ class AsyncSaver:
         with self._lock:
             self._pending.discard(handle)
             self._temps.pop(temp_abs, None)
-
-
-class _CowCopy(Future):
-    """A copy-on-write snapshot's copy: done once the helper has copied every protected byte."""
-
-    @classmethod
-    def of(cls, done: Future) -> "_CowCopy":
-        mine = cls()
-        mine.set_running_or_notify_cancel()
-
-        def relay(f: Future) -> None:
-            exc = f.exception()
-            if exc is None:
-                mine.set_result(None)
-            else:
-                mine.set_exception(exc)
-
-        done.add_done_callback(relay)
-        return mine
 
 
 def _forget(saver_ref: "weakref.ref[AsyncSaver]", temp_abs: str, handle: SaveHandle) -> None:

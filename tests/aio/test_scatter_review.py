@@ -79,6 +79,13 @@ class _Arena:
         self.outside_untouched()
 
 
+def _read_and_check(io: AioHandle, path: Path, specs: list, data: np.ndarray) -> None:
+    """One ``read_ranges`` call into a fresh arena of ``specs``; every range must hold the file's bytes."""
+    arena = _Arena(specs)
+    io.read_ranges(path, arena.ranges)
+    arena.check(data)
+
+
 def _pool_settles(io: AioHandle, timeout: float = 2.0) -> bool:
     """Every staging block back in the pool, each once (given a moment)."""
     deadline = time.monotonic() + timeout
@@ -219,9 +226,7 @@ def test_files_on_tmpfs_land_exactly(shm_dir: Path, engine: str) -> None:
     for direct in (True, False):
         with _handle(engine, block_size=64 * KIB, use_direct=direct) as io:
             for specs in _layouts(data.size).values():
-                arena = _Arena(specs)
-                io.read_ranges(path, arena.ranges)
-                arena.check(data)
+                _read_and_check(io, path, specs, data)
             assert _pool_settles(io)
 
 
@@ -236,9 +241,7 @@ def test_warm_files_are_read_buffered_straight_into_memory(disk_dir: Path, engin
             assert not io._read_direct(path)  # noqa: SLF001
             vectors = _spy_vectors(io, monkeypatch)
             for specs in _layouts(data.size).values():
-                arena = _Arena(specs)
-                io.read_ranges(path, arena.ranges)
-                arena.check(data)
+                _read_and_check(io, path, specs, data)
             tiny = [(100 + 3 * i, 1 + i % 3, "adj1") for i in range(2500)]  # 2500 buffers: > IOV_MAX
             arena = _Arena(tiny)
             vectors.clear()
@@ -271,9 +274,7 @@ def test_tiny_touching_ranges_share_pages_through_staging(disk_dir: Path, engine
     specs = [(100 + 3 * i, 1 + i % 3, "adj1") for i in range(2500)] + [(64 * KIB + 4, 1, "adj")]
     for block_size in (A, 64 * KIB):
         with _handle(engine, block_size=block_size) as io:
-            arena = _Arena(specs)
-            io.read_ranges(path, arena.ranges)
-            arena.check(data)
+            _read_and_check(io, path, specs, data)
             assert _pool_settles(io)
 
 
