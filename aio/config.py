@@ -102,7 +102,9 @@ class AioConfig(BaseModel):
         given: dict[str, Any] = {}
         for key, value in section.items():
             if key in DEEPSPEED_IGNORED_AIO_KEYS:
-                log.debug("aio config: ignoring %r=%r, as DeepSpeed does (%s)", key, value, DEEPSPEED_IGNORED_AIO_KEYS[key])
+                log.debug(
+                    "aio config: ignoring %r=%r, as DeepSpeed does (%s)", key, value, DEEPSPEED_IGNORED_AIO_KEYS[key]
+                )
             else:
                 given[key] = value
         defaults = dict(DEEPSPEED_AIO_DEFAULTS)

@@ -111,12 +111,16 @@ class AioHandle:
         self.close()
 
     # -- writing ----------------------------------------------------------------------
-    def writer(self, path: str | os.PathLike[str], *, size_hint: int | None = None, fsync: bool | None = None) -> "FileWriter":
+    def writer(
+        self, path: str | os.PathLike[str], *, size_hint: int | None = None, fsync: bool | None = None
+    ) -> "FileWriter":
         """A sequential writer to a new file at ``path`` (created or truncated)."""
         self._check_open(path)
         return FileWriter(self, path, size_hint=size_hint, fsync=self.config.fsync if fsync is None else fsync)
 
-    def write_file(self, path: str | os.PathLike[str], data: Bytes | Iterable[Bytes], *, fsync: bool | None = None) -> int:
+    def write_file(
+        self, path: str | os.PathLike[str], data: Bytes | Iterable[Bytes], *, fsync: bool | None = None
+    ) -> int:
         """Write ``data`` (one buffer or an iterable of buffers) as the whole content of ``path``."""
         self._check_open(path)
         parts = [data] if isinstance(data, _SINGLE) or _is_tensor(data) else list(data)
@@ -168,8 +172,9 @@ class AioHandle:
         memory, which the caller may reuse or free once we return.
         """
         align = self.config.alignment if f.direct else 1
-        requests = plan_reads(ranges, align=align, block_size=self.config.block_size,
-                              max_segments=self.engine.max_segments)
+        requests = plan_reads(
+            ranges, align=align, block_size=self.config.block_size, max_segments=self.engine.max_segments
+        )
         futures: list[Future] = []
         try:
             for req in requests:

@@ -10,8 +10,9 @@ import importlib
 from typing import Any, Callable, Mapping
 
 
-def lazy_exports(package: str, exports: Mapping[str, tuple[str, str]],
-                 namespace: dict[str, Any]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, exports: Mapping[str, tuple[str, str]], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``exports`` maps a public name to (submodule, attribute);
     a resolved name is stored in ``namespace`` (the package's globals) so later lookups are plain reads."""
 

@@ -80,8 +80,15 @@ def disjoint_runs(ranges: Sequence[tuple[int, memoryview]]) -> list[list[tuple[i
     return runs
 
 
-def plan_reads(ranges: Sequence[tuple[int, memoryview]], *, align: int, block_size: int, max_segments: int,
-               max_gap: int = MAX_GAP, min_direct: int = MIN_DIRECT) -> list[ReadRequest]:
+def plan_reads(
+    ranges: Sequence[tuple[int, memoryview]],
+    *,
+    align: int,
+    block_size: int,
+    max_segments: int,
+    max_gap: int = MAX_GAP,
+    min_direct: int = MIN_DIRECT,
+) -> list[ReadRequest]:
     """Requests that read every ``(offset, dest)`` range of one file into ``dest``.
 
     ``align``: 1 for a buffered file (every byte lands straight in ``dest``; nothing is staged), else
@@ -180,7 +187,8 @@ class _Plan:
                 return
             req = self.cur
             fits = req.length + gap <= self.block_size and (
-                self._ends_staged(req) or len(req.segments) < self.max_segments)
+                self._ends_staged(req) or len(req.segments) < self.max_segments
+            )
             if 0 < gap <= self.max_gap and fits:
                 self._stage(req, gap)  # unwanted bytes: no copy
                 return

@@ -128,7 +128,14 @@ def parse_size(text: str) -> int:
 # AioConfig fields DeepSpeed has no key for: a flat object naming one is UCP's own config.
 UCP_ONLY_KEYS = frozenset({"engine", "use_direct", "alignment", "fsync"})
 
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def config_from_json(data: Any) -> AioConfig:

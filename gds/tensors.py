@@ -31,8 +31,7 @@ def _check(tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} ({describe(tensor)}) is a meta tensor and has no bytes")
     if not tensor.is_contiguous():
         raise ValueError(
-            f"{name} ({describe(tensor)}) is not contiguous (stride {tuple(tensor.stride())}); "
-            "call .contiguous() first"
+            f"{name} ({describe(tensor)}) is not contiguous (stride {tuple(tensor.stride())}); call .contiguous() first"
         )
 
 

@@ -135,7 +135,9 @@ def flat_range_to_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tup
     return out
 
 
-def _split(start: int, stop: int, shape: tuple[int, ...], dim: int, prefix: tuple[int, ...], out: list, base: int) -> None:
+def _split(
+    start: int, stop: int, shape: tuple[int, ...], dim: int, prefix: tuple[int, ...], out: list, base: int
+) -> None:
     """Recursive helper: cover [start, stop) of the sub-array ``shape[dim:]`` selected by ``prefix``."""
     inner = math.prod(shape[dim + 1 :])  # elements per index of this dimension
     rest = len(shape) - dim - 1
@@ -204,19 +206,21 @@ def split_region(region: Region, itemsize: int, max_bytes: int) -> list[tuple[in
     if region.numel <= n_max:
         return [(0, region)]
     if isinstance(region, FlatRange):
-        return [(a - region.start, FlatRange(a, min(a + n_max, region.stop)))
-                for a in range(region.start, region.stop, n_max)]
+        return [
+            (a - region.start, FlatRange(a, min(a + n_max, region.stop)))
+            for a in range(region.start, region.stop, n_max)
+        ]
     shape = region.shape
-    k = next(d for d in range(len(shape)) if math.prod(shape[d + 1:]) <= n_max)  # the last dim always fits
-    inner = math.prod(shape[k + 1:])
+    k = next(d for d in range(len(shape)) if math.prod(shape[d + 1 :]) <= n_max)  # the last dim always fits
+    inner = math.prod(shape[k + 1 :])
     step = max(1, n_max // max(inner, 1))
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     out: list[tuple[int, Region]] = []
     for prefix in itertools.product(*(range(n) for n in shape[:k])):
         for j in range(0, shape[k], step):
             index = (*prefix, j) + (0,) * (len(shape) - k - 1)
             offsets = tuple(o + i for o, i in zip(region.offsets, index))
-            part_shape = (1,) * k + (min(step, shape[k] - j),) + tuple(shape[k + 1:])
+            part_shape = (1,) * k + (min(step, shape[k] - j),) + tuple(shape[k + 1 :])
             out.append((sum(i * s for i, s in zip(index, strides)), Box(offsets, part_shape)))
     return out
 
@@ -264,8 +268,9 @@ def region_boxes(region: Region, shape: Sequence[int]) -> list[Box]:
     return [b for _, b in region_blocks(region, shape)]
 
 
-def check_exact_cover(regions: Sequence[Region], shape: Sequence[int],
-                      labels: Sequence[str] | None = None) -> str | None:
+def check_exact_cover(
+    regions: Sequence[Region], shape: Sequence[int], labels: Sequence[str] | None = None
+) -> str | None:
     """Why ``regions`` do not tile an array of ``shape`` exactly once, or None when they do.
 
     Every region must lie inside the array, no two may share an element, and together they

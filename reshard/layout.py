@@ -39,12 +39,16 @@ class Mesh(BaseModel):
     pp: int = Field(1, ge=1)
     dp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
-    order: tuple[str, str, str] = Field(ORDER_AXES, description="axes from fastest- to slowest-varying in the rank number")
+    order: tuple[str, str, str] = Field(
+        ORDER_AXES, description="axes from fastest- to slowest-varying in the rank number"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "Mesh":
         if self.dp % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (expert parallelism lives inside data parallelism)")
+            raise ValueError(
+                f"ep={self.ep} must divide dp={self.dp} (expert parallelism lives inside data parallelism)"
+            )
         if sorted(self.order) != sorted(ORDER_AXES):
             raise ValueError(f"order {list(self.order)} must be a permutation of {list(ORDER_AXES)}")
         return self
@@ -143,7 +147,9 @@ class Pipeline(BaseModel):
 
     model_config = _MODEL
     layer: str = Field("*layers.{i}.*", description="name pattern whose {i} is the layer index")
-    stages: tuple[tuple[int, ...], ...] | None = Field(None, description="layer indices per stage; None: contiguous blocks")
+    stages: tuple[tuple[int, ...], ...] | None = Field(
+        None, description="layer indices per stage; None: contiguous blocks"
+    )
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
     tied: tuple[str, ...] = Field((), description="held by the first and the last stage, saved once")
@@ -215,7 +221,8 @@ class Layout(BaseModel):
                 a, b = self.rules[hits[0]], self.rules[hits[1]]
                 raise LayoutError(
                     f"tensor {name!r} matches two rules: {hits[0]} {a.name!r} ({a.dims}) and "
-                    f"{hits[1]} {b.name!r} ({b.dims}); make the name patterns disjoint")
+                    f"{hits[1]} {b.name!r} ({b.dims}); make the name patterns disjoint"
+                )
             if hits:
                 used[hits[0]] = True
                 out[name] = (hits[0], self.rules[hits[0]].pattern)
@@ -224,11 +231,14 @@ class Layout(BaseModel):
             else:
                 raise LayoutError(
                     f"tensor {name!r} matches no rule and the layout has no default "
-                    "(add a rule, or \"default\": \"...\" to replicate such tensors)")
+                    '(add a rule, or "default": "..." to replicate such tensors)'
+                )
         for i, (rule, hit) in enumerate(zip(self.rules, used)):
             if not hit and not rule.optional:
-                raise LayoutError(f"rule {i} {rule.name!r} ({rule.dims}) matches no tensor "
-                                  "(a typo? mark it \"optional\": true if the tensor may be absent)")
+                raise LayoutError(
+                    f"rule {i} {rule.name!r} ({rule.dims}) matches no tensor "
+                    '(a typo? mark it "optional": true if the tensor may be absent)'
+                )
         return out
 
     # -- resolving (reshard.resolve) ----------------------------------------------------------

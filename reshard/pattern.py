@@ -182,14 +182,23 @@ class _Parser:
             t = self.tok
             nxt = self.toks[min(self.i + 1, len(self.toks) - 1)]
             if t.kind == "name" and nxt.kind == "name" and nxt.text in MESH_AXES:
-                raise self.fail("the split axes must come before the extent, e.g. (tp r); interleaved (strided) "
-                                "splits are not supported", nxt.start, nxt.stop)
+                raise self.fail(
+                    "the split axes must come before the extent, e.g. (tp r); interleaved (strided) "
+                    "splits are not supported",
+                    nxt.start,
+                    nxt.stop,
+                )
             if t.kind == "name":
                 raise self.fail(
                     f"{t.text!r} is not a mesh axis (axes: {', '.join(AXES)}); a group is (axis... extent), e.g. (tp r)",
-                    t.start, t.stop)
-            raise self.fail("a group needs at least one mesh axis before its extent, e.g. (tp r)",
-                            open_.start, max(t.stop, open_.stop))
+                    t.start,
+                    t.stop,
+                )
+            raise self.fail(
+                "a group needs at least one mesh axis before its extent, e.g. (tp r)",
+                open_.start,
+                max(t.stop, open_.stop),
+            )
         label, size, parts = None, None, None
         if self.tok.kind == "[":
             parts = self.parts()
@@ -199,16 +208,23 @@ class _Parser:
             label, size = t.text, self.size_suffix()
         else:
             got = "the end of the pattern" if self.tok.kind == "end" else repr(self.tok.text)
-            raise self.fail(f"expected the dimension's extent (a name or [parts]) after the axes, found {got}",
-                            self.tok.start, max(self.tok.stop, self.tok.start + 1))
+            raise self.fail(
+                f"expected the dimension's extent (a name or [parts]) after the axes, found {got}",
+                self.tok.start,
+                max(self.tok.stop, self.tok.start + 1),
+            )
         opts: dict[str, tuple[object, tuple[int, int]]] = {}
         if self.tok.kind == "|":
             self.take()
             opts = self.options("split")
         if self.tok.kind == "name" and self.tok.text in MESH_AXES:
             t = self.tok
-            raise self.fail("the split axes must come before the extent, e.g. (tp r); interleaved (strided) "
-                            "splits are not supported", t.start, t.stop)
+            raise self.fail(
+                "the split axes must come before the extent, e.g. (tp r); interleaved (strided) "
+                "splits are not supported",
+                t.start,
+                t.stop,
+            )
         close = self.expect(")", "')' closing the group")
         dim = Dim(label, tuple(axes), size, parts, span=(open_.start, close.stop))
         return self._apply_split_options(dim, opts)
@@ -228,8 +244,9 @@ class _Parser:
             raise self.fail("fused parts need at least one part", open_.start, close.stop)
         unsized = [p for p in parts if p.size is None]
         if unsized and len(unsized) != len(parts) and len(unsized) > 1:
-            raise self.fail("give every part a size, none (equal parts) or all but one (it takes the rest)",
-                            open_.start, close.stop)
+            raise self.fail(
+                "give every part a size, none (equal parts) or all but one (it takes the rest)", open_.start, close.stop
+            )
         return tuple(parts)
 
     def size_suffix(self) -> int | None:
@@ -272,8 +289,9 @@ class _Parser:
     # -- semantic checks ----------------------------------------------------------------------
     def _check_label(self, t: _Tok) -> None:
         if t.text in MESH_AXES:
-            raise self.fail(f"{t.text!r} is a mesh axis; to split a dimension over it write ({t.text} name)",
-                            t.start, t.stop)
+            raise self.fail(
+                f"{t.text!r} is a mesh axis; to split a dimension over it write ({t.text} name)", t.start, t.stop
+            )
 
     def _axes_value(self, value: object, span: tuple[int, int], default: tuple[str, ...]) -> tuple[str, ...]:
         if value is None:
@@ -321,8 +339,9 @@ class _Parser:
                 seen[a] = d
         for a in pat.average:
             if a in seen:
-                raise self.fail(f"avg={a}: {a} splits this tensor, so there are no copies over it to average",
-                                *seen[a].span)
+                raise self.fail(
+                    f"avg={a}: {a} splits this tensor, so there are no copies over it to average", *seen[a].span
+                )
 
 
 @lru_cache(maxsize=4096)
@@ -349,4 +368,3 @@ def part_sizes(dim: Dim, total: int) -> list[int] | None:
         return None
     sizes[missing[0]] = rest
     return sizes  # type: ignore[return-value]
-

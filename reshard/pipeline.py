@@ -30,8 +30,10 @@ def stage_layers(pipe: Pipeline, layers: set[int], pp: int) -> list[list[int]]:
     num_layers = max(layers) + 1 if layers else 0
     if pipe.stages is None:
         if pp > 1 and pp > num_layers:
-            raise LayoutError(f"pp={pp} is larger than the number of layers ({num_layers}) "
-                              f"(layers are found by the name pattern {pipe.layer!r})")
+            raise LayoutError(
+                f"pp={pp} is larger than the number of layers ({num_layers}) "
+                f"(layers are found by the name pattern {pipe.layer!r})"
+            )
         return contiguous_stages(num_layers, pp)
     stages = [list(s) for s in pipe.stages]
     if len(stages) != pp:
@@ -62,15 +64,19 @@ def assign_stages(pipe: Pipeline, names: Sequence[str], pp: int) -> dict[str, tu
         if i is not None:
             out[name] = (stage_of_layer[i],)
             continue
-        lists = [(what, pats) for what, pats in (("first", pipe.first), ("last", pipe.last), ("tied", pipe.tied))
-                 if any(name_matches(p, name) for p in pats)]
+        lists = [
+            (what, pats)
+            for what, pats in (("first", pipe.first), ("last", pipe.last), ("tied", pipe.tied))
+            if any(name_matches(p, name) for p in pats)
+        ]
         if len(lists) > 1:
             raise LayoutError(f"tensor {name!r} matches both pipeline.{lists[0][0]} and pipeline.{lists[1][0]}")
         if not lists:
             if pp > 1:
                 raise LayoutError(
                     f"tensor {name!r} is in no layer (pattern {pipe.layer!r}) and matches none of pipeline.first, "
-                    "pipeline.last, pipeline.tied: say which stage holds it")
+                    "pipeline.last, pipeline.tied: say which stage holds it"
+                )
             out[name] = (0,)
             continue
         what = lists[0][0]

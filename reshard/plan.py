@@ -9,7 +9,6 @@ zeroed). Whoever executes it (ucp's reader) chooses how to batch the reads.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -143,8 +142,9 @@ def _check_slot(buf: LocalBuffer, slot: Slot, shape: Sequence[int]) -> None:
         raise PlanError(f"{where}: global range lies outside the tensor's {math.prod(shape)} elements")
 
 
-def plan(buffers: Sequence[LocalBuffer], sources: Mapping[str, Sequence[SourcePiece]],
-         shapes: Mapping[str, Sequence[int]]) -> Plan:
+def plan(
+    buffers: Sequence[LocalBuffer], sources: Mapping[str, Sequence[SourcePiece]], shapes: Mapping[str, Sequence[int]]
+) -> Plan:
     """Plan filling ``buffers`` (one rank's targets) from stored ``sources`` of tensors of global ``shapes``.
 
     ``sources`` may come from :func:`check_sources` (checked once for many plans) or be plain lists.
@@ -175,8 +175,9 @@ def plan(buffers: Sequence[LocalBuffer], sources: Mapping[str, Sequence[SourcePi
                     src = Affine(s_off, sb.offsets, row_major_strides(sb.shape))
                     dst = _dst_affine(buf, slot, t.dst_block)
                     for s, d, n in runs(t.box, src, dst):
-                        raw.append(Copy(piece.file, piece.offset + s * piece.itemsize, n * piece.itemsize,
-                                        buf.name, d, n))
+                        raw.append(
+                            Copy(piece.file, piece.offset + s * piece.itemsize, n * piece.itemsize, buf.name, d, n)
+                        )
     out.copies = _coalesce(raw)
     out.fills = _fills(out.copies, out.shapes)
     return out
@@ -198,10 +199,15 @@ def _coalesce(copies: list[Copy]) -> list[Copy]:
             prev = merged[-1]
             if c.start < prev.start + prev.count:
                 raise PlanError(f"buffer {c.target!r}: elements from {c.start} are written twice (overlapping slots)")
-            if (prev.file == c.file and prev.offset + prev.nbytes == c.offset and prev.start + prev.count == c.start
-                    and prev.nbytes * c.count == c.nbytes * prev.count):
-                merged[-1] = Copy(prev.file, prev.offset, prev.nbytes + c.nbytes, prev.target, prev.start,
-                                  prev.count + c.count)
+            if (
+                prev.file == c.file
+                and prev.offset + prev.nbytes == c.offset
+                and prev.start + prev.count == c.start
+                and prev.nbytes * c.count == c.nbytes * prev.count
+            ):
+                merged[-1] = Copy(
+                    prev.file, prev.offset, prev.nbytes + c.nbytes, prev.target, prev.start, prev.count + c.count
+                )
                 continue
         merged.append(c)
     return merged
@@ -225,9 +231,13 @@ def _fills(copies: list[Copy], shapes: Mapping[str, tuple[int, ...]]) -> list[Fi
     return fills
 
 
-
-def plan_layout(layout: Layout, shapes: Mapping[str, Sequence[int]], sources: Mapping[str, Sequence[SourcePiece]],
-                states: Sequence[str] = (), name: Callable[[str, str], str] = state_name) -> dict[int, Plan]:
+def plan_layout(
+    layout: Layout,
+    shapes: Mapping[str, Sequence[int]],
+    sources: Mapping[str, Sequence[SourcePiece]],
+    states: Sequence[str] = (),
+    name: Callable[[str, str], str] = state_name,
+) -> dict[int, Plan]:
     """A plan for every rank of ``layout`` (by rank number): its weights and the optimizer ``states`` named."""
     res = Resolver(layout, shapes)
     every = {n: tuple(s) for n, s in shapes.items()}

@@ -60,8 +60,9 @@ def state_name(param: str, key: str) -> str:
     return f"{param}.{key}"
 
 
-def state_shapes(shapes: Mapping[str, Sequence[int]], key: str,
-                 name: Callable[[str, str], str] = state_name) -> dict[str, tuple[int, ...]]:
+def state_shapes(
+    shapes: Mapping[str, Sequence[int]], key: str, name: Callable[[str, str], str] = state_name
+) -> dict[str, tuple[int, ...]]:
     """Global shapes of an optimizer state's tensors: the parameters' shapes, renamed."""
     return {name(p, key): tuple(s) for p, s in shapes.items()}
 
@@ -128,11 +129,16 @@ class Resolver:
             group = zero.group_of(n)
             self.info[n] = _Info(rule, pat, stages[n], group)
         for g in range(len(zero.groups)):
-            kinds = {self.info[n].expert: n for n in names
-                     if self.info[n].group == g and "dp" not in self.info[n].pattern.axes}
+            kinds = {
+                self.info[n].expert: n
+                for n in names
+                if self.info[n].group == g and "dp" not in self.info[n].pattern.axes
+            }
             if len(kinds) > 1 and zero.stage >= 1:
-                raise LayoutError(f"ZeRO group {g} mixes tensors split over ep ({kinds[True]!r}) and not "
-                                  f"({kinds[False]!r}); their data-parallel groups differ: use separate groups")
+                raise LayoutError(
+                    f"ZeRO group {g} mixes tensors split over ep ({kinds[True]!r}) and not "
+                    f"({kinds[False]!r}); their data-parallel groups differ: use separate groups"
+                )
 
     def _context(self, name: str) -> str:
         info = self.info[name]
@@ -142,7 +148,9 @@ class Resolver:
     def _shard(self, name: str, coord: RankCoord) -> tuple[tuple[int, ...], list[tuple[Box, Box]]]:
         info, mesh = self.info[name], self.layout.mesh
         try:
-            return shard(info.pattern, self.shapes[name], mesh.axis_sizes(info.expert), mesh.axis_index(coord, info.expert))
+            return shard(
+                info.pattern, self.shapes[name], mesh.axis_sizes(info.expert), mesh.axis_index(coord, info.expert)
+            )
         except PatternError as exc:
             raise exc.in_pattern(info.pattern.text, self._context(name)) from None
 
@@ -198,8 +206,10 @@ class Resolver:
         """Slots for elements ``[start, stop)`` of tensor ``n``'s local flattening, placed at ``buf_off`` of a flat buffer."""
         shape, pairs = shard_
         rep = self._replica(n, coord, over_dp=False)
-        return [Slot(n, FlatRange(buf_off + off, buf_off + off + region.numel), region, rep)
-                for off, region in local_flat_to_global(shape, pairs, self.shapes[n], start, stop)]
+        return [
+            Slot(n, FlatRange(buf_off + off, buf_off + off + region.numel), region, rep)
+            for off, region in local_flat_to_global(shape, pairs, self.shapes[n], start, stop)
+        ]
 
     def _param_partition(self, n: str, coord: RankCoord, shard_: tuple) -> LocalBuffer:
         """Stage 3: this rank's flat partition of one parameter."""
@@ -207,7 +217,9 @@ class Resolver:
         size, a, b = param_partition(math.prod(shard_[0]), parts, index, self.layout.zero.alignment)
         return LocalBuffer(n, (size,), tuple(self._slots(n, coord, shard_, a, b, 0)))
 
-    def _group(self, g: int, members: list[str], coord: RankCoord, local: dict, params: dict[str, LocalBuffer]) -> LocalBuffer:
+    def _group(
+        self, g: int, members: list[str], coord: RankCoord, local: dict, params: dict[str, LocalBuffer]
+    ) -> LocalBuffer:
         """This rank's flat partition of parameter group ``g`` (stage 3: the members' partitions, concatenated)."""
         slots: list[Slot] = []
         if self.layout.zero.stage == 3:
@@ -246,16 +258,30 @@ def merge_slots(slots: Sequence[Slot]) -> list[Slot]:
     for s in slots:
         if out and out[-1].tensor == s.tensor and out[-1].replica == s.replica:
             prev = out[-1]
-            if isinstance(prev.local, Box) and isinstance(s.local, Box) and isinstance(prev.glob, Box) \
-                    and isinstance(s.glob, Box):
+            if (
+                isinstance(prev.local, Box)
+                and isinstance(s.local, Box)
+                and isinstance(prev.glob, Box)
+                and isinstance(s.glob, Box)
+            ):
                 local, glob = _adjacent_rows(prev.local, s.local), _adjacent_rows(prev.glob, s.glob)
                 if local is not None and glob is not None:
                     out[-1] = Slot(s.tensor, local, glob, s.replica)
                     continue
-            if isinstance(prev.local, FlatRange) and isinstance(s.local, FlatRange) and isinstance(prev.glob, FlatRange) \
-                    and isinstance(s.glob, FlatRange) and prev.local.stop == s.local.start and prev.glob.stop == s.glob.start:
-                out[-1] = Slot(s.tensor, FlatRange(prev.local.start, s.local.stop),
-                               FlatRange(prev.glob.start, s.glob.stop), s.replica)
+            if (
+                isinstance(prev.local, FlatRange)
+                and isinstance(s.local, FlatRange)
+                and isinstance(prev.glob, FlatRange)
+                and isinstance(s.glob, FlatRange)
+                and prev.local.stop == s.local.start
+                and prev.glob.stop == s.glob.start
+            ):
+                out[-1] = Slot(
+                    s.tensor,
+                    FlatRange(prev.local.start, s.local.stop),
+                    FlatRange(prev.glob.start, s.glob.stop),
+                    s.replica,
+                )
                 continue
         out.append(s)
     return out
@@ -283,4 +309,6 @@ def check_layout(layout: Layout, shapes: Mapping[str, Sequence[int]]) -> None:
         for n, regions in table.items():
             why = check_exact_cover(regions, res.shapes[n])
             if why is not None:
-                raise LayoutError(f"{res._context(n)}: the {what} saved by all ranks do not tile it exactly once: {why}")
+                raise LayoutError(
+                    f"{res._context(n)}: the {what} saved by all ranks do not tile it exactly once: {why}"
+                )

@@ -76,4 +76,3 @@ def runs(box: Box, src: Affine, dst: Affine) -> Iterator[tuple[int, int, int]]:
         for d, v in zip(lead, idx):
             index[d] = v
         yield src.at(index), dst.at(index), count
-

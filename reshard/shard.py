@@ -35,7 +35,9 @@ def _axes_text(dim: Dim, sizes: Mapping[str, int]) -> str:
 def split_dim(dim: Dim, total: int, sizes: Mapping[str, int], index: Mapping[str, int], where: str) -> DimShare:
     """Resolve one dimension of global size ``total``; ``where`` names it in errors ("dim 0")."""
     if dim.size is not None and dim.size != total:
-        raise PatternError(f"{where} is declared {dim.label}:{dim.size} but the tensor's size is {total}", span=dim.span)
+        raise PatternError(
+            f"{where} is declared {dim.label}:{dim.size} but the tensor's size is {total}", span=dim.span
+        )
     if not dim.axes:
         return DimShare(total, ((0, 0, total),) if total else ())
     k = math.prod(sizes[a] for a in dim.axes)
@@ -57,7 +59,9 @@ def split_dim(dim: Dim, total: int, sizes: Mapping[str, int], index: Mapping[str
             what = f"{n} units of {dim.unit}" if dim.unit > 1 else f"size {total}"
             raise PatternError(
                 f"{where} has {what}, not divisible by {_axes_text(dim, sizes)}; "
-                "allow it with '| uneven' or pad it with '| pad=N'", span=dim.span)
+                "allow it with '| uneven' or pad it with '| pad=N'",
+                span=dim.span,
+            )
         start, count = t * (n // k), n // k
     elif dim.uneven == "first":
         q, r = divmod(n, k)
@@ -80,13 +84,15 @@ def _split_fused(dim: Dim, total: int, k: int, t: int, sizes: Mapping[str, int],
     local = glob = 0
     for part, size in zip(dim.parts, psizes):
         if size % dim.unit:
-            raise PatternError(f"{where}: part {part.name!r} has size {size}, not a multiple of unit={dim.unit}",
-                               span=part.span)
+            raise PatternError(
+                f"{where}: part {part.name!r} has size {size}, not a multiple of unit={dim.unit}", span=part.span
+            )
         n = size // dim.unit
         if n % k:
             what = f"{n} units of {dim.unit}" if dim.unit > 1 else f"size {size}"
-            raise PatternError(f"{where}: part {part.name!r} has {what}, not divisible by {_axes_text(dim, sizes)}",
-                               span=part.span)
+            raise PatternError(
+                f"{where}: part {part.name!r} has {what}, not divisible by {_axes_text(dim, sizes)}", span=part.span
+            )
         share = size // k
         if share:
             runs.append((local, glob + t * share, share))
@@ -95,8 +101,9 @@ def _split_fused(dim: Dim, total: int, k: int, t: int, sizes: Mapping[str, int],
     return DimShare(local, tuple(runs))
 
 
-def shard(pattern: Pattern, shape: Sequence[int], sizes: Mapping[str, int],
-          index: Mapping[str, int]) -> tuple[tuple[int, ...], list[tuple[Box, Box]]]:
+def shard(
+    pattern: Pattern, shape: Sequence[int], sizes: Mapping[str, int], index: Mapping[str, int]
+) -> tuple[tuple[int, ...], list[tuple[Box, Box]]]:
     """The local shape and the ``(local box, global box)`` pairs of one rank's shard.
 
     ``sizes``/``index``: the count and this rank's index for every axis the pattern uses.

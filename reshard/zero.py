@@ -20,7 +20,9 @@ def partition_size(numel: int, parts: int, alignment: int) -> int:
     return -(-per // alignment) * alignment
 
 
-def group_partition(numels: Sequence[int], parts: int, index: int, alignment: int) -> tuple[int, list[tuple[int, int, int]]]:
+def group_partition(
+    numels: Sequence[int], parts: int, index: int, alignment: int
+) -> tuple[int, list[tuple[int, int, int]]]:
     """Stages 1/2: ``(partition size, [(param i, start, stop) within param i's flat local tensor, ...])``.
 
     The params are concatenated in order; rank ``index`` holds ``[index·P, (index+1)·P)`` of the padded buffer.
@@ -44,8 +46,9 @@ def param_partition(numel: int, parts: int, index: int, alignment: int) -> tuple
     return size, start, min(start + size, numel)
 
 
-def local_flat_to_global(local_shape: Sequence[int], pairs: Sequence[tuple[Box, Box]], global_shape: Sequence[int],
-                         start: int, stop: int) -> list[tuple[int, Box | FlatRange]]:
+def local_flat_to_global(
+    local_shape: Sequence[int], pairs: Sequence[tuple[Box, Box]], global_shape: Sequence[int], start: int, stop: int
+) -> list[tuple[int, Box | FlatRange]]:
     """Map elements ``[start, stop)`` of a local tensor's flattening to global regions.
 
     ``pairs`` are the local tensor's ``(local box, global box)`` correspondences. Returns

@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
 
-    ckpt = make_checkpoint(world_size=a.world_size, zero_stage=a.zero_stage, dtype=a.dtype, steps=a.steps,
-                           model_config=a.model, seq=a.seq)
+    ckpt = make_checkpoint(
+        world_size=a.world_size, zero_stage=a.zero_stage, dtype=a.dtype, steps=a.steps, model_config=a.model, seq=a.seq
+    )
     tag = read_latest(ckpt)
     src_bytes = dir_bytes(ckpt / tag)
     scratch = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=a.scratch))
@@ -87,8 +88,19 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(dst)
             udst = scratch / "ds" / f"{tag}_universal"
             dropped &= drop_caches()
-            run, sync = timed([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(ckpt / tag), "--output_folder", str(udst), "--inject_missing_state"], env)
+            run, sync = timed(
+                [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder",
+                    str(ckpt / tag),
+                    "--output_folder",
+                    str(udst),
+                    "--inject_missing_state",
+                ],
+                env,
+            )
             rows["ds_to_universal"].append({"s": run, "sync_s": sync})
             out_bytes["ds_to_universal"] = dir_bytes(udst)
             shutil.rmtree(scratch / "ds")
@@ -97,21 +109,34 @@ def main(argv: list[str] | None = None) -> int:
 
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("s", "sync_s")} for k, v in rows.items()}
     ratio = med["ds_to_universal"]["s"] / med["ucp convert"]["s"]
-    ratio_sync = (sum(med["ds_to_universal"].values()) / sum(med["ucp convert"].values()))
+    ratio_sync = sum(med["ds_to_universal"].values()) / sum(med["ucp convert"].values())
     result = {
-        "checkpoint": str(ckpt), "model": a.model, "zero_stage": a.zero_stage, "world_size": a.world_size,
-        "dtype": a.dtype, "source_bytes": src_bytes, "rounds": a.rounds, "page_cache_dropped": dropped,
-        "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
-        "median": {k: {"seconds": round(v["s"], 3), "sync_seconds": round(v["sync_s"], 3),
-                       "output_bytes": out_bytes[k]} for k, v in med.items()},
+        "checkpoint": str(ckpt),
+        "model": a.model,
+        "zero_stage": a.zero_stage,
+        "world_size": a.world_size,
+        "dtype": a.dtype,
+        "source_bytes": src_bytes,
+        "rounds": a.rounds,
+        "page_cache_dropped": dropped,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+        "median": {
+            k: {"seconds": round(v["s"], 3), "sync_seconds": round(v["sync_s"], 3), "output_bytes": out_bytes[k]}
+            for k, v in med.items()
+        },
         "runs": {k: [{m: round(x, 3) for m, x in r.items()} for r in v] for k, v in rows.items()},
-        "speedup": round(ratio, 2), "speedup_with_sync": round(ratio_sync, 2), "target_speedup": 3.0,
+        "speedup": round(ratio, 2),
+        "speedup_with_sync": round(ratio_sync, 2),
+        "target_speedup": 3.0,
     }
     if a.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{a.model} ZeRO-{a.zero_stage} {a.dtype} W={a.world_size}: {src_bytes / 1e6:.0f} MB native checkpoint, "
-          f"{a.rounds} round(s), page cache {'dropped' if dropped else 'NOT dropped'} before each run")
+    print(
+        f"{a.model} ZeRO-{a.zero_stage} {a.dtype} W={a.world_size}: {src_bytes / 1e6:.0f} MB native checkpoint, "
+        f"{a.rounds} round(s), page cache {'dropped' if dropped else 'NOT dropped'} before each run"
+    )
     print(f"{'tool':<18}{'median s':>10}{'sync s':>9}{'output MB':>11}")
     for k, v in result["median"].items():
         print(f"{k:<18}{v['seconds']:>10.2f}{v['sync_seconds']:>9.2f}{v['output_bytes'] / 1e6:>11.0f}")

@@ -25,8 +25,9 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     bench, rest = argv[0], argv[1:]
-    proc = subprocess.run([sys.executable, "-m", "ucp.cli", "bench", bench, *rest, "--json"],
-                          stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ucp.cli", "bench", bench, *rest, "--json"], stdout=subprocess.PIPE, text=True
+    )
     if proc.returncode != 0:
         return proc.returncode
     if bench == "io":

@@ -75,10 +75,14 @@ def make_source(root: Path, layers: int, vocab: int | None = None) -> Path:
 
 
 def _engine_metadata(engine) -> dict:
-    from ucp.placement import layout_metadata
+    from ucp.convert.placement import layout_metadata
 
-    return {"mesh": engine.mesh.as_dict(), "zero_stage": engine.cfg.zero_stage, "dtype": engine.cfg.dtype,
-            **layout_metadata(engine.layout, engine.shapes)}
+    return {
+        "mesh": engine.mesh.as_dict(),
+        "zero_stage": engine.cfg.zero_stage,
+        "dtype": engine.cfg.dtype,
+        **layout_metadata(engine.layout, engine.shapes),
+    }
 
 
 def _run(cmd: list[str]) -> str:
@@ -120,12 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", type=Path, default=Path("/tmp/ucp-bench-reshape"), help="work directory")
     p.add_argument("--layers", type=positive_int, default=18, help="GPT layers (18: ~140M parameters, ~2.1 GiB)")
-    p.add_argument("--vocab", type=positive_int, default=None,
-                   help="vocabulary size (default: the preset's 8k; e.g. 262144 for 768 MiB tensors)")
+    p.add_argument(
+        "--vocab",
+        type=positive_int,
+        default=None,
+        help="vocabulary size (default: the preset's 8k; e.g. 262144 for 768 MiB tensors)",
+    )
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--memory-budget", default="512MiB")
-    p.add_argument("--drop", choices=("data", "all"), default="all",
-                   help="before each step drop the whole page cache (all) or only the checkpoint's pages (data)")
+    p.add_argument(
+        "--drop",
+        choices=("data", "all"),
+        default="all",
+        help="before each step drop the whole page cache (all) or only the checkpoint's pages (data)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     args.root = args.root.absolute()  # the steps run with cwd=ROOT: a relative --root must mean the same there
@@ -159,18 +171,31 @@ def main(argv: list[str] | None = None) -> int:
     floor = med["cp -r + sync"]
     result = {
         "command": "python tools/bench_reshape.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "checkpoint_bytes": size, "files": len(manifest.files), "largest_tensor_bytes": largest,
-        "caches_dropped": cold, "drop": args.drop, "rounds": args.rounds, "seconds": times, "median_seconds": med,
-        "ratio_to_cp": {k: v / floor for k, v in med.items()}, "peak_rss_bytes": rss, "rss_bound_bytes": rss_bound,
+        "checkpoint_bytes": size,
+        "files": len(manifest.files),
+        "largest_tensor_bytes": largest,
+        "caches_dropped": cold,
+        "drop": args.drop,
+        "rounds": args.rounds,
+        "seconds": times,
+        "median_seconds": med,
+        "ratio_to_cp": {k: v / floor for k, v in med.items()},
+        "peak_rss_bytes": rss,
+        "rss_bound_bytes": rss_bound,
         "pass": {k: med[k] <= 1.25 * floor and rss[k] <= rss_bound for k in rss},
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"checkpoint: {size / 2**30:.2f} GiB in {len(manifest.files)} files (tp2 x dp2 ZeRO-2), largest tensor "
-          f"{largest / 2**20:.0f} MiB; before each step: "
-          + ({"all": "whole page cache dropped", "data": "checkpoint pages evicted"}[args.drop] if cold
-             else "page cache NOT dropped (not root)"))
+    print(
+        f"checkpoint: {size / 2**30:.2f} GiB in {len(manifest.files)} files (tp2 x dp2 ZeRO-2), largest tensor "
+        f"{largest / 2**20:.0f} MiB; before each step: "
+        + (
+            {"all": "whole page cache dropped", "data": "checkpoint pages evicted"}[args.drop]
+            if cold
+            else "page cache NOT dropped (not root)"
+        )
+    )
     print(f"{'step':<26}{'median s':>10}{'GB/s':>8}{'x cp':>7}{'peak RSS':>11}{'target':>9}")
     for k, v in med.items():
         peak = f"{rss[k] / 2**20:.0f} MiB" if k in rss else ""

@@ -52,13 +52,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="small", help="preset of training.models.gpt.PRESETS (default: small, 13.8M)")
     p.add_argument("--steps", type=positive_int, default=8, help="timed steps per way")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per way (the first save warms up)")
-    p.add_argument("--rounds", type=positive_int, default=2, help="interleave the ways in this many rounds of steps / rounds")
+    p.add_argument(
+        "--rounds", type=positive_int, default=2, help="interleave the ways in this many rounds of steps / rounds"
+    )
     p.add_argument("--tp", type=positive_int, default=1)
     p.add_argument("--pp", type=positive_int, default=1)
     p.add_argument("--dp", type=positive_int, default=None, help="default: procs / (tp * pp)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--procs", type=positive_int, default=None, help="ranks to spawn (default tp * pp * dp, dp default 1)")
+    p.add_argument(
+        "--procs", type=positive_int, default=None, help="ranks to spawn (default tp * pp * dp, dp default 1)"
+    )
     p.add_argument("--micro-batch", type=positive_int, default=2)
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's max_seq")
     p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
@@ -66,11 +70,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--async-mode", default="thread", choices=("thread", "process"))
-    p.add_argument("--snapshot", default="auto", choices=("auto", "cow", "sync", "background", "none"),
-                   help="async saves: write-protect and copy from a helper process (cow; auto picks it where Linux "
-                        "allows it, else sync), copy the state before save() returns (sync), copy it in the "
-                        "background (background), or copy nothing and write straight from the tensors (none); the "
-                        "engine waits for a background copy or a write before its next optimizer step")
+    p.add_argument(
+        "--snapshot",
+        default="auto",
+        choices=("auto", "cow", "sync", "background", "none"),
+        help="async saves: write-protect and copy from a helper process (cow; auto picks it where Linux "
+        "allows it, else sync), copy the state before save() returns (sync), copy it in the "
+        "background (background), or copy nothing and write straight from the tensors (none); the "
+        "engine waits for a background copy or a write before its next optimizer step",
+    )
     p.add_argument("--writer-threads", type=positive_int, default=None, help="aio thread_count for the writes")
     p.add_argument("--no-fsync", action="store_true", help="skip fdatasync of the data files")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -79,6 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # -- one rank ------------------------------------------------------------------------------------
+
 
 def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     """Train the three ways on this rank; rank 0 returns the measurements."""
@@ -94,8 +103,15 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     dp = args.dp or world // (args.tp * args.pp)
-    engine = Engine(args.model, mesh={"tp": args.tp, "pp": args.pp, "dp": dp}, zero_stage=args.zero,
-                    dtype=args.precision, micro_batch=args.micro_batch, seq_len=args.seq_len, lr=1e-4)
+    engine = Engine(
+        args.model,
+        mesh={"tp": args.tp, "pp": args.pp, "dp": dp},
+        zero_stage=args.zero,
+        dtype=args.precision,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        lr=1e-4,
+    )
     aio: dict[str, Any] = {}
     if args.writer_threads:
         aio["thread_count"] = args.writer_threads
@@ -104,8 +120,9 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     base = Path(os.environ["BENCH_ROOT"])
     managers: dict[str, Any] = {}
     savers: dict[str, Any] = {}
-    raw: dict[str, dict[str, list[float]]] = {w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": [],
-                                                  "wait_s": []} for w in args.ways}
+    raw: dict[str, dict[str, list[float]]] = {
+        w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": [], "wait_s": []} for w in args.ways
+    }
     waits: list[float] = []  # time train_step spent waiting for a background snapshot (before its optimizer step)
     engine_wait = engine.wait_snapshot
 
@@ -119,8 +136,9 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
         if w == "async":
             savers[w] = ucp.AsyncSaver(mode=args.async_mode, aio_config=aio or None, snapshot=args.snapshot)
         if w != "none":
-            managers[w] = ucp.CheckpointManager(base / w, keep_last=2, async_save=w == "async", saver=savers.get(w),
-                                                aio_config=aio or None)
+            managers[w] = ucp.CheckpointManager(
+                base / w, keep_last=2, async_save=w == "async", saver=savers.get(w), aio_config=aio or None
+            )
     # Rounds interleave the ways, so load from other jobs drifting over the run hits every way alike.
     per_round = max(1, -(-args.steps // args.rounds))
     for rnd in range(args.rounds):
@@ -138,8 +156,11 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
                     out = engine.save(manager)
                     if isinstance(out, ucp.SaveHandle) and i >= warm:
                         r["stall_s"].append(out.snapshot_seconds)
-                        out.add_done_callback(lambda h, t=time.perf_counter(), s=out.snapshot_seconds, d=r["durable_s"]:
-                                              d.append(time.perf_counter() - t + s))
+                        out.add_done_callback(
+                            lambda h, t=time.perf_counter(), s=out.snapshot_seconds, d=r["durable_s"]: d.append(
+                                time.perf_counter() - t + s
+                            )
+                        )
                 t2 = time.perf_counter()
                 if i >= warm:
                     r["step_s"].append(t2 - t0)
@@ -163,15 +184,31 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
         dist.destroy_process_group()
     if rank != 0:
         return None
-    results["config"] = {"model": args.model, "params": engine.cfg.model.num_params(), "world": world,
-                         "tp": args.tp, "pp": args.pp, "dp": dp, "zero": args.zero, "precision": args.precision,
-                         "micro_batch": args.micro_batch, "seq": engine.cfg.seq, "steps": args.steps,
-                         "warmup": args.warmup, "rounds": args.rounds, "threads": torch.get_num_threads(), "async_mode": args.async_mode, "snapshot": args.snapshot,
-                         "aio": aio, "cores": os.cpu_count()}
+    results["config"] = {
+        "model": args.model,
+        "params": engine.cfg.model.num_params(),
+        "world": world,
+        "tp": args.tp,
+        "pp": args.pp,
+        "dp": dp,
+        "zero": args.zero,
+        "precision": args.precision,
+        "micro_batch": args.micro_batch,
+        "seq": engine.cfg.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "async_mode": args.async_mode,
+        "snapshot": args.snapshot,
+        "aio": aio,
+        "cores": os.cpu_count(),
+    }
     return results
 
 
 # -- summary -------------------------------------------------------------------------------------
+
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     """Medians, overhead ratios and rates from the raw per-step measurements."""
@@ -203,11 +240,14 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> str:
     c = summary["config"]
-    lines = [f"{c['model']} ({c['params'] / 1e6:.1f}M params), world {c['world']} (tp {c['tp']} pp {c['pp']} "
-             f"dp {c['dp']}), ZeRO-{c['zero']} {c['precision']}, micro-batch {c['micro_batch']} x seq {c['seq']}, "
-             f"{c['steps']} timed steps after {c['warmup']}, {c['threads']} torch threads/rank on {c['cores']} cores",
-             "", "| way | median step s | overhead | save call s | stall s | ckpt MB | GB/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{c['model']} ({c['params'] / 1e6:.1f}M params), world {c['world']} (tp {c['tp']} pp {c['pp']} "
+        f"dp {c['dp']}), ZeRO-{c['zero']} {c['precision']}, micro-batch {c['micro_batch']} x seq {c['seq']}, "
+        f"{c['steps']} timed steps after {c['warmup']}, {c['threads']} torch threads/rank on {c['cores']} cores",
+        "",
+        "| way | median step s | overhead | save call s | stall s | ckpt MB | GB/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for w, r in summary["ways"].items():
         ov = f"{r['overhead'] * 100:+.1f}%" if "overhead" in r else "-"
         call = f"{r['median_save_call_s']:.3f}" if r.get("median_save_call_s") is not None else "-"
@@ -216,16 +256,20 @@ def table(summary: dict[str, Any]) -> str:
             stall += f" + {r['median_snapshot_wait_s']:.3f} wait"
         size = f"{r['size_bytes'] / 1e6:.0f}" if r.get("size_bytes") else "-"
         rate = r.get("sync_GBps") or r.get("durable_GBps")
-        lines.append(f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | "
-                     f"{f'{rate:.2f}' if rate else '-'} |")
+        lines.append(
+            f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | {f'{rate:.2f}' if rate else '-'} |"
+        )
     lines.append("")
     lines.append("GB/s: sync = size / save call; async = size / time from save() to durable (commit).")
-    lines.append("stall: how long save() kept the caller (+ with --snapshot background: how long the next "
-                 "step waited for the copy before its optimizer step).")
+    lines.append(
+        "stall: how long save() kept the caller (+ with --snapshot background: how long the next "
+        "step waited for the copy before its optimizer step)."
+    )
     return "\n".join(lines)
 
 
 # -- launching -----------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -237,14 +281,24 @@ def launch(args: argparse.Namespace, argv: Sequence[str], root: Path) -> dict[st
     """Spawn the ranks (gloo over loopback); rank 0 writes its results to a file."""
     procs = args.procs or args.tp * args.pp * (args.dp or 1)
     result = root / "rank0.json"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(procs),
-           "GLOO_SOCKET_IFNAME": "lo", "BENCH_ROOT": str(root), "BENCH_RESULT": str(result),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(procs),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "BENCH_ROOT": str(root),
+        "BENCH_RESULT": str(result),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     children: list[subprocess.Popen[bytes]] = []
     try:
         for r in range(procs):
-            children.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker"],
-                                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, *argv, "--worker"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+                )
+            )
         codes = [c.wait() for c in children]
     except BaseException:  # Ctrl-C (or a failed start): no rank may outlive us, or train on in a deleted root
         _stop(children)

@@ -54,8 +54,10 @@ def expected_state(step: int, mib: int) -> dict[str, Any]:
     if mib not in _BASE:
         n = max(1, (mib << 20) * 3 // 4 // 4)  # float32 elements: 3/4 of the bytes
         m = max(1, (mib << 20) // 4 // 2)  # bfloat16 elements: 1/4
-        _BASE[mib] = (torch.arange(n, dtype=torch.float32).mul_(0.001),
-                      torch.arange(m, dtype=torch.float32).remainder_(251.0).to(torch.bfloat16))
+        _BASE[mib] = (
+            torch.arange(n, dtype=torch.float32).mul_(0.001),
+            torch.arange(m, dtype=torch.float32).remainder_(251.0).to(torch.bfloat16),
+        )
     w, v = (t.clone() for t in _BASE[mib])
     w[::4096] = step
     v[::8192] = step
@@ -70,8 +72,12 @@ def same_state(a: Any, b: Any) -> bool:
     import torch
 
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        )
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(same_state(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
@@ -275,8 +281,10 @@ class Harness:
                     continue
                 self.verified.add(key)
                 other = ucp.load(info.path)
-                check(same_state(expected_state(info.step, self.mib), other),
-                      f"{where}: {info.name} is listed complete but does not load bit-exact")
+                check(
+                    same_state(expected_state(info.step, self.mib), other),
+                    f"{where}: {info.name} is listed complete but does not load bit-exact",
+                )
             else:
                 check(info.status in ("temp", "old"), f"{where}: unexpected {info.status} entry {info.name}")
         return step
@@ -287,8 +295,9 @@ class Harness:
             return
         from ucp.manager import CheckpointManager
 
-        CheckpointManager(self.dir(mode), keep_last=2).save(expected_state(self.step[mode] + 1, self.mib),
-                                                            self.step[mode] + 1)
+        CheckpointManager(self.dir(mode), keep_last=2).save(
+            expected_state(self.step[mode] + 1, self.mib), self.step[mode] + 1
+        )
         check(not self._leftovers(mode), f"{mode}: leftovers after a clean save: {self._leftovers(mode)}")
 
     def run(self, modes: list[str], trials: int) -> dict[str, Any]:
@@ -317,7 +326,9 @@ class Harness:
         }
 
 
-def run_trials(trials: int, modes: list[str], *, mib: int = 32, seed: int = 0, root: str | None = None) -> dict[str, Any]:
+def run_trials(
+    trials: int, modes: list[str], *, mib: int = 32, seed: int = 0, root: str | None = None
+) -> dict[str, Any]:
     """Run ``trials`` kills, cycling through ``modes``; a report dict (``ok``, per-mode stats and failures)."""
     for m in modes:
         if m not in MODES:
@@ -339,20 +350,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     t = time.perf_counter()
-    report = run_trials(args.trials, [m.strip() for m in args.mode.split(",") if m.strip()], mib=args.mib,
-                        seed=args.seed, root=args.root)
+    report = run_trials(
+        args.trials,
+        [m.strip() for m in args.mode.split(",") if m.strip()],
+        mib=args.mib,
+        seed=args.seed,
+        root=args.root,
+    )
     report["seconds"] = round(time.perf_counter() - t, 1)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         for mode, s in report["modes"].items():
-            print(f"{mode:8s} trials={s['trials']:4d} killed-before-first-commit={s['killed_before_first_commit']:3d} "
-                  f"landed-on-next-step={s['landed_on_next_step']:3d} killed-after-return={s['killed_after_return']:3d} leftovers-seen={s['leftovers_seen']:3d} "
-                  f"failures={len(s['failures'])}")
+            print(
+                f"{mode:8s} trials={s['trials']:4d} killed-before-first-commit={s['killed_before_first_commit']:3d} "
+                f"landed-on-next-step={s['landed_on_next_step']:3d} killed-after-return={s['killed_after_return']:3d} leftovers-seen={s['leftovers_seen']:3d} "
+                f"failures={len(s['failures'])}"
+            )
             for f in s["failures"][:10]:
                 print("   ", f)
-        print(f"typical save (ms): {report['typical_save_ms']}  total {report['seconds']} s  "
-              f"{'OK' if report['ok'] else 'FAILED'}")
+        print(
+            f"typical save (ms): {report['typical_save_ms']}  total {report['seconds']} s  "
+            f"{'OK' if report['ok'] else 'FAILED'}"
+        )
     return 0 if report["ok"] else 1
 
 

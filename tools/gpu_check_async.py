@@ -90,9 +90,10 @@ def main() -> int:
                 t.add_(1)
             h.result()
             result_s.append(time.perf_counter() - t0)
-            into = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
-                    "optimizer": {g: {k: torch.empty_like(v) for k, v in d.items()}
-                                  for g, d in state["optimizer"].items()}}
+            into = {
+                "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+                "optimizer": {g: {k: torch.empty_like(v) for k, v in d.items()} for g, d in state["optimizer"].items()},
+            }
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             ucp.load(root / f"sync{r}", into=into)
@@ -108,13 +109,19 @@ def main() -> int:
             shutil.rmtree(root / f"sync{r}")
             shutil.rmtree(root / f"async{r}")
         med = statistics.median
-        out.update({
-            "rounds": len(sync_s), "sync_save_s": round(med(sync_s), 3), "sync_save_gbps": round(total / med(sync_s) / 1e9, 2),
-            "async_stall_s": round(med(stall_s), 4), "async_result_s": round(med(result_s), 3),
-            "stall_vs_sync": round(med(stall_s) / med(sync_s), 4),
-            "load_into_cuda_s": round(med(load_s), 3), "load_into_cuda_gbps": round(total / med(load_s) / 1e9, 2),
-            "samples": {"sync": sync_s, "stall": stall_s, "result": result_s, "load": load_s},
-        })
+        out.update(
+            {
+                "rounds": len(sync_s),
+                "sync_save_s": round(med(sync_s), 3),
+                "sync_save_gbps": round(total / med(sync_s) / 1e9, 2),
+                "async_stall_s": round(med(stall_s), 4),
+                "async_result_s": round(med(result_s), 3),
+                "stall_vs_sync": round(med(stall_s) / med(sync_s), 4),
+                "load_into_cuda_s": round(med(load_s), 3),
+                "load_into_cuda_gbps": round(total / med(load_s) / 1e9, 2),
+                "samples": {"sync": sync_s, "stall": stall_s, "result": result_s, "load": load_s},
+            }
+        )
         print(json.dumps(out, indent=1))
         return 0 if "error" not in out else 1
     finally:

@@ -14,9 +14,8 @@ a plain torch run agree to the last bit given the same gradients:
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class AdamConfig(BaseModel):
@@ -33,8 +32,17 @@ class AdamConfig(BaseModel):
 
 
 @torch.no_grad()
-def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                step: int, cfg: AdamConfig, *, lr: float | None = None, weight_decay: float | None = None) -> None:
+def adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    cfg: AdamConfig,
+    *,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+) -> None:
     """One Adam(W) update in place; ``step`` is the 1-based count *including* this update.
 
     ``lr``/``weight_decay`` override the config's (schedules, per-group decay).
@@ -48,9 +56,9 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             grad = grad.add(param, alpha=wd)
     exp_avg.lerp_(grad, 1 - cfg.beta1)
     exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
-    bias_correction1 = 1 - cfg.beta1 ** step
-    bias_correction2 = 1 - cfg.beta2 ** step
+    bias_correction1 = 1 - cfg.beta1**step
+    bias_correction2 = 1 - cfg.beta2**step
     step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2 ** 0.5
+    bias_correction2_sqrt = bias_correction2**0.5
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)

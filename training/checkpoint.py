@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from reshard import Box, FlatRange, LocalBuffer, merge_slots
-from ucp.sharding import FlatShard, ShardedTensor, Shards
+from ucp.format.sharding import FlatShard, ShardedTensor, Shards
 
 Piece = ShardedTensor | FlatShard
 SECTIONS = ("model", "fp32_master", "exp_avg", "exp_avg_sq")
@@ -45,7 +45,7 @@ def pieces_of(tensor: torch.Tensor, buf: LocalBuffer, shapes: Mapping[str, Seque
         if isinstance(s.local, Box):
             local = tensor[s.local.slices()]
         else:
-            local = tensor.reshape(-1)[s.local.start:s.local.stop]
+            local = tensor.reshape(-1)[s.local.start : s.local.stop]
         if isinstance(s.glob, FlatRange):
             out.append((s.tensor, FlatShard(local.reshape(-1), gshape, s.glob.start, s.replica)))
         else:
@@ -70,7 +70,9 @@ class CheckpointTargets:
 
     def nested(self) -> dict[str, dict[str, Piece | Shards]]:
         """``{section: {name: piece}}``, or a ``ucp.Shards`` of the pieces where this rank holds several regions."""
-        return {sec: {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in t.items()} for sec, t in self.sections.items()}
+        return {
+            sec: {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in t.items()} for sec, t in self.sections.items()
+        }
 
     def describe(self) -> list[dict[str, Any]]:
         """Plain-data summary of every piece (section, name, kind, region, replica) for checks and tests."""
@@ -81,13 +83,13 @@ class CheckpointTargets:
                     region = {"flat": [p.start, p.stop]}
                 else:
                     region = {"offsets": list(p.offsets), "shape": list(p.local.shape)}
-                out.append({"section": section, "name": name, "replica": p.replica_id, "dtype": str(p.dtype),
-                            **region})
+                out.append({"section": section, "name": name, "replica": p.replica_id, "dtype": str(p.dtype), **region})
         return out
 
 
-def build_targets(buffers: Sequence[tuple[str, LocalBuffer, torch.Tensor]],
-                  shapes: Mapping[str, Sequence[int]]) -> CheckpointTargets:
+def build_targets(
+    buffers: Sequence[tuple[str, LocalBuffer, torch.Tensor]], shapes: Mapping[str, Sequence[int]]
+) -> CheckpointTargets:
     targets = CheckpointTargets({n: tuple(s) for n, s in shapes.items()})
     for section, buf, tensor in buffers:
         for name, piece in pieces_of(tensor, buf, shapes):
@@ -108,19 +110,21 @@ def fill_from_full(targets: CheckpointTargets, get: Callable[[str, str], torch.T
         if full is None:
             continue
         if tuple(full.shape) != targets.shapes[name]:
-            raise ValueError(f"{section} {name!r}: full tensor of shape {list(full.shape)}, "
-                             f"expected {list(targets.shapes[name])}")
+            raise ValueError(
+                f"{section} {name!r}: full tensor of shape {list(full.shape)}, expected {list(targets.shapes[name])}"
+            )
         for p in pieces:
             if isinstance(p, FlatShard):
-                p.local.copy_(full.reshape(-1)[p.start:p.stop])
+                p.local.copy_(full.reshape(-1)[p.start : p.stop])
             else:
                 p.local.copy_(full[p.box.slices()])
             n += p.local.numel()
     return n
 
 
-def assemble(pieces: Sequence[Piece], shape: Sequence[int], dtype: torch.dtype = torch.float32,
-             replicas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def assemble(
+    pieces: Sequence[Piece], shape: Sequence[int], dtype: torch.dtype = torch.float32, replicas: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A full tensor from pieces (replica 0 only unless ``replicas``), and a count of writes per element."""
     full = torch.zeros(tuple(shape), dtype=dtype)
     count = torch.zeros(tuple(shape), dtype=torch.int32)
@@ -129,8 +133,8 @@ def assemble(pieces: Sequence[Piece], shape: Sequence[int], dtype: torch.dtype =
         if p.replica_id and not replicas:
             continue
         if isinstance(p, FlatShard):
-            flat[p.start:p.stop] = p.local.to("cpu", dtype)
-            cflat[p.start:p.stop] += 1
+            flat[p.start : p.stop] = p.local.to("cpu", dtype)
+            cflat[p.start : p.stop] += 1
         else:
             full[p.box.slices()] = p.local.to("cpu", dtype)
             count[p.box.slices()] += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ucp import CheckpointError, Manifest
-from ucp.tree import decode_state, dict_items
+from ucp.format.tree import decode_state, dict_items
 
 from .models.gpt import GPTConfig
 
@@ -26,15 +26,18 @@ INIT_ONLY = frozenset({"init_std"})  # config fields that only shape the initial
 _ABSENT = object()
 
 
-def check_resumable(manifest: Manifest, where: str, model: GPTConfig, shapes: Mapping[str, Iterable[int]],
-                    data_seed: int) -> None:
+def check_resumable(
+    manifest: Manifest, where: str, model: GPTConfig, shapes: Mapping[str, Iterable[int]], data_seed: int
+) -> None:
     """Raise a CheckpointError naming what does not fit: model tensors (missing, extra, other shape),
     model config fields, data seed. ``shapes``: this engine's global parameter shapes by name."""
     problems = [*_tensor_problems(manifest, shapes), *_config_problems(manifest.metadata.get("model"), model)]
     saved_seed = _recorded_data_seed(manifest)
     if saved_seed is not None and saved_seed != data_seed:
-        problems.append(f"it was trained on the data stream of data_seed {saved_seed}, this engine has data_seed "
-                        f"{data_seed} (resuming would train on another stream: use data_seed={saved_seed})")
+        problems.append(
+            f"it was trained on the data stream of data_seed {saved_seed}, this engine has data_seed "
+            f"{data_seed} (resuming would train on another stream: use data_seed={saved_seed})"
+        )
     if problems:
         raise CheckpointError(f"checkpoint {where} does not fit this engine: " + "; ".join(problems), file=where)
 
@@ -49,8 +52,11 @@ def _tensor_problems(manifest: Manifest, shapes: Mapping[str, Iterable[int]]) ->
     extra = [n for n in saved if n not in mine]
     if extra:
         problems.append(f"tensors the checkpoint has and this model lacks: {_names(extra)}")
-    problems += [f"tensor {n} is {list(saved[n])} in the checkpoint, {list(s)} in this model"
-                 for n, s in mine.items() if n in saved and saved[n] != s]
+    problems += [
+        f"tensor {n} is {list(saved[n])} in the checkpoint, {list(s)} in this model"
+        for n, s in mine.items()
+        if n in saved and saved[n] != s
+    ]
     return problems
 
 
@@ -61,9 +67,14 @@ def _config_problems(recorded: Any, model: GPTConfig) -> list[str]:
     if not isinstance(recorded, Mapping):
         return [f"metadata['model'] is not a model config: {recorded!r}"]
     saved, mine = _with_defaults(recorded), _with_defaults(model.model_dump(mode="json"))
-    differ = [f"{k} {_value(saved, k)} vs {_value(mine, k)}" for k in sorted(saved.keys() | mine.keys())
-              if k not in INIT_ONLY and saved.get(k, _ABSENT) != mine.get(k, _ABSENT)]
-    return [f"it was written by another model config (checkpoint vs this engine: {', '.join(differ)})"] if differ else []
+    differ = [
+        f"{k} {_value(saved, k)} vs {_value(mine, k)}"
+        for k in sorted(saved.keys() | mine.keys())
+        if k not in INIT_ONLY and saved.get(k, _ABSENT) != mine.get(k, _ABSENT)
+    ]
+    return (
+        [f"it was written by another model config (checkpoint vs this engine: {', '.join(differ)})"] if differ else []
+    )
 
 
 def _value(config: Mapping[str, Any], key: str) -> str:

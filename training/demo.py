@@ -85,15 +85,38 @@ class RunLog:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
 
 
 def _train_cmd(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, resume: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
-           "-m", "training.run", "--model", cfg.model, "--tp", str(layout["tp"]), "--dp", str(layout["dp"]),
-           "--zero", str(layout["zero"]), "--total-steps", str(cfg.total_steps), "--save-dir", str(root),
-           "--save-every", str(cfg.save_every)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={procs}",
+        "-m",
+        "training.run",
+        "--model",
+        cfg.model,
+        "--tp",
+        str(layout["tp"]),
+        "--dp",
+        str(layout["dp"]),
+        "--zero",
+        str(layout["zero"]),
+        "--total-steps",
+        str(cfg.total_steps),
+        "--save-dir",
+        str(root),
+        "--save-every",
+        str(cfg.save_every),
+    ]
     return cmd + (["--resume"] if resume else [])
 
 
@@ -157,14 +180,16 @@ def _lines(proc: subprocess.Popen, deadline: float) -> Iterator[str]:
         yield line
 
 
-def train(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, resume: bool, kill_after: int | None,
-          say: Say) -> RunLog:
+def train(
+    cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, resume: bool, kill_after: int | None, say: Say
+) -> RunLog:
     """Run training under torchrun, echoing progress; SIGKILL everything once step ``kill_after`` is logged."""
     cmd = _train_cmd(cfg, procs, layout, root, resume)
     say(f"$ {_show(cmd)}")
     log = RunLog()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + cfg.timeout_s
     try:
         for line in _lines(proc, deadline):
@@ -174,15 +199,19 @@ def train(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, re
             if "loss" in rec:
                 say(f"  step {rec['step']:>3}  loss {rec['loss']:.6f}  ({rec['seconds']:.2f} s)")
             elif "checkpoint" in rec:
-                say(f"  checkpoint {rec['checkpoint']}: save() returned in {rec['stall'] * 1000:.0f} ms, copy and write go on "
-                    "in the background")
+                say(
+                    f"  checkpoint {rec['checkpoint']}: save() returned in {rec['stall'] * 1000:.0f} ms, copy and write go on "
+                    "in the background"
+                )
             elif "resumed" in rec:
                 say(f"  resumed at step {rec['resumed']} ({rec['seconds']:.2f} s to load and reshard)")
             if kill_after is not None and rec.get("step") == kill_after:
                 crash(proc.pid)
                 log.killed = True
-                say(f"  CRASH: SIGKILL to torchrun and all {procs} ranks after step {kill_after} "
-                    "(a checkpoint still being written is lost; the previous one must do)")
+                say(
+                    f"  CRASH: SIGKILL to torchrun and all {procs} ranks after step {kill_after} "
+                    "(a checkpoint still being written is lost; the previous one must do)"
+                )
                 break
     except TimeoutError:
         crash(proc.pid)
@@ -235,8 +264,10 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoSummary:
     a, b = cfg.first_layout, cfg.second_layout
     say(f"work directory: {work}")
 
-    say(f"\n1. train '{cfg.model}' on {cfg.first_procs} processes (tp={a['tp']} dp={a['dp']} ZeRO-{a['zero']}), "
-        f"async checkpoint every {cfg.save_every} steps")
+    say(
+        f"\n1. train '{cfg.model}' on {cfg.first_procs} processes (tp={a['tp']} dp={a['dp']} ZeRO-{a['zero']}), "
+        f"async checkpoint every {cfg.save_every} steps"
+    )
     first = train(cfg, cfg.first_procs, a, root, resume=False, kill_after=cfg.kill_at, say=say)
     if not first.killed:
         raise RuntimeError("the first run ended before it could be killed; raise --steps or lower --kill-at")
@@ -258,8 +289,10 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoSummary:
     overlap = sorted(set(first.losses) & set(second.losses))
     diffs = {s: abs(first.losses[s] - second.losses[s]) / abs(first.losses[s]) for s in overlap}
     worst = max(diffs.values(), default=0.0)
-    say("   loss before the crash vs after the resume, same steps: "
-        + ", ".join(f"step {s}: {first.losses[s]:.6f} / {second.losses[s]:.6f}" for s in overlap))
+    say(
+        "   loss before the crash vs after the resume, same steps: "
+        + ", ".join(f"step {s}: {first.losses[s]:.6f} / {second.losses[s]:.6f}" for s in overlap)
+    )
     if worst > 1e-5:
         raise RuntimeError(f"the resumed run's losses differ from the first run's (max relative {worst:.2e})")
 
@@ -270,19 +303,39 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoSummary:
     export = ucp_cli(["export", str(work / "consolidated"), str(work / "hf"), "--format", "hf", "--dtype", "bf16"], say)
 
     summary = DemoSummary(
-        workdir=str(work), checkpoints=str(root),
-        first_run={"processes": cfg.first_procs, "layout": a, "steps_done": max(first.losses) + 1,
-                   "median_step_s": statistics.median(first.step_seconds),
-                   "median_save_stall_s": statistics.median(first.stalls) if first.stalls else None,
-                   "checkpoints": first.checkpoints},
-        crash={"after_step": cfg.kill_at, "listing": [{"name": i.name, "status": i.status} for i in infos],
-               "latest_complete": latest, "checkpoint_bytes": ckpt_bytes},
-        resume={"processes": cfg.second_procs, "layout": b, "resumed_at": resumed_at,
-                "load_s": second.resumed["seconds"] if second.resumed else None,
-                "load_gb_per_s": ckpt_bytes / second.resumed["seconds"] / 1e9 if second.resumed else None,
-                "final_step": max(second.losses) + 1, "final_loss": second.losses[max(second.losses)]},
-        continuity={"steps": overlap, "before": [first.losses[s] for s in overlap],
-                    "after": [second.losses[s] for s in overlap], "max_relative_difference": worst},
-        reshape=reshape, export=export, seconds=time.perf_counter() - started,
+        workdir=str(work),
+        checkpoints=str(root),
+        first_run={
+            "processes": cfg.first_procs,
+            "layout": a,
+            "steps_done": max(first.losses) + 1,
+            "median_step_s": statistics.median(first.step_seconds),
+            "median_save_stall_s": statistics.median(first.stalls) if first.stalls else None,
+            "checkpoints": first.checkpoints,
+        },
+        crash={
+            "after_step": cfg.kill_at,
+            "listing": [{"name": i.name, "status": i.status} for i in infos],
+            "latest_complete": latest,
+            "checkpoint_bytes": ckpt_bytes,
+        },
+        resume={
+            "processes": cfg.second_procs,
+            "layout": b,
+            "resumed_at": resumed_at,
+            "load_s": second.resumed["seconds"] if second.resumed else None,
+            "load_gb_per_s": ckpt_bytes / second.resumed["seconds"] / 1e9 if second.resumed else None,
+            "final_step": max(second.losses) + 1,
+            "final_loss": second.losses[max(second.losses)],
+        },
+        continuity={
+            "steps": overlap,
+            "before": [first.losses[s] for s in overlap],
+            "after": [second.losses[s] for s in overlap],
+            "max_relative_difference": worst,
+        },
+        reshape=reshape,
+        export=export,
+        seconds=time.perf_counter() - started,
     )
     return summary

@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+import ucp
 from reshard import Mesh, Resolver
 from reshard.pipeline import stage_layers
-
-import ucp
-from ucp.placement import layout_metadata
+from ucp.convert.placement import layout_metadata
 
 from .adam import AdamConfig
 from .checkpoint import CheckpointTargets, build_targets, fill_from_full
@@ -97,8 +96,13 @@ class EngineConfig(BaseModel):
 class Engine:
     """One rank's part of a run. Call every method on every rank (they communicate)."""
 
-    def __init__(self, model: GPTConfig | str | EngineConfig, mesh: dict[str, Any] | Mesh | None = None,
-                 lr_schedule: Callable[[int], float] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: GPTConfig | str | EngineConfig,
+        mesh: dict[str, Any] | Mesh | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
+        **options: Any,
+    ) -> None:
         if isinstance(model, EngineConfig):
             if mesh is not None or options:
                 raise TypeError("give either an EngineConfig or a model with options, not both")
@@ -111,25 +115,47 @@ class Engine:
         self.lr_schedule = lr_schedule
         self.mesh: ParallelMesh = build_mesh(cfg.mesh)
         self.shapes = gpt_shapes(cfg.model)
-        self.layout = gpt_layout(cfg.model, cfg.mesh, zero_stage=cfg.zero_stage, zero_alignment=cfg.zero_alignment,
-                                 pad_vocab_to=cfg.pad_vocab_to)
+        self.layout = gpt_layout(
+            cfg.model,
+            cfg.mesh,
+            zero_stage=cfg.zero_stage,
+            zero_alignment=cfg.zero_alignment,
+            pad_vocab_to=cfg.pad_vocab_to,
+        )
         self.view = Resolver(self.layout, self.shapes).view(self.mesh.coord)
         stage = self.mesh.coord.pp
         layers = stage_layers(self.layout.pipeline, set(range(cfg.model.n_layer)), cfg.mesh.pp)[stage]
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.model = build_stage(cfg.model, self.view, self.mesh.tp_comm, layers, self.mesh.first_stage,
-                                 self.mesh.last_stage, cfg.seed).to(self.device)
+        self.model = build_stage(
+            cfg.model, self.view, self.mesh.tp_comm, layers, self.mesh.first_stage, self.mesh.last_stage, cfg.seed
+        ).to(self.device)
         self.dtype = DTYPES[cfg.dtype]
-        adam = AdamConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                          decoupled=cfg.optimizer == "adamw")
+        adam = AdamConfig(
+            lr=cfg.lr,
+            beta1=cfg.beta1,
+            beta2=cfg.beta2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            decoupled=cfg.optimizer == "adamw",
+        )
         tied = ["embed.weight"] if cfg.model.tied_embeddings and cfg.mesh.pp > 1 else []
         self.optimizer = ZeroOptimizer(
-            self.model, self.layout, self.view, dp=self.mesh.dp_comm, world=self.mesh.world, adam=adam,
-            dtype=self.dtype, clip=cfg.clip, group_weight_decay=[0.0, None],
+            self.model,
+            self.layout,
+            self.view,
+            dp=self.mesh.dp_comm,
+            world=self.mesh.world,
+            adam=adam,
+            dtype=self.dtype,
+            clip=cfg.clip,
+            group_weight_decay=[0.0, None],
             loss_scaler=DynamicLossScaler(cfg.loss_scale) if cfg.dtype == "fp16" else None,
-            tied=tied, tied_comm=self.mesh.embed_comm, prefetch=cfg.prefetch)
+            tied=tied,
+            tied_comm=self.mesh.embed_comm,
+            prefetch=cfg.prefetch,
+        )
         self.step = 0  # optimizer steps completed (the next train_step's step number)
         self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
         self.last_stats: dict[str, Any] = {}
@@ -140,9 +166,17 @@ class Engine:
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        tokens, targets = batch_for_step(step, c.micro_batch, c.seq, c.model.vocab_size, c.data_seed,
-                                         rank=self.mesh.coord.dp, world_size=c.mesh.dp, micro_step=micro,
-                                         grad_accum=c.grad_accum)
+        tokens, targets = batch_for_step(
+            step,
+            c.micro_batch,
+            c.seq,
+            c.model.vocab_size,
+            c.data_seed,
+            rank=self.mesh.coord.dp,
+            world_size=c.mesh.dp,
+            micro_step=micro,
+            grad_accum=c.grad_accum,
+        )
         return tokens.to(self.device), targets.to(self.device)
 
     def train_step(self, step: int | None = None) -> float:
@@ -212,8 +246,13 @@ class Engine:
         c = self.cfg
         optim: dict[str, Any] = {k: nested.get(k, {}) for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
         optim |= self.optimizer.scalars()
-        optim["hparams"] = {"kind": c.optimizer, "lr": c.lr, "betas": [c.beta1, c.beta2], "eps": c.eps,
-                            "weight_decay": self.optimizer.weight_decay}
+        optim["hparams"] = {
+            "kind": c.optimizer,
+            "lr": c.lr,
+            "betas": [c.beta1, c.beta2],
+            "eps": c.eps,
+            "weight_decay": self.optimizer.weight_decay,
+        }
         return {
             "model": nested.get("model", {}),
             "optimizer": optim,
@@ -222,8 +261,14 @@ class Engine:
             "rng": {"seed": c.seed, "data_seed": c.data_seed},  # no dropout: the data stream is (data_seed, step)
         }
 
-    def load_from_full(self, get: Callable[[str, str], torch.Tensor | None], *, step: int,
-                       adam_step: int | None = None, from_masters: bool = True) -> None:
+    def load_from_full(
+        self,
+        get: Callable[[str, str], torch.Tensor | None],
+        *,
+        step: int,
+        adam_step: int | None = None,
+        from_masters: bool = True,
+    ) -> None:
         """Load from full global tensors in memory: ``get(section, name)`` (sections as in
         :meth:`checkpoint_targets`; None skips a tensor), then :meth:`finish_load`.
 
@@ -261,12 +306,21 @@ class Engine:
         metadata records the mesh, ZeRO stage and precision the checkpoint was written with, and the
         data position (the data stream is a function of the step).
         """
-        metadata = {"mesh": self.mesh.as_dict(), "zero_stage": self.cfg.zero_stage, "dtype": self.cfg.dtype,
-                    "data_position": self.step, "model": self.cfg.model.model_dump(mode="json"),
-                    **layout_metadata(self.layout, self.shapes)}
+        metadata = {
+            "mesh": self.mesh.as_dict(),
+            "zero_stage": self.cfg.zero_stage,
+            "dtype": self.cfg.dtype,
+            "data_position": self.step,
+            "model": self.cfg.model.model_dump(mode="json"),
+            **layout_metadata(self.layout, self.shapes),
+        }
         self.wait_snapshot()
-        result = manager.save(self.state_dict_for_checkpoint(), self.step if step is None else step,
-                              metadata=metadata, mesh=self.mesh.as_dict())
+        result = manager.save(
+            self.state_dict_for_checkpoint(),
+            self.step if step is None else step,
+            metadata=metadata,
+            mesh=self.mesh.as_dict(),
+        )
         if isinstance(result, ucp.SaveHandle):
             self._snapshot = result
         return result
@@ -312,8 +366,9 @@ class Engine:
         if error is not None:
             raise error
         if oldest == FAILED:
-            raise ucp.CheckpointError(f"another rank could not load its part of {_describe(source)} (see that "
-                                      "rank's error); no rank resumed")
+            raise ucp.CheckpointError(
+                f"another rank could not load its part of {_describe(source)} (see that rank's error); no rank resumed"
+            )
         self.finish_load(into, from_masters=True)
         return self.step
 
@@ -324,8 +379,9 @@ class Engine:
         optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
         return {"model": sd["model"], "step": None, "optimizer": {**optim, "adam_step": None, "loss_scale": None}}
 
-    def _read_checkpoint(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None,
-                         into: dict[str, Any]) -> tuple[int, Exception | None]:
+    def _read_checkpoint(
+        self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None, into: dict[str, Any]
+    ) -> tuple[int, Exception | None]:
         """Check the checkpoint against this engine, then fill ``into`` from it. Returns (the manager's
         step that was read, or the saved step of a directory; None) or (FAILED, the error): the error is
         raised by :meth:`load` once every rank has told the others how it went."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from reshard import Layout, Mesh, Pipeline, Rule, Zero
-
 from training.models.gpt import GPTConfig, expected_param_shapes
 
 # Parameters without weight decay (biases and layernorms) come first: the usual AdamW grouping.
@@ -24,8 +23,9 @@ def gpt_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     return dict(expected_param_shapes(cfg))
 
 
-def gpt_layout(cfg: GPTConfig, mesh: Mesh | None = None, *, zero_stage: int = 0, zero_alignment: int = 1,
-               pad_vocab_to: int = 128) -> Layout:
+def gpt_layout(
+    cfg: GPTConfig, mesh: Mesh | None = None, *, zero_stage: int = 0, zero_alignment: int = 1, pad_vocab_to: int = 128
+) -> Layout:
     """The reference GPT over a (tp, pp, dp) mesh, Megatron style.
 
     * ``embed.weight`` / ``head.weight``: vocabulary-parallel, padded so every tp rank holds
@@ -61,16 +61,27 @@ def gpt_layout(cfg: GPTConfig, mesh: Mesh | None = None, *, zero_stage: int = 0,
         Rule(name="head.weight", dims=vocab, optional=True),
     ]
     tied = cfg.tied_embeddings
-    pipeline = Pipeline(layer="layers.{i}.*", first=() if tied else ("embed.weight",),
-                        last=("ln_f.*", "head.weight"), tied=("embed.weight",) if tied else ())
-    return Layout(mesh=mesh or Mesh(), zero=Zero(stage=zero_stage, alignment=zero_alignment, groups=GPT_GROUPS),
-                  rules=tuple(rules), pipeline=pipeline)
+    pipeline = Pipeline(
+        layer="layers.{i}.*",
+        first=() if tied else ("embed.weight",),
+        last=("ln_f.*", "head.weight"),
+        tied=("embed.weight",) if tied else (),
+    )
+    return Layout(
+        mesh=mesh or Mesh(),
+        zero=Zero(stage=zero_stage, alignment=zero_alignment, groups=GPT_GROUPS),
+        rules=tuple(rules),
+        pipeline=pipeline,
+    )
 
 
-def module_layout(dp: int, *, zero_stage: int, zero_alignment: int = 1,
-                  groups: Sequence[Sequence[str]] = (("*",),)) -> Layout:
+def module_layout(
+    dp: int, *, zero_stage: int, zero_alignment: int = 1, groups: Sequence[Sequence[str]] = (("*",),)
+) -> Layout:
     """Any module under plain data parallelism: every tensor replicated (the default pattern), ZeRO over ``dp``."""
-    return Layout(mesh=Mesh(dp=dp), zero=Zero(stage=zero_stage, alignment=zero_alignment,
-                                              groups=tuple(tuple(g) for g in groups)),
-                  default="...", pipeline=Pipeline())
-
+    return Layout(
+        mesh=Mesh(dp=dp),
+        zero=Zero(stage=zero_stage, alignment=zero_alignment, groups=tuple(tuple(g) for g in groups)),
+        default="...",
+        pipeline=Pipeline(),
+    )

@@ -81,8 +81,9 @@ def build_mesh(mesh: Mesh | dict[str, Any]) -> ParallelMesh:
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
     if mesh.world_size != world:
-        raise ValueError(f"mesh tp={mesh.tp} × pp={mesh.pp} × dp={mesh.dp} = {mesh.world_size} ranks, "
-                         f"but the world has {world}")
+        raise ValueError(
+            f"mesh tp={mesh.tp} × pp={mesh.pp} × dp={mesh.dp} = {mesh.world_size} ranks, but the world has {world}"
+        )
     if mesh.ep != 1:
         raise ValueError("expert parallelism (ep > 1) is not supported by the training runtime")
     coord = mesh.coord(rank)
@@ -109,5 +110,6 @@ def build_mesh(mesh: Mesh | dict[str, Any]) -> ParallelMesh:
             if rank in ends:
                 embed, embed_ranks = g, ends
     comm = {a: Comm.of(_line(mesh, coord, a), groups[a], rank) for a in AXES}
-    return ParallelMesh(mesh, rank, coord, comm["tp"], comm["pp"], comm["dp"],
-                        Comm.of(embed_ranks, embed, rank), Comm.world())
+    return ParallelMesh(
+        mesh, rank, coord, comm["tp"], comm["pp"], comm["dp"], Comm.of(embed_ranks, embed, rank), Comm.world()
+    )

@@ -55,8 +55,12 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
 
     p = argparse.ArgumentParser(prog="python -m training.run", description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--steps", type=positive_int, default=10, help="optimizer steps to run")
-    p.add_argument("--start-step", type=non_negative_int, default=None,
-                   help="number of the first step (data stream position); default 0, not with --resume")
+    p.add_argument(
+        "--start-step",
+        type=non_negative_int,
+        default=None,
+        help="number of the first step (data stream position); default 0, not with --resume",
+    )
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="a preset of training.models.gpt.PRESETS")
     p.add_argument("--tp", type=positive_int, default=1)
     p.add_argument("--pp", type=positive_int, default=1)
@@ -73,17 +77,25 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
     p.add_argument("--batch-seed", type=int, default=0, help="synthetic data seed")
     p.add_argument("--zero-alignment", type=positive_int, default=1)
     p.add_argument("--pad-vocab-to", type=positive_int, default=128)
-    p.add_argument("--total-steps", type=non_negative_int, default=None,
-                   help="train until this global step (instead of --steps more steps); counts from a resume")
+    p.add_argument(
+        "--total-steps",
+        type=non_negative_int,
+        default=None,
+        help="train until this global step (instead of --steps more steps); counts from a resume",
+    )
     p.add_argument("--save-dir", default=None, help="a ucp.CheckpointManager root to save checkpoints in")
     p.add_argument("--save-every", type=positive_int, default=1, help="save after every N steps (with --save-dir)")
     p.add_argument("--sync-save", action="store_true", help="save synchronously (default: asynchronously)")
     p.add_argument("--keep-last", type=positive_int, default=3, help="checkpoints kept under --save-dir")
-    p.add_argument("--snapshot", default="auto", choices=("auto", "cow", "background", "sync", "none"),
-                   help="async saves: write-protect the state and copy it from a helper process (cow; what auto "
-                        "picks where Linux allows it, else sync), copy it while the next step's forward/backward "
-                        "run (background), before save() returns (sync), or write straight from the tensors (none); "
-                        "with background and none the engine waits for the copy or write before its optimizer step")
+    p.add_argument(
+        "--snapshot",
+        default="auto",
+        choices=("auto", "cow", "background", "sync", "none"),
+        help="async saves: write-protect the state and copy it from a helper process (cow; what auto "
+        "picks where Linux allows it, else sync), copy it while the next step's forward/backward "
+        "run (background), before save() returns (sync), or write straight from the tensors (none); "
+        "with background and none the engine waits for the copy or write before its optimizer step",
+    )
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
     args = p.parse_args(argv)
 
@@ -94,8 +106,10 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
             p.error(f"the world size {world} is not a multiple of --tp {args.tp} × --pp {args.pp} = {model_ranks}")
         args.dp = world // model_ranks
     elif model_ranks * args.dp != world:
-        p.error(f"--tp {args.tp} × --pp {args.pp} × --dp {args.dp} = {model_ranks * args.dp} ranks, "
-                f"but the world size is {world}")
+        p.error(
+            f"--tp {args.tp} × --pp {args.pp} × --dp {args.dp} = {model_ranks * args.dp} ranks, "
+            f"but the world size is {world}"
+        )
     if args.resume and args.save_dir is None:
         p.error("--resume needs --save-dir")
     if args.resume and args.start_step is not None:
@@ -115,11 +129,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     from training.engine import Engine  # after init: building the engine creates process groups
 
-    engine = Engine(args.model, mesh={"tp": args.tp, "pp": args.pp, "dp": args.dp}, zero_stage=args.zero,
-                    dtype=args.precision, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                    seq_len=args.seq_len, lr=args.lr, weight_decay=args.weight_decay, clip=args.clip,
-                    seed=args.seed, data_seed=args.batch_seed, zero_alignment=args.zero_alignment,
-                    pad_vocab_to=args.pad_vocab_to, device="cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine(
+        args.model,
+        mesh={"tp": args.tp, "pp": args.pp, "dp": args.dp},
+        zero_stage=args.zero,
+        dtype=args.precision,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        clip=args.clip,
+        seed=args.seed,
+        data_seed=args.batch_seed,
+        zero_alignment=args.zero_alignment,
+        pad_vocab_to=args.pad_vocab_to,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def emit(record: dict) -> None:
@@ -131,13 +157,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.save_dir is not None:
         import ucp
 
-        manager = ucp.CheckpointManager(args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save,
-                                        snapshot=args.snapshot)
+        manager = ucp.CheckpointManager(
+            args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save, snapshot=args.snapshot
+        )
         if args.resume:
             t0 = time.perf_counter()
             first = engine.load(manager)
-            emit({"resumed": first, "seconds": round(time.perf_counter() - t0, 4), "mesh": engine.mesh.as_dict(),
-                  "zero": args.zero})
+            emit(
+                {
+                    "resumed": first,
+                    "seconds": round(time.perf_counter() - t0, 4),
+                    "mesh": engine.mesh.as_dict(),
+                    "zero": args.zero,
+                }
+            )
         engine.prepare_checkpoints(manager)  # the first checkpoint then finds its staging ready
     last = args.total_steps if args.total_steps is not None else first + args.steps
     start = time.perf_counter()
@@ -148,20 +181,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss = engine.train_step(step)
             stats = engine.last_stats
             norm = stats["grad_norm"]
-            emit({"step": step, "loss": loss, "grad_norm": norm if math.isfinite(norm) else None,
-                  "skipped": stats["skipped"], "seconds": round(time.perf_counter() - t0, 4)})
+            emit(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "grad_norm": norm if math.isfinite(norm) else None,
+                    "skipped": stats["skipped"],
+                    "seconds": round(time.perf_counter() - t0, 4),
+                }
+            )
             if manager is not None and engine.step % args.save_every == 0:
                 t0 = time.perf_counter()
                 engine.save(manager)  # asynchronous: returns once the state is snapshotted
-                emit({"checkpoint": engine.step, "stall": round(time.perf_counter() - t0, 4),
-                      "async": not args.sync_save})
+                emit(
+                    {
+                        "checkpoint": engine.step,
+                        "stall": round(time.perf_counter() - t0, 4),
+                        "async": not args.sync_save,
+                    }
+                )
     finally:
         if manager is not None:
             saved = finish_saves(manager)
     if not saved:
         return 1
-    emit({"done": True, "steps": last - first, "seconds": round(time.perf_counter() - start, 3),
-          "mesh": engine.mesh.as_dict(), "zero": args.zero, "precision": args.precision})
+    emit(
+        {
+            "done": True,
+            "steps": last - first,
+            "seconds": round(time.perf_counter() - start, 3),
+            "mesh": engine.mesh.as_dict(),
+            "zero": args.zero,
+            "precision": args.precision,
+        }
+    )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

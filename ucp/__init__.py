@@ -20,11 +20,11 @@ from aio.lazy import lazy_exports
 # ``ucp`` (or any of its submodules, e.g. the command line) does not import torch: commands that
 # read a whole checkpoint start prefetching it before they pay for that import.
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "AsyncSaver": ("async_saving", "AsyncSaver"),
-    "SaveHandle": ("async_saving", "SaveHandle"),
-    "aload": ("async_saving", "aload"),
-    "asave": ("async_saving", "asave"),
-    "async_save": ("async_saving", "async_save"),
+    "AsyncSaver": ("saving.async_save", "AsyncSaver"),
+    "SaveHandle": ("saving.async_save", "SaveHandle"),
+    "aload": ("saving.async_save", "aload"),
+    "asave": ("saving.async_save", "asave"),
+    "async_save": ("saving.async_save", "async_save"),
     "CheckpointError": ("errors", "CheckpointError"),
     "CommitError": ("errors", "CommitError"),
     "CorruptCheckpointError": ("errors", "CorruptCheckpointError"),
@@ -35,25 +35,24 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "UnsupportedFormatError": ("errors", "UnsupportedFormatError"),
     "UnsupportedStateError": ("errors", "UnsupportedStateError"),
     "SnapshotChangedError": ("errors", "SnapshotChangedError"),
-    "load": ("loading", "load"),
-    "read_manifest": ("reader", "read_checkpoint_manifest"),
+    "load": ("loading.loader", "load"),
+    "read_manifest": ("store.reader", "read_checkpoint_manifest"),
     "CheckpointInfo": ("manager", "CheckpointInfo"),
     "CheckpointManager": ("manager", "CheckpointManager"),
-    "FORMAT_VERSION": ("manifest", "FORMAT_VERSION"),
-    "Manifest": ("manifest", "Manifest"),
-    "parse_manifest": ("manifest", "parse_manifest"),
-    "save": ("saving", "save"),
-    "FlatShard": ("sharding", "FlatShard"),
-    "ShardedTensor": ("sharding", "ShardedTensor"),
-    "Shards": ("sharding", "Shards"),
-    "Problem": ("verification", "Problem"),
-    "VerifyReport": ("verification", "VerifyReport"),
-    "verify": ("verification", "verify"),
+    "FORMAT_VERSION": ("format.manifest", "FORMAT_VERSION"),
+    "Manifest": ("format.manifest", "Manifest"),
+    "parse_manifest": ("format.manifest", "parse_manifest"),
+    "save": ("saving.sync_save", "save"),
+    "FlatShard": ("format.sharding", "FlatShard"),
+    "ShardedTensor": ("format.sharding", "ShardedTensor"),
+    "Shards": ("format.sharding", "Shards"),
+    "Problem": ("loading.verify", "Problem"),
+    "VerifyReport": ("loading.verify", "VerifyReport"),
+    "verify": ("loading.verify", "verify"),
 }
 
 if TYPE_CHECKING:  # what static tools and IDEs see
-    from .async_saving import AsyncSaver, SaveHandle, aload, asave, async_save
-    from .errors import (
+    from ucp.errors import (
         CheckpointError,
         CommitError,
         CorruptCheckpointError,
@@ -65,13 +64,14 @@ if TYPE_CHECKING:  # what static tools and IDEs see
         UnsupportedFormatError,
         UnsupportedStateError,
     )
-    from .loading import load
-    from .reader import read_checkpoint_manifest as read_manifest
-    from .manager import CheckpointInfo, CheckpointManager
-    from .manifest import FORMAT_VERSION, Manifest, parse_manifest
-    from .saving import save
-    from .sharding import FlatShard, ShardedTensor, Shards
-    from .verification import Problem, VerifyReport, verify
+    from ucp.format.manifest import FORMAT_VERSION, Manifest, parse_manifest
+    from ucp.format.sharding import FlatShard, ShardedTensor, Shards
+    from ucp.loading.loader import load
+    from ucp.loading.verify import Problem, VerifyReport, verify
+    from ucp.manager import CheckpointInfo, CheckpointManager
+    from ucp.saving.async_save import AsyncSaver, SaveHandle, aload, asave, async_save
+    from ucp.saving.sync_save import save
+    from ucp.store.reader import read_checkpoint_manifest as read_manifest
 
 __all__ = [
     "AsyncSaver",

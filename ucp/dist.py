@@ -57,6 +57,8 @@ def resolve_group(process_group: Any = None, *, use_default: bool = True) -> Gro
         process_group = dist.GroupMember.WORLD
     rank = dist.get_rank(process_group)
     if process_group is dist.GroupMember.NON_GROUP_MEMBER or rank < 0:  # torch's collectives would do nothing
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group; "
-                         "only its members save or load through it")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of process_group; "
+            "only its members save or load through it"
+        )
     return Group(rank, dist.get_world_size(process_group), process_group)

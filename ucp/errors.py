@@ -14,8 +14,9 @@ class CheckpointError(ValueError):
     ``tensor``, ``file`` and ``offset`` say where, when known (the message says it too).
     """
 
-    def __init__(self, message: str, *, tensor: str | None = None, file: str | None = None,
-                 offset: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, tensor: str | None = None, file: str | None = None, offset: int | None = None
+    ) -> None:
         super().__init__(message)
         self.tensor = tensor
         self.file = file

@@ -11,7 +11,7 @@ Layout of a manager root (a local or mounted shared directory)::
 Order of a save (rank 0 does the file-system work):
 
 1. remove leftovers of earlier, interrupted saves (``.tmp-``/``.old-`` directories
-   that no save in flight holds: see :func:`ucp.commit.dir_in_use`);
+   that no save in flight holds: see :func:`ucp.store.commit.dir_in_use`);
 2. save ``root/step-{step:08d}`` with :func:`ucp.save` or an asynchronous save (atomic);
 3. after the commit, replace ``latest`` atomically (temp file, fsync, rename, fsync of root);
 4. keep ``keep_last`` complete checkpoints — always the one ``latest`` names, then the highest
@@ -38,17 +38,16 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel
 
 from aio import AioConfig, fsync_dir
-
-from .async_saving import AsyncSaver, Mode, SaveHandle, Snapshot, wait_all
-from .background import PostCommit
-from .commit import dir_in_use
-from .dist import resolve_group
-from .errors import CheckpointError, NotACheckpointError
-from .loading import load as _load
-from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
-from .reader import read_regular_file
-from .storage import remove_path
-from .saving import save as _save
+from ucp.dist import resolve_group
+from ucp.errors import CheckpointError, NotACheckpointError
+from ucp.format.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
+from ucp.loading.loader import load as _load
+from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot, wait_all
+from ucp.saving.background import PostCommit
+from ucp.saving.sync_save import save as _save
+from ucp.store.commit import dir_in_use
+from ucp.store.reader import read_regular_file
+from ucp.store.storage import remove_path
 
 log = logging.getLogger(__name__)
 
@@ -219,17 +218,23 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
         m = STEP_RE.match(name)
         if m is not None and os.path.isdir(path):
             status, manifest, detail = check_complete(path)
-            out.append(CheckpointInfo(
-                step=int(m.group(1)), name=name, path=path, size=_dir_size(path), status=status,
-                latest=pointer is not None and pointer[1] == name and status == "complete",
-                created=manifest.created if manifest is not None else None, detail=detail,
-            ))
+            out.append(
+                CheckpointInfo(
+                    step=int(m.group(1)),
+                    name=name,
+                    path=path,
+                    size=_dir_size(path),
+                    status=status,
+                    latest=pointer is not None and pointer[1] == name and status == "complete",
+                    created=manifest.created if manifest is not None else None,
+                    detail=detail,
+                )
+            )
             continue
         m = LEFTOVER_RE.match(name)
         if m is not None and os.path.isdir(path):
             status = "old" if m.group(3) == "old" else ("saving" if dir_in_use(path) else "temp")
-            out.append(CheckpointInfo(step=int(m.group(2)), name=name, path=path, size=_dir_size(path),
-                                      status=status))
+            out.append(CheckpointInfo(step=int(m.group(2)), name=name, path=path, size=_dir_size(path), status=status))
     order = {"complete": 0, "corrupt": 0, "incomplete": 0, "saving": 1, "temp": 2, "old": 3}
     out.sort(key=lambda i: (i.step, order[i.status], i.name))
     return out
@@ -296,10 +301,14 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int, *, protect: se
     and delete the other complete ones. Incomplete, corrupt and in-flight entries are left alone."""
     root = os.fspath(root)
     pointer = read_latest(root)
-    complete = sorted((_Entry(int(m.group(1)), name, os.path.join(root, name))
-                       for name in os.listdir(root)
-                       if (m := STEP_RE.match(name)) is not None and looks_complete(os.path.join(root, name))),
-                      key=lambda i: -i.step)
+    complete = sorted(
+        (
+            _Entry(int(m.group(1)), name, os.path.join(root, name))
+            for name in os.listdir(root)
+            if (m := STEP_RE.match(name)) is not None and looks_complete(os.path.join(root, name))
+        ),
+        key=lambda i: -i.step,
+    )
     keep = {i.name for i in complete if i.name in protect or (pointer is not None and i.name == pointer[1])}
     for info in complete:
         if len(keep) >= keep_last:
@@ -350,10 +359,20 @@ class CheckpointManager:
     ``handle.wait_snapshot()`` before changing it (``training.Engine`` does, before its optimizer step).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, async_save: bool = False,
-                 mode: Mode = "thread", max_in_flight: int = 1, process_group: Any = None,
-                 aio_config: AioConfig | dict[str, Any] | None = None, saver: AsyncSaver | None = None,
-                 commit_timeout: float = 1800.0, snapshot: Snapshot = "auto") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        mode: Mode = "thread",
+        max_in_flight: int = 1,
+        process_group: Any = None,
+        aio_config: AioConfig | dict[str, Any] | None = None,
+        saver: AsyncSaver | None = None,
+        commit_timeout: float = 1800.0,
+        snapshot: Snapshot = "auto",
+    ) -> None:
         if "://" in os.fspath(root):
             raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")
         if keep_last is not None and keep_last < 1:
@@ -363,9 +382,15 @@ class CheckpointManager:
         self.process_group = process_group
         self.aio_config = aio_config
         self._own_saver = saver is None and async_save
-        self.saver = saver if saver is not None else (
-            AsyncSaver(max_in_flight, mode, aio_config, commit_timeout=commit_timeout, snapshot=snapshot)
-            if async_save else None)
+        self.saver = (
+            saver
+            if saver is not None
+            else (
+                AsyncSaver(max_in_flight, mode, aio_config, commit_timeout=commit_timeout, snapshot=snapshot)
+                if async_save
+                else None
+            )
+        )
         self._handles: list[SaveHandle] = []
         self.loaded_step: int | None = None  # the step the last load() actually read
 
@@ -377,10 +402,19 @@ class CheckpointManager:
         (:meth:`ucp.AsyncSaver.prepare`); 0 and nothing done for synchronous managers."""
         if self.saver is None:
             return 0
-        return self.saver.prepare(state_dict, process_group=self.process_group if process_group is None else process_group)
+        return self.saver.prepare(
+            state_dict, process_group=self.process_group if process_group is None else process_group
+        )
 
-    def save(self, state_dict: dict[str, Any], step: int, *, metadata: dict[str, Any] | None = None,
-             mesh: dict[str, int] | None = None, check_replicas: bool = False) -> Manifest | SaveHandle:
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        step: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        mesh: dict[str, int] | None = None,
+        check_replicas: bool = False,
+    ) -> Manifest | SaveHandle:
         """Save step ``step``: a Manifest (synchronous manager) or a SaveHandle (``async_save=True``).
         ``check_replicas``: see :func:`ucp.save`."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -394,17 +428,34 @@ class CheckpointManager:
             if removed:
                 log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
         if self.saver is None:
-            manifest = _save(state_dict, self.path(step), step=step, metadata=metadata,
-                             process_group=self.process_group, aio_config=self.aio_config, mesh=mesh,
-                             check_replicas=check_replicas)
+            manifest = _save(
+                state_dict,
+                self.path(step),
+                step=step,
+                metadata=metadata,
+                process_group=self.process_group,
+                aio_config=self.aio_config,
+                mesh=mesh,
+                check_replicas=check_replicas,
+            )
             if group.rank == 0:
                 after_commit(self.root, step, name, self.keep_last)
             return manifest
-        hook = PostCommit(call="ucp.manager:after_commit",
-                          kwargs={"root": self.root, "step": step, "name": name, "keep_last": self.keep_last})
-        handle = self.saver.save(state_dict, self.path(step), step=step, metadata=metadata,
-                                 process_group=self.process_group, aio_config=self.aio_config, mesh=mesh,
-                                 post_commit=hook, check_replicas=check_replicas)
+        hook = PostCommit(
+            call="ucp.manager:after_commit",
+            kwargs={"root": self.root, "step": step, "name": name, "keep_last": self.keep_last},
+        )
+        handle = self.saver.save(
+            state_dict,
+            self.path(step),
+            step=step,
+            metadata=metadata,
+            process_group=self.process_group,
+            aio_config=self.aio_config,
+            mesh=mesh,
+            post_commit=hook,
+            check_replicas=check_replicas,
+        )
         # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
         self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
         return handle
@@ -425,7 +476,9 @@ class CheckpointManager:
         info = resume_choice(self.list())
         return info.step if info is not None else None
 
-    def load(self, step: int | None = None, *, into: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:
+    def load(
+        self, step: int | None = None, *, into: dict[str, Any] | None = None, verify: bool = True
+    ) -> dict[str, Any]:
         """Load ``step``, or by default the latest: ``latest``'s checkpoint, else the newest complete one that loads.
 
         :attr:`loaded_step` tells which step was read.
@@ -444,8 +497,9 @@ class CheckpointManager:
         problems = []
         for s in candidates:
             try:
-                state = _load(self.path(s), into=into, verify=verify, process_group=self.process_group,
-                              aio_config=self.aio_config)
+                state = _load(
+                    self.path(s), into=into, verify=verify, process_group=self.process_group, aio_config=self.aio_config
+                )
             except (CheckpointError, OSError) as exc:
                 if step is not None:
                     raise

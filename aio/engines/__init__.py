@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from ..config import AioConfig
+from aio.config import AioConfig
+
 from .base import Engine
 from .libaio_engine import LIBAIO_ERROR, LibaioEngine
 from .threads import ThreadEngine

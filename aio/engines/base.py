@@ -25,8 +25,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Iterator, Sequence
 
-from ..errors import AioError
-from ..files import OpenFile
+from aio.errors import AioError
+from aio.files import OpenFile
 
 # One read()/write() syscall moves at most 2 GiB - 4 KiB on Linux.
 MAX_SYSCALL_BYTES = 0x7FFFF000
@@ -160,19 +160,22 @@ class Engine(abc.ABC):
     max_segments: int = 1  # buffers one read may scatter into (``submit_readv``); 1: one buffer per request
 
     @abc.abstractmethod
-    def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
-                    future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_read(
+        self, f: OpenFile, offset: int, buf: memoryview, future: "Future[int] | None" = None
+    ) -> "Future[int]":
         """Read ``len(buf)`` bytes from ``f`` at ``offset`` into ``buf``; completes ``future`` if given."""
 
-    def submit_readv(self, f: OpenFile, offset: int, buffers: Sequence[memoryview],
-                     future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_readv(
+        self, f: OpenFile, offset: int, buffers: Sequence[memoryview], future: "Future[int] | None" = None
+    ) -> "Future[int]":
         """Read consecutive bytes of ``f`` from ``offset`` into ``buffers`` in order, as one request (at
         most ``max_segments`` of them); the result counts the bytes read in all."""
         raise NotImplementedError(f"the {self.name} engine reads into one buffer per request")
 
     @abc.abstractmethod
-    def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
-                     future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_write(
+        self, f: OpenFile, offset: int, buf: memoryview, future: "Future[int] | None" = None
+    ) -> "Future[int]":
         """Write all of ``buf`` to ``f`` at ``offset``; completes ``future`` if given."""
 
     def close(self) -> None:

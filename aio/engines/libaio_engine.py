@@ -19,8 +19,9 @@ from ctypes import addressof, byref, pointer
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..errors import AioError
-from ..files import OpenFile
+from aio.errors import AioError
+from aio.files import OpenFile
+
 from .base import HELD_WAIT, IOV_MAX, Engine, rest_of, signals_held
 
 log = logging.getLogger(__name__)
@@ -73,16 +74,19 @@ class LibaioEngine(Engine):
         self._reaper.start()
 
     # -- submission ---------------------------------------------------------------
-    def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
-                    future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_read(
+        self, f: OpenFile, offset: int, buf: memoryview, future: "Future[int] | None" = None
+    ) -> "Future[int]":
         return self._start(_Request(f, offset, [buf], False, future or Future()))
 
-    def submit_readv(self, f: OpenFile, offset: int, buffers: Sequence[memoryview],
-                     future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_readv(
+        self, f: OpenFile, offset: int, buffers: Sequence[memoryview], future: "Future[int] | None" = None
+    ) -> "Future[int]":
         return self._start(_Request(f, offset, list(buffers), False, future or Future()))
 
-    def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
-                     future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_write(
+        self, f: OpenFile, offset: int, buf: memoryview, future: "Future[int] | None" = None
+    ) -> "Future[int]":
         return self._start(_Request(f, offset, [buf], True, future or Future()))
 
     def _start(self, req: _Request) -> "Future[int]":
@@ -143,8 +147,10 @@ class LibaioEngine(Engine):
     def _check_usable(self, req: _Request) -> None:
         """Refuse a new request to a closed or broken engine, naming its file and offset."""
         if self._closing:
-            raise ValueError(f"I/O on a closed LibaioEngine ({'writing' if req.write else 'reading'} "
-                             f"{req.f.path!r} at offset {req.offset})")
+            raise ValueError(
+                f"I/O on a closed LibaioEngine ({'writing' if req.write else 'reading'} "
+                f"{req.f.path!r} at offset {req.offset})"
+            )
         if self._broken is not None:
             raise AioError(self._broken.errno or errno.EIO, req.f.path, req.offset, "libaio context failed earlier")
 
@@ -236,4 +242,3 @@ class LibaioEngine(Engine):
             self._closing = True
         self._reaper.join()
         _raw.io_destroy(self._ctx)
-

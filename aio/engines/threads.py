@@ -9,7 +9,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from ..files import OpenFile
+from aio.files import OpenFile
+
 from .base import IOV_MAX, Engine, pread_full, pwrite_full, signals_held
 
 
@@ -22,24 +23,29 @@ class ThreadEngine(Engine):
         self._pool = ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="ucp-io")
         self._closed = False
 
-    def submit_read(self, f: OpenFile, offset: int, buf: memoryview,
-                    future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_read(
+        self, f: OpenFile, offset: int, buf: memoryview, future: "Future[int] | None" = None
+    ) -> "Future[int]":
         self._check_open("reading", f, offset)
         return self._start(pread_full, f, offset, buf, future or Future())
 
-    def submit_readv(self, f: OpenFile, offset: int, buffers: Sequence[memoryview],
-                     future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_readv(
+        self, f: OpenFile, offset: int, buffers: Sequence[memoryview], future: "Future[int] | None" = None
+    ) -> "Future[int]":
         self._check_open("reading", f, offset)
         return self._start(pread_full, f, offset, list(buffers), future or Future())
 
-    def submit_write(self, f: OpenFile, offset: int, buf: memoryview,
-                     future: "Future[int] | None" = None) -> "Future[int]":
+    def submit_write(
+        self, f: OpenFile, offset: int, buf: memoryview, future: "Future[int] | None" = None
+    ) -> "Future[int]":
         self._check_open("writing", f, offset)
         return self._start(pwrite_full, f, offset, buf, future or Future())
 
-    def _start(self, move: Callable[[OpenFile, int, Any], int], f: OpenFile, offset: int, buf: Any,
-               future: "Future[int]") -> "Future[int]":
+    def _start(
+        self, move: Callable[[OpenFile, int, Any], int], f: OpenFile, offset: int, buf: Any, future: "Future[int]"
+    ) -> "Future[int]":
         """Queue ``move`` on the pool to complete ``future``, set running first (see :mod:`aio.engines.base`)."""
+
         def run() -> None:
             try:
                 future.set_result(move(f, offset, buf))

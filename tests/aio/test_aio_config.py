@@ -40,7 +40,11 @@ def test_accepts_deepspeed_aio_keys():
 
 
 def test_to_deepspeed_round_trips():
-    for cfg in (AioConfig(), AioConfig.model_validate(DS_AIO), AioConfig(block_size=4096, queue_depth=1, thread_count=256)):
+    for cfg in (
+        AioConfig(),
+        AioConfig.model_validate(DS_AIO),
+        AioConfig(block_size=4096, queue_depth=1, thread_count=256),
+    ):
         section = cfg.to_deepspeed()
         assert set(section) == set(DS_AIO)
         assert AioConfig.from_deepspeed({"aio": json.loads(json.dumps(section))}) == cfg
@@ -67,7 +71,15 @@ def test_rejects_bad_block_sizes_naming_the_field(bad):
 
 
 @pytest.mark.parametrize(
-    "field,bad", [("queue_depth", 0), ("queue_depth", 5000), ("thread_count", 0), ("alignment", 1000), ("alignment", 256), ("engine", "io_uring")]
+    "field,bad",
+    [
+        ("queue_depth", 0),
+        ("queue_depth", 5000),
+        ("thread_count", 0),
+        ("alignment", 1000),
+        ("alignment", 256),
+        ("engine", "io_uring"),
+    ],
 )
 def test_rejects_other_bad_values_naming_the_field(field, bad):
     with pytest.raises(ValidationError) as info:

@@ -242,8 +242,9 @@ def test_no_descriptor_leaks_after_errors(engine, disk_dir, make_data):
         assert not (disk_dir / "nc.bin").exists()
 
 
-def test_buffered_fallback_where_o_direct_is_refused_is_exact_and_fsynced(engine, no_direct_dir, make_data,
-                                                                           monkeypatch):
+def test_buffered_fallback_where_o_direct_is_refused_is_exact_and_fsynced(
+    engine, no_direct_dir, make_data, monkeypatch
+):
     synced: list[int] = []
     real = os.fdatasync
     monkeypatch.setattr(aio.files.os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
@@ -291,10 +292,23 @@ def test_out_of_space_on_a_small_tmpfs(engine, tmp_path, mount_fs, make_data):
 
 @pytest.mark.parametrize(
     "field,bad",
-    [("block_size", 0), ("block_size", -4096), ("block_size", 4097), ("block_size", 1000),
-     ("queue_depth", 0), ("queue_depth", -1), ("queue_depth", 10**6), ("thread_count", 0),
-     ("thread_count", -2), ("alignment", 0), ("alignment", 3), ("alignment", 1000), ("engine", "io_uring"),
-     ("block_size", "8M"), ("queue_depth", None)],
+    [
+        ("block_size", 0),
+        ("block_size", -4096),
+        ("block_size", 4097),
+        ("block_size", 1000),
+        ("queue_depth", 0),
+        ("queue_depth", -1),
+        ("queue_depth", 10**6),
+        ("thread_count", 0),
+        ("thread_count", -2),
+        ("alignment", 0),
+        ("alignment", 3),
+        ("alignment", 1000),
+        ("engine", "io_uring"),
+        ("block_size", "8M"),
+        ("queue_depth", None),
+    ],
 )
 def test_config_rejects_absurd_values_naming_the_field(field, bad):
     with pytest.raises(ValidationError) as info:
@@ -319,8 +333,14 @@ def test_read_ranges_with_duplicate_offsets_and_overlapping_file_ranges(engine, 
     out = np.zeros(40_000, np.uint8)
     with AioHandle(AioConfig(engine=engine, block_size=BS, queue_depth=2)) as io:
         io.write_file(path, data)
-        ranges = [(10, out[0:5000]), (10, out[5000:10000]), (4096, out[10000:18192]), (4096, out[18192:26384]),
-                  (4000, out[26384:30000]), (99_999, out[30000:30001])]
+        ranges = [
+            (10, out[0:5000]),
+            (10, out[5000:10000]),
+            (4096, out[10000:18192]),
+            (4096, out[18192:26384]),
+            (4000, out[26384:30000]),
+            (99_999, out[30000:30001]),
+        ]
         io.read_ranges(path, ranges)
         for off, dest in ranges:
             assert dest.tobytes() == data[off : off + dest.nbytes].tobytes()
@@ -341,8 +361,16 @@ def test_prefetch_never_fails_the_caller(tmp_path, disk_dir, make_data):
     real = tmp_path / "loop" / "real.bin"
     data = make_data(10_000)
     real.write_bytes(data.tobytes())
-    paths = [tmp_path / "missing", tmp_path / "loop", tmp_path / "loop" / "a", tmp_path / "empty",
-             tmp_path / "loop" / "fifo", "s3://bucket/key", "", tmp_path / "loop" / "self" / "self" / "real.bin"]
+    paths = [
+        tmp_path / "missing",
+        tmp_path / "loop",
+        tmp_path / "loop" / "a",
+        tmp_path / "empty",
+        tmp_path / "loop" / "fifo",
+        "s3://bucket/key",
+        "",
+        tmp_path / "loop" / "self" / "self" / "real.bin",
+    ]
     try:
         job = prefetch_files(paths)
         assert job.wait(10)
@@ -358,6 +386,7 @@ def test_one_handle_used_from_two_threads(engine, disk_dir, make_data):
     """Sharing one handle between threads is relied on (tests/aio/test_aio_concurrency.py): mix all calls."""
     errors: list[BaseException] = []
     with AioHandle(AioConfig(engine=engine, block_size=BS, queue_depth=2)) as io:
+
         def work(k: int) -> None:
             try:
                 for i in range(6):
@@ -527,7 +556,9 @@ def test_writer_that_failed_cannot_later_close_successfully(disk_dir):
         except (OSError, ValueError):
             assert not path.exists()
         else:
-            pytest.fail(f"close() succeeded after a failed write; the file holds {np.unique(np.fromfile(path, np.uint8))}")
+            pytest.fail(
+                f"close() succeeded after a failed write; the file holds {np.unique(np.fromfile(path, np.uint8))}"
+            )
 
 
 class _GatedReads(ThreadEngine):
@@ -684,8 +715,10 @@ def test_libaio_reaper_skips_completions_it_does_not_know(disk_dir, caplog):
     path.write_bytes(bytes(range(256)) * 64)
     eng = create_engine(AioConfig(engine="libaio", queue_depth=2))
     try:
-        with caplog.at_level(logging.WARNING, logger="aio.engines.libaio_engine"), \
-                aio.files.open_file(path, "r", direct=False) as f:
+        with (
+            caplog.at_level(logging.WARNING, logger="aio.engines.libaio_engine"),
+            aio.files.open_file(path, "r", direct=False) as f,
+        ):
             stray = bytearray(4096)
             block = libaio.AIOBlock(libaio.AIOBLOCK_MODE_READ, target_file=f.fd, buffer_list=[stray], offset=0)
             raw.io_submit(eng._ctx, 1, (raw.iocb_p * 1)(ctypes.pointer(block._iocb)))

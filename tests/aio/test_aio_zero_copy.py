@@ -13,8 +13,9 @@ from aio.buffers import address_of
 MIB = 1 << 20
 
 
-def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch,
-                    method: str = "submit_write") -> list[tuple[int, int]]:
+def _record_submits(
+    io: AioHandle, monkeypatch: pytest.MonkeyPatch, method: str = "submit_write"
+) -> list[tuple[int, int]]:
     """Wrap the engine's ``method`` (submit_write / submit_read; reads also submit_readv, whose buffers are
     recorded one by one) to record (buffer address, length) of every buffer a request moves."""
     seen: list[tuple[int, int]] = []
@@ -38,8 +39,9 @@ def _record_submits(io: AioHandle, monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("shift", [0, 1, 100, 4095])
 @pytest.mark.parametrize("borrow", [False, True])
-def test_congruent_memory_is_written_without_copy(disk_dir: Path, engine: str, shift: int, borrow: bool,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_congruent_memory_is_written_without_copy(
+    disk_dir: Path, engine: str, shift: int, borrow: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A source whose address ≡ file position (mod 4096) is written from its own memory, bit-exact."""
     cfg = AioConfig(engine=engine, block_size=1 * MIB, queue_depth=4)
     src = AlignedBuffer(6 * MIB + 8192)
@@ -77,8 +79,9 @@ def test_shared_handle_is_one_per_config() -> None:
 
 
 @pytest.mark.parametrize("shift", [1, 64, 4095])
-def test_congruent_memory_is_read_into_without_copy(disk_dir: Path, engine: str, shift: int,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_congruent_memory_is_read_into_without_copy(
+    disk_dir: Path, engine: str, shift: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A destination whose address ≡ file offset (mod 4096) gets all but its head and tail read straight in."""
     data = np.random.default_rng(shift).integers(0, 256, 6 * MIB, dtype=np.uint8)
     path = disk_dir / "rd.bin"
@@ -91,7 +94,7 @@ def test_congruent_memory_is_read_into_without_copy(disk_dir: Path, engine: str,
         io.read_into(path, shift, dest.view(n, shift))  # offset `shift`, address ≡ shift: congruent
         into_dest = sum(k for addr, k in seen if lo <= addr < hi)
     assert into_dest >= n - 2 * 4096
-    assert bytes(dest.view(n, shift)) == data[shift:shift + n].tobytes()
+    assert bytes(dest.view(n, shift)) == data[shift : shift + n].tobytes()
     assert bytes(dest.view(shift)) == bytes(shift)  # nothing written before the destination ...
     assert not any(dest.view(dest.capacity - shift - n, shift + n))  # ... or after it
 

@@ -82,8 +82,9 @@ def _run(script: str, disk_dir: Path, engine: str = "threads", arg: str = "", *,
         if not ok:
             pytest.skip(f"libaio unavailable: {why}")
     code = _PRELUDE + textwrap.dedent(script) + "\nprint(json.dumps(out))\n"
-    proc = subprocess.run([sys.executable, "-c", code, str(disk_dir), engine, arg],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(disk_dir), engine, arg], capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -92,7 +93,8 @@ def _run(script: str, disk_dir: Path, engine: str = "threads", arg: str = "", *,
 
 
 def test_ctrl_c_between_the_handler_restores_leaves_no_handler_swapped(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         got = []
         def term(s, f):
             got.append(s)
@@ -119,13 +121,16 @@ def test_ctrl_c_between_the_handler_restores_leaves_no_handler_swapped(disk_dir)
         os.kill(os.getpid(), signal.SIGTERM)
         out["handlers_ok"] = handlers_ok(term)
         out["sigterm_seen"] = got
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["ki"]
     assert out["handlers_ok"] and out["sigterm_seen"] == [signal.SIGTERM]
 
 
 def test_raising_sigterm_between_the_handler_swaps_leaves_ctrl_c_working(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         class Stop(Exception):
             pass
         def term(s, f):
@@ -153,7 +158,9 @@ def test_raising_sigterm_between_the_handler_swaps_leaves_ctrl_c_working(disk_di
             out["ctrl_c"] = "swallowed"
         except KeyboardInterrupt:
             out["ctrl_c"] = "raised"
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["stop"]
     assert out["handlers_ok"] and out["ctrl_c"] == "raised"
 
@@ -221,7 +228,8 @@ def test_raising_sigterm_storm_leaves_the_handlers_as_they_were(disk_dir) -> Non
 
 
 def test_sigint_and_sigterm_noted_in_one_block_both_reach_their_handlers(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         got = []
         signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
         try:
@@ -231,12 +239,15 @@ def test_sigint_and_sigterm_noted_in_one_block_both_reach_their_handlers(disk_di
         except KeyboardInterrupt:
             out["ki"] = True
         out["sigterm_seen"] = got
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["ki"] and out["sigterm_seen"] == [signal.SIGTERM]
 
 
 def test_child_forked_while_the_main_thread_waits_for_a_block_can_be_terminated(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         import multiprocessing as mp
 
         def child():
@@ -264,7 +275,9 @@ def test_child_forked_while_the_main_thread_waits_for_a_block_can_be_terminated(
                 w.write(b"x" * 100)
                 t.join()
             out["intact"] = intact(io)
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["intact"]
     assert out["exitcode"] == -signal.SIGTERM
 
@@ -273,7 +286,8 @@ def test_child_forked_while_the_main_thread_waits_for_a_block_can_be_terminated(
 
 
 def test_nested_blocks_with_an_exception_restore_the_handlers_and_replay_once(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         got = []
         def term(s, f):
             got.append(s)
@@ -295,14 +309,17 @@ def test_nested_blocks_with_an_exception_restore_the_handlers_and_replay_once(di
         except KeyboardInterrupt as exc:
             out["ki_context"] = type(exc.__context__).__name__
         out["after_ki"] = [held(), handlers_ok(term)]
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["depth_inside"] == 1 and out["value_error"]
     assert out["after_plain"] == [[signal.SIGTERM], 0, True]
     assert out["ki_context"] == "ValueError" and out["after_ki"] == [0, True]
 
 
 def test_worker_threads_never_swap_handlers_or_touch_the_depth(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         seen = []
         inside, leave = threading.Event(), threading.Event()
 
@@ -323,12 +340,15 @@ def test_worker_threads_never_swap_handlers_or_touch_the_depth(disk_dir) -> None
         out["seen"] = seen
         out["depth_after"] = held()
         out["handlers_ok"] = handlers_ok(signal.SIG_DFL)
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["seen"][0] is True and out["depth_main"] == 1 and out["depth_after"] == 0 and out["handlers_ok"]
 
 
 def test_a_sigint_sent_by_a_replayed_handler_raises_once(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         got = []
         def term(s, f):
             got.append(s)
@@ -341,7 +361,9 @@ def test_a_sigint_sent_by_a_replayed_handler_raises_once(disk_dir) -> None:
             out["ki"] = True
         time.sleep(0.05)  # a second KeyboardInterrupt would land here and fail the child
         out["got"], out["handlers_ok"], out["depth"] = got, handlers_ok(term), held()
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out == {"ki": True, "got": [signal.SIGTERM], "handlers_ok": True, "depth": 0}
 
 
@@ -352,19 +374,23 @@ def test_a_default_sigterm_noted_in_a_block_ends_the_process_when_it_ends(disk_d
             print("inside", flush=True)
         print("after", flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", code, str(disk_dir), "threads", ""],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(disk_dir), "threads", ""], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == -signal.SIGTERM and proc.stdout.split() == ["inside"]
 
 
 def test_an_ignored_sigint_stays_ignored(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with base.signals_held():
             os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.02)
         out["ign"] = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert out["ign"]
 
 
@@ -493,7 +519,8 @@ def test_a_signal_ends_a_long_wait_for_a_libaio_slot(disk_dir, kind) -> None:
 def test_a_sigterm_handler_raising_right_after_a_take_loses_nothing(disk_dir, engine, what) -> None:
     if what == "slot" and engine != "libaio":
         pytest.skip("slots are libaio's")
-    out = _run("""
+    out = _run(
+        """
         class Stop(Exception):
             pass
         def term(s, f):
@@ -547,7 +574,11 @@ def test_a_sigterm_handler_raising_right_after_a_take_loses_nothing(disk_dir, en
             io.read_into(path, 7, dest)
             out["same"] = dest.tobytes() == payload[7 : 7 + BS // 2].tobytes()
             out["handlers_ok"] = handlers_ok(term)
-    """, disk_dir, engine, what)
+    """,
+        disk_dir,
+        engine,
+        what,
+    )
     assert out == {"ended": "stop", "g_left": False, "intact": True, "slots": 2, "same": True, "handlers_ok": True}
 
 
@@ -631,7 +662,8 @@ def test_threads_share_a_handle_while_the_main_thread_gets_ctrl_c(disk_dir, engi
 
 
 def test_queue_depth_one_with_many_concurrent_engine_submits(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         from concurrent.futures import Future
         from aio import AlignedBuffer
         from aio.files import open_file
@@ -661,7 +693,10 @@ def test_queue_depth_one_with_many_concurrent_engine_submits(disk_dir) -> None:
             out["errors"] = errors
             out["slots"] = eng._slots._value
             out["same"] = io.read_file(path).view(n * 4096).tobytes() == src.view().tobytes()
-    """, disk_dir, "libaio")
+    """,
+        disk_dir,
+        "libaio",
+    )
     assert out == {"alive": False, "errors": [], "slots": 1, "same": True}
 
 
@@ -673,7 +708,8 @@ def test_queue_depth_one_with_many_concurrent_engine_submits(disk_dir) -> None:
 def test_closing_the_handle_while_a_thread_waits_to_take(disk_dir, engine, what) -> None:
     if what == "slots" and engine != "libaio":
         pytest.skip("slots are libaio's")
-    out = _run("""
+    out = _run(
+        """
         what = ARG
         io = AioHandle(AioConfig(engine=ENGINE, block_size=BS, queue_depth=2))
         payload = data(3 * BS + 100, 4)
@@ -712,14 +748,18 @@ def test_closing_the_handle_while_a_thread_waits_to_take(disk_dir, engine, what)
         out["res"] = res
         out["left"] = (D / "c.bin").exists()
         out["intact"] = intact(io)
-    """, disk_dir, engine, what)
-    assert out == {"worker_alive": False, "closer_alive": False, "res": ["ValueError"], "left": False,
-                   "intact": True}
+    """,
+        disk_dir,
+        engine,
+        what,
+    )
+    assert out == {"worker_alive": False, "closer_alive": False, "res": ["ValueError"], "left": False, "intact": True}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_worker_thread_waits_past_held_wait_then_takes(disk_dir, engine) -> None:
-    out = _run("""
+    out = _run(
+        """
         with AioHandle(AioConfig(engine=ENGINE, block_size=BS, queue_depth=1)) as io:
             payload = data(5 * BS + 9, 6)
             io.write_file(D / "w.bin", payload)
@@ -745,7 +785,10 @@ def test_a_worker_thread_waits_past_held_wait_then_takes(disk_dir, engine) -> No
             out["res"] = res
             out["same"] = dest.tobytes() == payload[3:].tobytes()
             out["intact"] = intact(io)
-    """, disk_dir, engine)
+    """,
+        disk_dir,
+        engine,
+    )
     assert out == {"res": [True], "same": True, "intact": True}
 
 
@@ -753,7 +796,8 @@ def test_a_worker_thread_waits_past_held_wait_then_takes(disk_dir, engine) -> No
 
 
 def test_a_ctrl_c_during_an_abort_after_a_failed_write_is_not_lost(disk_dir) -> None:
-    out = _run("""
+    out = _run(
+        """
         import errno
         from concurrent.futures import Future
         from aio import AioError, ThreadEngine
@@ -794,5 +838,7 @@ def test_a_ctrl_c_during_an_abort_after_a_failed_write_is_not_lost(disk_dir) -> 
             except KeyboardInterrupt:
                 res.append("KeyboardInterrupt")
         out["res"] = res
-    """, disk_dir)
+    """,
+        disk_dir,
+    )
     assert "KeyboardInterrupt" in out["res"], out

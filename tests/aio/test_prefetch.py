@@ -123,7 +123,13 @@ def test_symlinked_files_count_once_and_vanished_ones_not_at_all(tmp_path: Path)
 def test_importing_aio_prefetch_is_light() -> None:
     """The CLI imports it before torch; it must not pull numpy or the engines in."""
     probe = "import sys, aio.prefetch; print(sorted(m for m in ('numpy', 'torch', 'aio.handle') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONPATH": "."})
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONPATH": "."},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -63,8 +63,12 @@ def _layouts(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout=_layouts(), block_kib=st.sampled_from([4, 8, 64, 1024]), max_segments=st.sampled_from([1, 2, 3, 1024]),
-       buffered=st.booleans())
+@given(
+    layout=_layouts(),
+    block_kib=st.sampled_from([4, 8, 64, 1024]),
+    max_segments=st.sampled_from([1, 2, 3, 1024]),
+    buffered=st.booleans(),
+)
 def test_every_plan_fills_every_range_exactly(layout, block_kib: int, max_segments: int, buffered: bool) -> None:
     size, ranges = layout
     file = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
@@ -136,8 +140,9 @@ def _tensor_like_ranges(rng: np.random.Generator, memory: AlignedBuffer, size: i
         at += n + (-(at + n - 64) % ALIGN) + ALIGN
 
 
-def test_the_handle_reads_tensor_like_ranges_bit_exact_in_few_requests(disk_dir: Path, engine: str, make_data,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_handle_reads_tensor_like_ranges_bit_exact_in_few_requests(
+    disk_dir: Path, engine: str, make_data, monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = make_data(40 * MIB, seed=9)
     path = disk_dir / "pieces.bin"
     path.write_bytes(data.tobytes())

@@ -130,30 +130,74 @@ def _layouts(size: int) -> dict[str, list[tuple[int, int, str]]]:
     gaps.append((pos, 10, "in"))
     assert pos < size
     return {
-        "touching_out_of_phase": [(100, 5000, "out"), (5100, 3000, "adj"), (8100, 10, "adj1"), (8110, 70000, "out"),
-                                  (78110, 3, "adj")],
-        "touching_in_phase_large": [(64, 200 * KIB, "in"), (64 + 200 * KIB, 300 * KIB, "in"),
-                                    (64 + 500 * KIB, 5, "adj"), (64 + 500 * KIB + 5, 130 * KIB, "adj1")],
-        "in_phase_then_adjacent_memory": [(64, 200 * KIB, "in"), (64 + 200 * KIB, 300 * KIB, "adj"),
-                                          (64 + 500 * KIB, 300 * KIB, "adj")],
-        "tiny_ranges_sharing_pages": [(10, 1, "out"), (11, 1, "adj"), (4000, 96, "in"), (4096, 1, "adj1"),
-                                      (4097, 4095, "out"), (8191, 2, "out"), (8193, 1, "adj"), (12287, 1, "in"),
-                                      (12288, 1, "in")],
-        "overlapping": [(0, 100 * KIB, "in"), (50 * KIB, 100 * KIB, "in"), (50 * KIB, 100 * KIB, "out"),
-                        (0, 1, "out"), (150 * KIB - 1, 1, "out"), (0, 150 * KIB, "adj"), (60 * KIB + 3, 7, "adj1"),
-                        (100 * KIB, 100 * KIB, "in")],
+        "touching_out_of_phase": [
+            (100, 5000, "out"),
+            (5100, 3000, "adj"),
+            (8100, 10, "adj1"),
+            (8110, 70000, "out"),
+            (78110, 3, "adj"),
+        ],
+        "touching_in_phase_large": [
+            (64, 200 * KIB, "in"),
+            (64 + 200 * KIB, 300 * KIB, "in"),
+            (64 + 500 * KIB, 5, "adj"),
+            (64 + 500 * KIB + 5, 130 * KIB, "adj1"),
+        ],
+        "in_phase_then_adjacent_memory": [
+            (64, 200 * KIB, "in"),
+            (64 + 200 * KIB, 300 * KIB, "adj"),
+            (64 + 500 * KIB, 300 * KIB, "adj"),
+        ],
+        "tiny_ranges_sharing_pages": [
+            (10, 1, "out"),
+            (11, 1, "adj"),
+            (4000, 96, "in"),
+            (4096, 1, "adj1"),
+            (4097, 4095, "out"),
+            (8191, 2, "out"),
+            (8193, 1, "adj"),
+            (12287, 1, "in"),
+            (12288, 1, "in"),
+        ],
+        "overlapping": [
+            (0, 100 * KIB, "in"),
+            (50 * KIB, 100 * KIB, "in"),
+            (50 * KIB, 100 * KIB, "out"),
+            (0, 1, "out"),
+            (150 * KIB - 1, 1, "out"),
+            (0, 150 * KIB, "adj"),
+            (60 * KIB + 3, 7, "adj1"),
+            (100 * KIB, 100 * KIB, "in"),
+        ],
         "gaps_around_max_gap": gaps,
-        "ends_at_end_of_file": [(size - 5000, 5000, "out"), (size - 70000 - 1, 70000, "in"), (size - 1, 1, "out"),
-                                (size - 200 * KIB, 200 * KIB, "in")],
+        "ends_at_end_of_file": [
+            (size - 5000, 5000, "out"),
+            (size - 70000 - 1, 70000, "in"),
+            (size - 1, 1, "out"),
+            (size - 200 * KIB, 200 * KIB, "in"),
+        ],
         "whole_file_in_phase": [(0, size, "in")],
         "whole_file_out_of_phase": [(1, size - 1, "out")],
-        "across_blocks_in_phase": [(3 * A + 7, 900 * KIB, "in"), (3 * A + 7 + 900 * KIB, 1100 * KIB, "in"),
-                                   (3 * A + 7 + 2000 * KIB, 4, "in")],
-        "min_direct_edges": [(A - 10, 10 + MIN_DIRECT + 10, "in"), (2 * MIB, MIN_DIRECT, "in"),
-                             (2 * MIB + MIN_DIRECT, MIN_DIRECT - A, "in"), (2 * MIB + 2 * MIN_DIRECT, A, "in")],
+        "across_blocks_in_phase": [
+            (3 * A + 7, 900 * KIB, "in"),
+            (3 * A + 7 + 900 * KIB, 1100 * KIB, "in"),
+            (3 * A + 7 + 2000 * KIB, 4, "in"),
+        ],
+        "min_direct_edges": [
+            (A - 10, 10 + MIN_DIRECT + 10, "in"),
+            (2 * MIB, MIN_DIRECT, "in"),
+            (2 * MIB + MIN_DIRECT, MIN_DIRECT - A, "in"),
+            (2 * MIB + 2 * MIN_DIRECT, A, "in"),
+        ],
         "aligned_direct_only": [(0, 128 * KIB, "in"), (128 * KIB, 128 * KIB, "in"), (MIB, 64 * KIB, "in")],
-        "given_out_of_order": [(MIB + 5, 100 * KIB, "in"), (7, 50, "out"), (MIB, 5, "adj"), (0, 7, "out"),
-                               (300 * KIB, 300 * KIB, "out"), (57, 200 * KIB, "in")],
+        "given_out_of_order": [
+            (MIB + 5, 100 * KIB, "in"),
+            (7, 50, "out"),
+            (MIB, 5, "adj"),
+            (0, 7, "out"),
+            (300 * KIB, 300 * KIB, "out"),
+            (57, 200 * KIB, "in"),
+        ],
         "empty_ranges_mixed_in": [(5, 0, "out"), (5, 10, "in"), (size, 0, "in"), (A, 0, "adj")],
     }
 
@@ -163,9 +207,9 @@ def _layouts(size: int) -> dict[str, list[tuple[int, int, str]]]:
 
 @pytest.mark.parametrize("block_size", [A, 64 * KIB, MIB])
 @pytest.mark.parametrize("max_segments", [None, 1, 2])
-def test_adversarial_layouts_land_exactly_and_nowhere_else(disk_dir: Path, engine: str, block_size: int,
-                                                          max_segments: int | None,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adversarial_layouts_land_exactly_and_nowhere_else(
+    disk_dir: Path, engine: str, block_size: int, max_segments: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, data = _write(disk_dir)
     with _handle(engine, block_size=block_size) as io:
         if max_segments is not None:
@@ -203,8 +247,9 @@ def _random_specs(rng: np.random.Generator, size: int) -> list[tuple[int, int, s
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_random_layouts_land_exactly_and_nowhere_else(disk_dir: Path, engine: str, direct: bool,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_random_layouts_land_exactly_and_nowhere_else(
+    disk_dir: Path, engine: str, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, data = _write(disk_dir, 2 * MIB + 77, seed=3)
     rng = np.random.default_rng(5 if direct else 6)
     handles = {bs: _handle(engine, block_size=bs, use_direct=direct) for bs in (A, 16 * KIB, 256 * KIB, MIB)}
@@ -230,8 +275,9 @@ def test_files_on_tmpfs_land_exactly(shm_dir: Path, engine: str) -> None:
             assert _pool_settles(io)
 
 
-def test_warm_files_are_read_buffered_straight_into_memory(disk_dir: Path, engine: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_files_are_read_buffered_straight_into_memory(
+    disk_dir: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A prefetched file is read buffered (align 1): every range lands straight in its memory, no staging,
     and many tiny touching ranges are cut into vectors the engine takes."""
     path, data = _write(disk_dir, SIZE, seed=9)
@@ -278,8 +324,9 @@ def test_tiny_touching_ranges_share_pages_through_staging(disk_dir: Path, engine
             assert _pool_settles(io)
 
 
-def test_alignment_512_reads_memory_in_phase_mod_512_straight(disk_dir: Path, engine: str,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alignment_512_reads_memory_in_phase_mod_512_straight(
+    disk_dir: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """alignment=512 (the disk's logical block here): memory in phase mod 512 only is read straight into."""
     path, data = _write(disk_dir, SIZE, seed=17)
     probe = AlignedBuffer(2 * A, pin=False)
@@ -382,13 +429,21 @@ def test_an_engine_completing_inside_submit(disk_dir: Path, max_segments: int) -
 @pytest.mark.parametrize("where", ["in", "out"])
 @pytest.mark.parametrize("block_size", [A, MIB])
 def test_a_range_one_byte_past_the_end_raises_naming_the_file_and_writes_nothing_outside(
-        disk_dir: Path, engine: str, direct: bool, where: str, block_size: int) -> None:
+    disk_dir: Path, engine: str, direct: bool, where: str, block_size: int
+) -> None:
     for size in (SIZE, MIB):  # the aligned size: a direct-only request (no staging) reads past the end
         path, data = _write(disk_dir, size, seed=11)
         with _handle(engine, block_size=block_size, use_direct=direct) as io:
             good = [(0, 5000, "out"), (MIB // 2, 100 * KIB, "in")]
-            bad_ranges = [(0, size + 1), (size - 1, 2), (size - 100 * KIB, 100 * KIB + 1), (size, 1), (size + A, A),
-                          (size, 128 * KIB), (size - 64 * KIB, 128 * KIB)]  # (in phase, MIB: direct only)
+            bad_ranges = [
+                (0, size + 1),
+                (size - 1, 2),
+                (size - 100 * KIB, 100 * KIB + 1),
+                (size, 1),
+                (size + A, A),
+                (size, 128 * KIB),
+                (size - 64 * KIB, 128 * KIB),
+            ]  # (in phase, MIB: direct only)
             for bad in bad_ranges:
                 arena = _Arena(good + [(bad[0], bad[1], where)])
                 with pytest.raises(AioError) as info:
@@ -404,7 +459,8 @@ def test_a_range_one_byte_past_the_end_raises_naming_the_file_and_writes_nothing
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_file_that_shrinks_before_a_vectored_read_is_an_error_not_stale_bytes(
-        disk_dir: Path, engine: str, direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk_dir: Path, engine: str, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The file is cut short just before the first read goes out (single or vectored): the call must fail
     with ENODATA naming the file, never fill a range from a staging block's old bytes."""
     path, data = _write(disk_dir, SIZE, seed=18)
@@ -422,12 +478,19 @@ def test_a_file_that_shrinks_before_a_vectored_read_is_an_error_not_stale_bytes(
                         os.truncate(path, cut_to)
                         cut.append(1)
                     return real(f, offset, buf, future)
+
                 return submit
 
             monkeypatch.setattr(io.engine, "submit_read", cutting(one))
             monkeypatch.setattr(io.engine, "submit_readv", cutting(many))
-            arena = _Arena([(64, MIB, "in"), (MIB + 64 + 100, MIB, "out"), (2 * MIB + 128 * KIB, 50, "out"),
-                            (2 * MIB + 200 * KIB, 300 * KIB, "in")])
+            arena = _Arena(
+                [
+                    (64, MIB, "in"),
+                    (MIB + 64 + 100, MIB, "out"),
+                    (2 * MIB + 128 * KIB, 50, "out"),
+                    (2 * MIB + 200 * KIB, 300 * KIB, "in"),
+                ]
+            )
             with pytest.raises(AioError) as info:
                 io.read_ranges(path, arena.ranges)
             monkeypatch.setattr(io.engine, "submit_read", one)
@@ -445,8 +508,9 @@ def test_a_file_that_shrinks_before_a_vectored_read_is_an_error_not_stale_bytes(
 # -- partial completions -----------------------------------------------------------------------------------
 
 
-def test_threads_engine_short_preadv_resumes_at_the_right_buffer(disk_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_threads_engine_short_preadv_resumes_at_the_right_buffer(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """os.preadv moving fewer bytes than asked (as a signal or a slow device can make it): the remainder
     continues in the right buffer at the right place, for aligned and unaligned short counts."""
     path, data = _write(disk_dir, SIZE, seed=12)
@@ -462,8 +526,13 @@ def test_threads_engine_short_preadv_resumes_at_the_right_buffer(disk_dir: Path,
             monkeypatch.setattr(engine_base.os, "preadv", short_preadv)
             try:
                 specs = _layouts(SIZE)
-                for name in ("touching_in_phase_large", "overlapping", "ends_at_end_of_file",
-                             "tiny_ranges_sharing_pages", "min_direct_edges"):
+                for name in (
+                    "touching_in_phase_large",
+                    "overlapping",
+                    "ends_at_end_of_file",
+                    "tiny_ranges_sharing_pages",
+                    "min_direct_edges",
+                ):
                     if chunk == 1 and name == "touching_in_phase_large":
                         continue  # a byte a call: keep it short
                     arena = _Arena(specs[name])
@@ -475,8 +544,9 @@ def test_threads_engine_short_preadv_resumes_at_the_right_buffer(disk_dir: Path,
     assert calls[0] > 100
 
 
-def test_libaio_partial_completions_resubmit_the_rest_of_the_vector(disk_dir: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_libaio_partial_completions_resubmit_the_rest_of_the_vector(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each (re)submission moves at most ``chunk`` bytes (the vector cut short, as a short completion leaves
     it): the engine's resubmissions of ``rest_of(req.buffers, req.done)`` must fill every buffer exactly."""
     ok, why = libaio_status()
@@ -494,8 +564,14 @@ def test_libaio_partial_completions_resubmit_the_rest_of_the_vector(disk_dir: Pa
             monkeypatch.setattr(libaio_engine, "rest_of", cut_rest_of)
             try:
                 specs = _layouts(SIZE)
-                for name in ("touching_in_phase_large", "overlapping", "ends_at_end_of_file",
-                             "tiny_ranges_sharing_pages", "min_direct_edges", "gaps_around_max_gap"):
+                for name in (
+                    "touching_in_phase_large",
+                    "overlapping",
+                    "ends_at_end_of_file",
+                    "tiny_ranges_sharing_pages",
+                    "min_direct_edges",
+                    "gaps_around_max_gap",
+                ):
                     arena = _Arena(specs[name])
                     io.read_ranges(path, arena.ranges)
                     arena.check(data)
@@ -561,7 +637,8 @@ _MANY = [(i * 300 * KIB + 17, 200 * KIB + 5, "in" if i % 2 else "out") for i in 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, OSError])
 @pytest.mark.parametrize("max_segments", [1, IOV_MAX])
 def test_a_failure_part_way_leaves_nothing_in_flight_and_every_block_back(
-        disk_dir: Path, how: str, exc_type: type, max_segments: int) -> None:
+    disk_dir: Path, how: str, exc_type: type, max_segments: int
+) -> None:
     path, data = _write(disk_dir, SIZE, seed=14)
     exc = KeyboardInterrupt() if exc_type is KeyboardInterrupt else AioError(errno.EIO, str(path), 0, "injected")
     engine = _Scripted(3, how, exc, max_segments)
@@ -705,7 +782,7 @@ def test_a_closed_writer_has_given_its_staging_blocks_back(disk_dir: Path) -> No
 @pytest.mark.parametrize("where", ["staged", "direct"])
 def test_a_failed_read_releases_the_callers_buffer(disk_dir: Path, engine: str, where: str) -> None:
     """After a read fails (file too short) and the caller dropped the error, nothing may still export the
-    caller's memory: ucp.reader.MemoryPool reuses an arena only when ``mmap.resize`` finds no export, and
+    caller's memory: ucp.store.reader.MemoryPool reuses an arena only when ``mmap.resize`` finds no export, and
     a bytearray destination cannot grow while one lives."""
     import gc
     import mmap

@@ -31,6 +31,7 @@ def _pool_intact(io: AioHandle) -> bool:
 def _libaio():
     try:
         from aio.engines.libaio_engine import LibaioEngine, _raw
+
         engine = LibaioEngine(4)
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"libaio unavailable: {exc}")
@@ -53,6 +54,7 @@ class _TakeThenInterrupt(ThreadEngine):
         def run(f, offset, buf) -> int:
             self.gate.wait(10)
             return move(f, offset, buf)
+
         return run
 
     def submit_read(self, f, offset, buf, future=None):

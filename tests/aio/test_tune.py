@@ -106,7 +106,11 @@ def test_parse_size() -> None:
 
 def test_config_from_json_shapes() -> None:
     ds = {"aio": {"block_size": 4 * MIB, "queue_depth": 16, "intra_op_parallelism": 2}}
-    assert config_from_json(ds) == config_from_json(ds["aio"]) == AioConfig(block_size=4 * MIB, queue_depth=16, thread_count=2)
+    assert (
+        config_from_json(ds)
+        == config_from_json(ds["aio"])
+        == AioConfig(block_size=4 * MIB, queue_depth=16, thread_count=2)
+    )
     ucp_shape = {"ucp": {"aio": {"engine": "threads", "block_size": MIB}}, "deepspeed": ds}
     assert config_from_json(ucp_shape) == AioConfig(engine="threads", block_size=MIB)
 

@@ -34,7 +34,12 @@ SMALL = 256 * KIB
 
 
 def _threads_grid(**kw: Any) -> TuneGrid:
-    fields: dict[str, Any] = {"engines": ["threads"], "block_sizes": [64 * KIB], "queue_depths": [4], "thread_counts": [2]}
+    fields: dict[str, Any] = {
+        "engines": ["threads"],
+        "block_sizes": [64 * KIB],
+        "queue_depths": [4],
+        "thread_counts": [2],
+    }
     return TuneGrid(**{**fields, **kw})
 
 
@@ -109,7 +114,13 @@ def test_from_deepspeed_partial_section_means_what_deepspeed_reads() -> None:
 
 def test_from_deepspeed_takes_ds_nvme_tune_output() -> None:
     ds_nvme_tune = {
-        "aio": {"single_submit": "false", "overlap_events": "true", "num_threads": 8, "queue_depth": 32, "block_size": MIB}
+        "aio": {
+            "single_submit": "false",
+            "overlap_events": "true",
+            "num_threads": 8,
+            "queue_depth": 32,
+            "block_size": MIB,
+        }
     }
     cfg = config_from_json(ds_nvme_tune)
     assert (cfg.block_size, cfg.queue_depth, cfg.single_submit, cfg.overlap_events) == (MIB, 32, False, True)
@@ -199,7 +210,10 @@ def test_block_sizes_larger_than_the_file_are_measured_once_with_a_note(tmp_path
             "--block-sizes", "64K,1M,16M", "--queue-depths", "4", "--threads", "2"]  # fmt: skip
     doc = json.loads(_cli(args + ["--json"]).stdout)
     res = TuneResult.model_validate(doc["tune"])
-    assert [t.config.block_size for t in sorted(res.trials, key=lambda t: t.config.block_size)] == [64 * KIB, res.size_bytes]
+    assert [t.config.block_size for t in sorted(res.trials, key=lambda t: t.config.block_size)] == [
+        64 * KIB,
+        res.size_bytes,
+    ]
     assert res.collapsed_block_sizes == [MIB, 16 * MIB]
     table = _cli(args)
     assert table.exit_code == 0 and "block sizes 1M, 16M exceed the" in table.stdout

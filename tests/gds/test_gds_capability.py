@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from gds_helpers import fresh_capability_probe  # noqa: F401 - an autouse fixture
 
 import gds
 from gds.capability import KvikioProbe, TorchProbe, decide, probe_kvikio
-from gds_helpers import fresh_capability_probe  # noqa: F401 - an autouse fixture
 
 NO_CUDA = not torch.cuda.is_available()
 

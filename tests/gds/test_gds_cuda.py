@@ -11,7 +11,9 @@ from gds_helpers import random_tensor, raw_bytes
 import gds
 from aio import AioConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.float64]
 SHAPES = [(), (0,), (4097,), (3, 1 << 19)]

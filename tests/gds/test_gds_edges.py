@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from gds_helpers import fresh_capability_probe  # noqa: F401 - an autouse fixture
 
 import gds
 from aio import AioConfig, AioError
 from gds import handle as gds_handle
-from gds_helpers import fresh_capability_probe  # noqa: F401 - an autouse fixture
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -46,9 +46,18 @@ def tracked(monkeypatch: pytest.MonkeyPatch) -> list[_TrackedAioHandle]:
 def _fake_gpu_report() -> gds.CapabilityReport:
     """What capabilities() says on a GPU machine whose KvikIO import then fails at first use."""
     return gds.CapabilityReport(
-        torch_version=torch.__version__, torch_cuda_build="12.4", cuda_available=True, device_count=1,
-        device_names=["fake GPU"], kvikio_importable=True, kvikio_version="25.06", cufile_usable=False,
-        pinned_staging=True, aio_engine="threads", auto_mode="kvikio", reasons=["auto uses kvikio: faked"],
+        torch_version=torch.__version__,
+        torch_cuda_build="12.4",
+        cuda_available=True,
+        device_count=1,
+        device_names=["fake GPU"],
+        kvikio_importable=True,
+        kvikio_version="25.06",
+        cufile_usable=False,
+        pinned_staging=True,
+        aio_engine="threads",
+        auto_mode="kvikio",
+        reasons=["auto uses kvikio: faked"],
     )
 
 
@@ -228,8 +237,13 @@ def test_read_into_accepts_integer_like_offsets(tmp_path: Path) -> None:
 
 
 def test_python_m_gds_json_on_this_machine_says_why() -> None:
-    done = subprocess.run([sys.executable, "-m", "gds", "--json"], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    done = subprocess.run(
+        [sys.executable, "-m", "gds", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert done.returncode == 0, done.stderr
     report = gds.CapabilityReport.model_validate_json(done.stdout)
     assert report.auto_mode == "staged" and not report.cuda_available

@@ -92,12 +92,15 @@ def test_zero2_fp32_two_ranks() -> None:
 
 @needs_deepspeed
 @pytest.mark.full_matrix
-@pytest.mark.parametrize(("stage", "dtype", "world", "preset"), [
-    (1, "bf16", 2, "tiny"),
-    (3, "fp32", 2, "tiny"),
-    (3, "bf16", 4, "tiny"),
-    (3, "bf16", 2, "tiny-gqa"),
-])
+@pytest.mark.parametrize(
+    ("stage", "dtype", "world", "preset"),
+    [
+        (1, "bf16", 2, "tiny"),
+        (3, "fp32", 2, "tiny"),
+        (3, "bf16", 4, "tiny"),
+        (3, "bf16", 2, "tiny-gqa"),
+    ],
+)
 def test_other_stages(stage: int, dtype: str, world: int, preset: str) -> None:
     ckpt = make_checkpoint(world_size=world, zero_stage=stage, dtype=dtype, steps=3, model_config=preset)
     _check_checkpoint(ckpt, preset, world=world, stage=stage, dtype=dtype, steps=3)
@@ -130,9 +133,9 @@ def test_timeout_kills_the_process_group(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     # the grandchild outlives its parent unless the whole process group is killed
     child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').close()"
-    script.write_text("import subprocess, sys, time\n"
-                      f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
-                      "time.sleep(60)\n")
+    script.write_text(
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)\n"
+    )
     with pytest.raises(PeerError, match="timed out after 1 s"):
         _run([sys.executable, str(script)], timeout=1)
     time.sleep(4)

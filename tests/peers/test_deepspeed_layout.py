@@ -41,9 +41,11 @@ class _Stage(int):
     """Stand-in for ZeroStageEnum (pickled as ZeroStageEnum(<int>))."""
 
 
-SAFE = [(_State, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-        (_State, "deepspeed.utils.tensor_fragment.fragment_address"),
-        (_Stage, "deepspeed.runtime.zero.config.ZeroStageEnum")]
+SAFE = [
+    (_State, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_State, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (_Stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
 
 
 def load(path: Path) -> object:
@@ -61,8 +63,9 @@ def check_zero12(ckpt: Path, world: int, dtype: str) -> None:
     d, udir, ref = ckpt / tag, reference_universal(ckpt), reference_fp32(ckpt)
     prefix = "bf16_" if dtype == "bf16" else ""
     model = load(d / "mp_rank_00_model_states.pt")
-    optim = [load(d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
-             for r in range(world)]
+    optim = [
+        load(d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"] for r in range(world)
+    ]
     assert all(int(o["zero_stage"]) in (1, 2) and o["partition_count"] == [world] for o in optim)
     for g, shapes in enumerate(model["param_shapes"]):
         pads = optim[0]["param_alignment_paddings"][g]
@@ -89,8 +92,9 @@ def check_zero12(ckpt: Path, world: int, dtype: str) -> None:
             got = {n: (f.numel, f.start) for n, f in o["param_slice_mappings"][g].items()}
             assert got == expected
         flat = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optim])
-        moments = {k: torch.cat([o["base_optimizer_state"]["state"][g][k] for o in optim])
-                   for k in ("exp_avg", "exp_avg_sq")}
+        moments = {
+            k: torch.cat([o["base_optimizer_state"]["state"][g][k] for o in optim]) for k in ("exp_avg", "exp_avg_sq")
+        }
         assert flat.numel() == used
         for name, shape in shapes.items():
             sl = slice(offsets[name], offsets[name] + math.prod(shape))
@@ -107,8 +111,9 @@ def check_zero3(ckpt: Path, world: int, dtype: str) -> None:
     d, udir, ref = ckpt / tag, reference_universal(ckpt), reference_fp32(ckpt)
     prefix = "bf16_" if dtype == "bf16" else ""
     models = [load(d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
-    optim = [load(d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
-             for r in range(world)]
+    optim = [
+        load(d / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"] for r in range(world)
+    ]
     want_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     for m in models:  # placeholders only; every rank has the same metadata
         assert all(t.shape == (0,) and t.dtype == want_dtype for t in m["module"].values())
@@ -116,18 +121,20 @@ def check_zero3(ckpt: Path, world: int, dtype: str) -> None:
     assert all(int(o["zero_stage"]) == 3 and o["partition_count"] == world for o in optim)
     flats = [torch.cat(list(o["fp32_flat_groups"])) for o in optim]
     n_groups = len(optim[0]["fp32_flat_groups"])
-    moments = {k: [torch.cat([o["optimizer_state_dict"]["state"][g][k] for g in range(n_groups)])
-                   for o in optim] for k in ("exp_avg", "exp_avg_sq")}
+    moments = {
+        k: [torch.cat([o["optimizer_state_dict"]["state"][g][k] for g in range(n_groups)]) for o in optim]
+        for k in ("exp_avg", "exp_avg_sq")
+    }
     shapes = {n: s for group in models[0]["param_shapes"] for n, s in group.items()}
     offset = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
         chunk = math.ceil(numel / world)
-        full = torch.cat([f[offset:offset + chunk] for f in flats])[:numel]  # tail pad: garbage
+        full = torch.cat([f[offset : offset + chunk] for f in flats])[:numel]  # tail pad: garbage
         assert torch.equal(full.view(shape), ref[name]), name
         assert torch.equal(_universal(udir, name, "fp32", 3), full), name  # 1-D in universal
         for key, per_rank in moments.items():
-            m = torch.cat([f[offset:offset + chunk] for f in per_rank])[:numel]
+            m = torch.cat([f[offset : offset + chunk] for f in per_rank])[:numel]
             assert torch.equal(m, _universal(udir, name, key, 3)), (name, key)
         offset += chunk
     assert all(f.numel() == offset for f in flats)
@@ -139,17 +146,20 @@ def test_zero2_fp32_layout() -> None:
 
 
 @pytest.mark.full_matrix
-@pytest.mark.parametrize(("stage", "dtype", "world", "preset", "ds_config"), [
-    (1, "fp32", 4, "tiny", None),
-    (1, "bf16", 2, "tiny", None),
-    (2, "bf16", 4, "tiny", {"zero_optimization": {"parameter_alignment": True}}),
-    (2, "fp32", 4, "tiny", {"zero_optimization": {"parameter_alignment": True,
-                                                  "round_robin_gradients": True}}),
-    (3, "fp32", 2, "tiny", None),
-    (3, "bf16", 4, "tiny", None),
-    (3, "bf16", 2, "tiny-gqa", None),
-])
+@pytest.mark.parametrize(
+    ("stage", "dtype", "world", "preset", "ds_config"),
+    [
+        (1, "fp32", 4, "tiny", None),
+        (1, "bf16", 2, "tiny", None),
+        (2, "bf16", 4, "tiny", {"zero_optimization": {"parameter_alignment": True}}),
+        (2, "fp32", 4, "tiny", {"zero_optimization": {"parameter_alignment": True, "round_robin_gradients": True}}),
+        (3, "fp32", 2, "tiny", None),
+        (3, "bf16", 4, "tiny", None),
+        (3, "bf16", 2, "tiny-gqa", None),
+    ],
+)
 def test_layout(stage: int, dtype: str, world: int, preset: str, ds_config: dict | None) -> None:
-    ckpt = make_checkpoint(world_size=world, zero_stage=stage, dtype=dtype, steps=3,
-                           model_config=preset, ds_config=ds_config)
+    ckpt = make_checkpoint(
+        world_size=world, zero_stage=stage, dtype=dtype, steps=3, model_config=preset, ds_config=ds_config
+    )
     (check_zero3 if stage == 3 else check_zero12)(ckpt, world, dtype)

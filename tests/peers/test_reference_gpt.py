@@ -24,11 +24,20 @@ def test_parameter_names_and_shapes_match_spec(preset: str) -> None:
 
 
 def test_fused_qkv_and_swiglu_rows() -> None:
-    cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=6, n_kv_head=2, d_model=48, d_ff=40, max_seq=8,
-                    swiglu=True, tied_embeddings=True)
+    cfg = GPTConfig(
+        vocab_size=64,
+        n_layer=1,
+        n_head=6,
+        n_kv_head=2,
+        d_model=48,
+        d_ff=40,
+        max_seq=8,
+        swiglu=True,
+        tied_embeddings=True,
+    )
     shapes = expected_param_shapes(cfg)
-    assert shapes["layers.0.attn.qkv.weight"] == ((6 + 2 * 2) * 8, 48)   # [q; k; v]
-    assert shapes["layers.0.mlp.fc1.weight"] == (2 * 40, 48)             # [gate; up]
+    assert shapes["layers.0.attn.qkv.weight"] == ((6 + 2 * 2) * 8, 48)  # [q; k; v]
+    assert shapes["layers.0.mlp.fc1.weight"] == (2 * 40, 48)  # [gate; up]
     assert "head.weight" not in shapes
 
 
@@ -71,8 +80,11 @@ def test_batches_are_a_pure_function_of_step_and_row() -> None:
     assert torch.equal(full_x[:, 1:], full_y[:, :-1])  # targets are the next tokens
     assert full_x.dtype == torch.int64 and int(full_x.max()) < 1000
     # 2 ranks x 2 micro-steps x 2 rows and 4 ranks x 1 micro-step x 2 rows: the same global batch
-    parts_a = [batch_for_step(5, 2, 32, 1000, 11, rank=r, world_size=2, micro_step=m, grad_accum=2)[0]
-               for m in range(2) for r in range(2)]
+    parts_a = [
+        batch_for_step(5, 2, 32, 1000, 11, rank=r, world_size=2, micro_step=m, grad_accum=2)[0]
+        for m in range(2)
+        for r in range(2)
+    ]
     parts_b = [batch_for_step(5, 2, 32, 1000, 11, rank=r, world_size=4)[0] for r in range(4)]
     assert torch.equal(torch.cat(parts_a), full_x)
     assert torch.equal(torch.cat(parts_b), full_x)

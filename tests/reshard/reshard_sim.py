@@ -50,7 +50,9 @@ def fill(buf: LocalBuffer, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     return out
 
 
-def save(ranks: Sequence[tuple[str, Sequence[LocalBuffer], Mapping[str, np.ndarray]]]) -> tuple[dict[str, bytearray], dict[str, list[SourcePiece]]]:
+def save(
+    ranks: Sequence[tuple[str, Sequence[LocalBuffer], Mapping[str, np.ndarray]]],
+) -> tuple[dict[str, bytearray], dict[str, list[SourcePiece]]]:
     """Each (file name, buffers, local arrays by buffer name) writes its replica-0 slots to its file."""
     files: dict[str, bytearray] = {}
     sources: dict[str, list[SourcePiece]] = {}

@@ -92,7 +92,13 @@ def _region_elements(region, shape):
 
 
 regions_2d = st.one_of(
-    st.builds(lambda r0, c0, r, c: Box.of((r0, c0), (r, c)), st.integers(0, 3), st.integers(0, 4), st.integers(0, 3), st.integers(0, 3)),
+    st.builds(
+        lambda r0, c0, r, c: Box.of((r0, c0), (r, c)),
+        st.integers(0, 3),
+        st.integers(0, 4),
+        st.integers(0, 3),
+        st.integers(0, 3),
+    ),
     st.builds(lambda a, b: FlatRange(min(a, b), max(a, b)), st.integers(0, 35), st.integers(0, 35)),
 )
 

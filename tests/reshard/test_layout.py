@@ -7,8 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from reshard import (Layout, LayoutError, Mesh, ModelDims, PatternError, Pipeline, RankCoord, Rule, Zero, gpt_layout,
-                     gpt_shapes, llama_layout, llama_shapes)
+from reshard import (
+    Layout,
+    LayoutError,
+    Mesh,
+    ModelDims,
+    PatternError,
+    Pipeline,
+    RankCoord,
+    Rule,
+    Zero,
+    gpt_layout,
+    gpt_shapes,
+    llama_layout,
+    llama_shapes,
+)
 from reshard.pipeline import assign_stages, contiguous_stages
 
 TINY = ModelDims(hidden=16, layers=4, heads=8, kv_heads=4, head_dim=2, ffn=32, vocab=37, max_positions=8)
@@ -21,7 +34,11 @@ def test_json_round_trip(tmp_path: Path) -> None:
     again = Layout.load(path)
     assert again == layout
     doc = json.loads(path.read_text())
-    assert doc["rules"][0] == {"name": "embedding.word_embeddings.weight", "dims": "(tp v | pad=4) h", "optional": False}
+    assert doc["rules"][0] == {
+        "name": "embedding.word_embeddings.weight",
+        "dims": "(tp v | pad=4) h",
+        "optional": False,
+    }
 
 
 def test_bad_file_names_the_source_and_field(tmp_path: Path) -> None:
@@ -90,8 +107,13 @@ def test_contiguous_stages_and_errors() -> None:
     assert contiguous_stages(5, 2) == [[0, 1, 2], [3, 4]]
     names = [f"layers.{i}.w" for i in range(3)] + ["emb", "head"]
     pipe = Pipeline(first=("emb",), last=("head",))
-    assert assign_stages(pipe, names, 2) == {"layers.0.w": (0,), "layers.1.w": (0,), "layers.2.w": (1,),
-                                             "emb": (0,), "head": (1,)}
+    assert assign_stages(pipe, names, 2) == {
+        "layers.0.w": (0,),
+        "layers.1.w": (0,),
+        "layers.2.w": (1,),
+        "emb": (0,),
+        "head": (1,),
+    }
     with pytest.raises(LayoutError, match=r"pp=4 is larger than the number of layers \(3\)"):
         assign_stages(pipe, names, 4)
     explicit = Pipeline(first=("emb",), last=("head",), stages=((0, 2), (1,)))
@@ -131,14 +153,18 @@ def test_averaged_tensors_are_reported() -> None:
 
 @pytest.mark.parametrize("tp, pp, dp, stage", [(2, 2, 2, 0), (4, 1, 2, 1), (2, 2, 4, 3), (1, 1, 1, 2)])
 def test_presets_pass_check(tp: int, pp: int, dp: int, stage: int) -> None:
-    gpt_layout(TINY, Mesh(tp=tp, pp=pp, dp=dp), zero_stage=stage, zero_alignment=2, pad_vocab_to=4).check(gpt_shapes(TINY))
-    gpt_layout(TINY, Mesh(tp=tp, pp=pp, dp=dp), zero_stage=stage, pad_vocab_to=4,
-               qkv_interleaved=True).check(gpt_shapes(TINY))
+    gpt_layout(TINY, Mesh(tp=tp, pp=pp, dp=dp), zero_stage=stage, zero_alignment=2, pad_vocab_to=4).check(
+        gpt_shapes(TINY)
+    )
+    gpt_layout(TINY, Mesh(tp=tp, pp=pp, dp=dp), zero_stage=stage, pad_vocab_to=4, qkv_interleaved=True).check(
+        gpt_shapes(TINY)
+    )
     for fused in (False, True):
         dims = ModelDims(hidden=16, layers=2, heads=4, kv_heads=2, head_dim=4, ffn=24, vocab=32, experts=4)
         mesh = Mesh(tp=min(tp, 2), pp=pp, dp=dp * 2, ep=2)
         llama_layout(dims, mesh, zero_stage=stage, fused_qkv=fused, fused_gate_up=fused).check(
-            llama_shapes(dims, fused_qkv=fused, fused_gate_up=fused))
+            llama_shapes(dims, fused_qkv=fused, fused_gate_up=fused)
+        )
 
 
 def test_target_that_cannot_hold_the_model() -> None:
@@ -172,8 +198,11 @@ def test_check_catches_double_saves(monkeypatch: pytest.MonkeyPatch) -> None:
     layout = gpt_layout(TINY, Mesh(tp=2), pad_vocab_to=4)
     layout.check(gpt_shapes(TINY))
     monkeypatch.setattr(Resolver, "_replica", lambda self, n, coord, over_dp: 0)
-    with pytest.raises(LayoutError, match=r"tensor 'embedding.position_embeddings.weight' .* weights saved by all "
-                                          r"ranks do not tile it exactly once: pieces 0 and 1 overlap"):
+    with pytest.raises(
+        LayoutError,
+        match=r"tensor 'embedding.position_embeddings.weight' .* weights saved by all "
+        r"ranks do not tile it exactly once: pieces 0 and 1 overlap",
+    ):
         layout.check(gpt_shapes(TINY))
 
 

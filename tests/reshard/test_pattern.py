@@ -105,8 +105,37 @@ def test_any_text_parses_or_raises_pattern_error(text: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["(", ")", "[", "]", "|", "tp", "ep", "dp", "pp", "r", "q:4", "k", "...", ",",
-                                 "pad=4", "unit=2", "uneven", "avg", "=", ":", "*", "3"]), max_size=12))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "(",
+                ")",
+                "[",
+                "]",
+                "|",
+                "tp",
+                "ep",
+                "dp",
+                "pp",
+                "r",
+                "q:4",
+                "k",
+                "...",
+                ",",
+                "pad=4",
+                "unit=2",
+                "uneven",
+                "avg",
+                "=",
+                ":",
+                "*",
+                "3",
+            ]
+        ),
+        max_size=12,
+    )
+)
 def test_token_soup_parses_or_raises_pattern_error(tokens: list[str]) -> None:
     try:
         parse_pattern(" ".join(tokens))

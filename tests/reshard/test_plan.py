@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
-import pytest
-
 from functools import lru_cache
 
-from reshard import (Box, Copy, Fill, FlatRange, Layout, LocalBuffer, Mesh, ModelDims, PlanError, RankCoord, Rule,
-                     Slot, SourcePiece, check_sources, gpt_layout, gpt_shapes, llama_layout, llama_shapes, plan, plan_layout,
-                     state_shapes)
-
+import pytest
 from reshard_sim import execute, fill, global_arrays, save
+
+from reshard import (
+    Box,
+    Copy,
+    Fill,
+    FlatRange,
+    Layout,
+    LocalBuffer,
+    Mesh,
+    ModelDims,
+    PlanError,
+    RankCoord,
+    Rule,
+    Slot,
+    SourcePiece,
+    check_sources,
+    gpt_layout,
+    gpt_shapes,
+    llama_layout,
+    llama_shapes,
+    plan,
+    plan_layout,
+    state_shapes,
+)
 
 STATES = ("exp_avg",)
 
@@ -76,6 +95,7 @@ def round_trip(src: Layout, dst: Layout, shapes: dict) -> None:
 
 # -- unit behaviour ----------------------------------------------------------------------------------
 
+
 def piece(file: str, offset: int, region: Box | FlatRange) -> SourcePiece:
     return SourcePiece(file, offset, region, 4)
 
@@ -97,8 +117,10 @@ def test_whole_rows_coalesce_into_one_copy() -> None:
 
 
 def test_fused_shard_reloads_as_one_copy_and_padding_as_a_fill() -> None:
-    layout = Layout(mesh=Mesh(tp=2), rules=(Rule(name="qkv", dims="(tp [q:8 k:4 v:4]) h"),
-                                            Rule(name="emb", dims="(tp v | pad=4) h")))
+    layout = Layout(
+        mesh=Mesh(tp=2),
+        rules=(Rule(name="qkv", dims="(tp [q:8 k:4 v:4]) h"), Rule(name="emb", dims="(tp v | pad=4) h")),
+    )
     shapes = {"qkv": (16, 3), "emb": (5, 3)}
     arrays = global_arrays(shapes)
     ranks = [(f"r{c.tp}", layout.resolve(shapes, c).weights(), {}) for c in layout.mesh.coords()]
@@ -118,7 +140,9 @@ def test_replicas_are_read_once_and_partial_overlaps_refused() -> None:
     dup = {"w": [piece("a", 0, Box((0,), (4,))), piece("b", 0, Box((0,), (4,)))]}
     assert plan([target], dup, {"w": (4,)}).copies == [Copy("a", 0, 16, "w", 0, 4)]
     bad = {"w": [piece("a", 0, Box((0,), (3,))), piece("b", 0, FlatRange(2, 4))]}
-    with pytest.raises(PlanError, match=r"tensor 'w' \[4\]: the source pieces do not tile it exactly once: pieces 0 and 1 overlap"):
+    with pytest.raises(
+        PlanError, match=r"tensor 'w' \[4\]: the source pieces do not tile it exactly once: pieces 0 and 1 overlap"
+    ):
         plan([target], bad, {"w": (4,)})
     gap = {"w": [piece("a", 0, Box((0,), (3,)))]}
     with pytest.raises(PlanError, match="pieces cover 3 of 4 elements"):
@@ -129,7 +153,9 @@ def test_replicas_are_read_once_and_partial_overlaps_refused() -> None:
 
 def test_bad_targets_are_refused() -> None:
     src = {"w": [piece("a", 0, Box((0,), (4,)))]}
-    overlapping = LocalBuffer("w", (4,), (Slot("w", FlatRange(0, 3), FlatRange(0, 3)), Slot("w", FlatRange(2, 3), FlatRange(3, 4))))
+    overlapping = LocalBuffer(
+        "w", (4,), (Slot("w", FlatRange(0, 3), FlatRange(0, 3)), Slot("w", FlatRange(2, 3), FlatRange(3, 4)))
+    )
     with pytest.raises(PlanError, match="elements from 2 are written twice"):
         plan([overlapping], src, {"w": (4,)})
     mismatch = LocalBuffer("w", (2, 2), (Slot("w", Box((0, 0), (2, 2)), FlatRange(0, 4)),))
@@ -155,8 +181,9 @@ MATRIX = [(tp, pp, dp, z) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2, 
 
 
 def gpt(tp: int, pp: int, dp: int, stage: int, align: int = 2) -> Layout:
-    return gpt_layout(TINY, Mesh(tp=tp, pp=pp, dp=dp), zero_stage=stage, zero_alignment=align, pad_vocab_to=4,
-                      sequence_parallel=True)
+    return gpt_layout(
+        TINY, Mesh(tp=tp, pp=pp, dp=dp), zero_stage=stage, zero_alignment=align, pad_vocab_to=4, sequence_parallel=True
+    )
 
 
 @pytest.mark.parametrize("tp, pp, dp, stage", MATRIX)
@@ -211,5 +238,6 @@ def test_reloading_into_the_same_layout_reads_each_saved_buffer_in_one_copy() ->
         coord = layout.mesh.coord(rank)
         for b in buffers(layout, shapes, coord):
             if b.slots and all(s.replica == 0 for s in b.slots):  # saved whole by this rank
-                assert [(c.file, c.count) for c in p.copies if c.target == b.name] == \
-                    [(f"rank{rank}", sum(s.local.numel for s in b.slots))], b.name
+                assert [(c.file, c.count) for c in p.copies if c.target == b.name] == [
+                    (f"rank{rank}", sum(s.local.numel for s in b.slots))
+                ], b.name

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_plan import round_trip
 
 from reshard import Layout, Mesh, Rule, Zero
-
-from test_plan import round_trip
 
 SPLITS = ["even", "uneven", "ceil", "pad", "fused", "unit"]
 
@@ -61,8 +60,11 @@ def mesh_and_zero(draw: st.DrawFn, need_ep: bool) -> tuple[Mesh, Zero]:
     dp = draw(st.sampled_from([1, 2, 4]))
     ep = draw(st.sampled_from([e for e in (1, 2, 4) if dp % e == 0]))
     mesh = Mesh(tp=draw(st.sampled_from([1, 2, 4])), dp=dp, ep=ep)
-    zero = Zero(stage=draw(st.integers(0, 3)), alignment=draw(st.integers(1, 3)),
-                groups=(("x*",), ("t*",)) if need_ep else (("t*",),))
+    zero = Zero(
+        stage=draw(st.integers(0, 3)),
+        alignment=draw(st.integers(1, 3)),
+        groups=(("x*",), ("t*",)) if need_ep else (("t*",),),
+    )
     return mesh, zero
 
 

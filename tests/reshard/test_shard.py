@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reshard_sim import fill, global_arrays
 
 from reshard import Box, Layout, Mesh, PatternError, RankCoord, Rule, parse_pattern
 from reshard.shard import shard
 
-from reshard_sim import fill, global_arrays
 
-
-def local_of(pattern: str, shape: tuple[int, ...], tp: int = 1, t: int = 0, ep: int = 1, e: int = 0,
-             dp: int = 1, d: int = 0) -> np.ndarray:
+def local_of(
+    pattern: str, shape: tuple[int, ...], tp: int = 1, t: int = 0, ep: int = 1, e: int = 0, dp: int = 1, d: int = 0
+) -> np.ndarray:
     """The local array of one rank, built through the library's slots (compared to oracles below)."""
     layout = Layout(mesh=Mesh(tp=tp, dp=dp * ep, ep=ep), rules=(Rule(name="x", dims=pattern),))
     view = layout.resolve({"x": shape}, RankCoord(tp=t, dp=d * ep + e))
@@ -42,8 +42,9 @@ def test_fused_qkv_with_gqa() -> None:
         want = np.concatenate([np.split(q, tp)[t], np.split(k, tp)[t], np.split(v, tp)[t]])
         np.testing.assert_array_equal(local_of(pat, x.shape, tp, t), want)
     # one part's size left out takes the rest; none given means equal parts
-    np.testing.assert_array_equal(local_of(f"(tp [q k:{kv * hd} v:{kv * hd}]) h", x.shape, tp, 1),
-                                  local_of(pat, x.shape, tp, 1))
+    np.testing.assert_array_equal(
+        local_of(f"(tp [q k:{kv * hd} v:{kv * hd}]) h", x.shape, tp, 1), local_of(pat, x.shape, tp, 1)
+    )
     y = g((12, 2))
     a, b = np.split(y, 2)
     np.testing.assert_array_equal(local_of("(tp [gate up]) h", y.shape, 3, 2), np.concatenate([a[4:], b[4:]]))
@@ -52,8 +53,11 @@ def test_fused_qkv_with_gqa() -> None:
 def test_fused_qkv_shard_is_three_boxes() -> None:
     local_shape, pairs = shard(parse_pattern("(tp [q:8 k:4 v:4]) h"), (16, 3), {"tp": 2}, {"tp": 1})
     assert local_shape == (8, 3)
-    assert pairs == [(Box((0, 0), (4, 3)), Box((4, 0), (4, 3))), (Box((4, 0), (2, 3)), Box((10, 0), (2, 3))),
-                     (Box((6, 0), (2, 3)), Box((14, 0), (2, 3)))]
+    assert pairs == [
+        (Box((0, 0), (4, 3)), Box((4, 0), (4, 3))),
+        (Box((4, 0), (2, 3)), Box((10, 0), (2, 3))),
+        (Box((6, 0), (2, 3)), Box((14, 0), (2, 3))),
+    ]
 
 
 def test_padded_vocab() -> None:
@@ -92,8 +96,9 @@ def test_expert_stack_and_multi_axis() -> None:
     y = g((12, 2))
     for e in range(2):
         for t in range(3):
-            np.testing.assert_array_equal(local_of("(ep tp r) c", y.shape, tp=3, t=t, ep=2, e=e),
-                                          np.split(y, 6)[e * 3 + t])
+            np.testing.assert_array_equal(
+                local_of("(ep tp r) c", y.shape, tp=3, t=t, ep=2, e=e), np.split(y, 6)[e * 3 + t]
+            )
     with pytest.raises(PatternError, match="dim 0 has size 4, not divisible by ep=3"):
         local_of("(ep e) ...", x.shape, ep=3)
 

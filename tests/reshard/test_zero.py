@@ -6,13 +6,27 @@ import math
 
 import numpy as np
 import pytest
+from reshard_sim import fill, global_arrays
 
-from reshard import (Box, FlatRange, Layout, Mesh, ModelDims, RankCoord, Rule, Zero, gpt_layout, gpt_shapes,
-                     llama_layout, llama_shapes, local_flat_to_global, parse_pattern, partition_size)
+from reshard import (
+    Box,
+    FlatRange,
+    Layout,
+    Mesh,
+    ModelDims,
+    RankCoord,
+    Rule,
+    Zero,
+    gpt_layout,
+    gpt_shapes,
+    llama_layout,
+    llama_shapes,
+    local_flat_to_global,
+    parse_pattern,
+    partition_size,
+)
 from reshard.shard import shard
 from reshard.zero import group_partition, param_partition
-
-from reshard_sim import fill, global_arrays
 
 TINY = ModelDims(hidden=16, layers=2, heads=8, kv_heads=4, head_dim=2, ffn=32, vocab=37, max_positions=8)
 
@@ -49,7 +63,10 @@ def test_row_parallel_range_is_at_most_three_boxes() -> None:
 def test_fused_and_padded_ranges() -> None:
     local_shape, pairs = pairs_of("(tp [q:8 k:4 v:4]) h", (16, 2), 2, 1)  # local rows: q 4..7, k 10..11, v 14..15
     assert local_flat_to_global(local_shape, pairs, (16, 2), 0, 16) == [
-        (0, FlatRange(8, 16)), (8, FlatRange(20, 24)), (12, FlatRange(28, 32))]
+        (0, FlatRange(8, 16)),
+        (8, FlatRange(20, 24)),
+        (12, FlatRange(28, 32)),
+    ]
     local_shape, pairs = pairs_of("(tp v | pad=4) h", (37, 2), 4, 3)  # 1 real row, 11 padding rows
     assert local_flat_to_global(local_shape, pairs, (37, 2), 0, 24) == [(0, FlatRange(72, 74))]
     assert local_flat_to_global(local_shape, pairs, (37, 2), 2, 24) == []
@@ -123,15 +140,17 @@ def test_expert_groups_partition_over_expert_data_parallel_ranks() -> None:
     # the expert group of dp rank 1 (ep 1, edp 0) and dp rank 3 (ep 1, edp 1) split ep shard 1 between them
     a = layout.resolve(shapes, RankCoord(dp=1)).zero_groups[0]
     b = layout.resolve(shapes, RankCoord(dp=3)).zero_groups[0]
-    total = sum(math.prod(layout.resolve(shapes, RankCoord(dp=1)).tensors[n].shape)
-                for n in shapes if "experts" in n)
+    total = sum(math.prod(layout.resolve(shapes, RankCoord(dp=1)).tensors[n].shape) for n in shapes if "experts" in n)
     assert a.numel == b.numel == total // 2
 
 
 def test_frozen_params_and_dp_split_params() -> None:
     shapes = {"w": (4, 4), "frozen": (4,), "fsdp": (8, 2)}
-    layout = Layout(mesh=Mesh(dp=2), zero=Zero(stage=3, groups=(("w", "fsdp"),)),
-                    rules=(Rule(name="w", dims="(tp r) c"), Rule(name="frozen", dims="r"), Rule(name="fsdp", dims="(dp r) c")))
+    layout = Layout(
+        mesh=Mesh(dp=2),
+        zero=Zero(stage=3, groups=(("w", "fsdp"),)),
+        rules=(Rule(name="w", dims="(tp r) c"), Rule(name="frozen", dims="r"), Rule(name="fsdp", dims="(dp r) c")),
+    )
     view = layout.resolve(shapes, RankCoord(dp=1))
     assert set(view.zero_params) == {"w", "frozen"}  # stage 3 partitions every param ZeRO flattens, frozen too
     assert [s.tensor for s in view.zero_groups[0].slots] == ["w"]  # the dp-split tensor is left to its pattern

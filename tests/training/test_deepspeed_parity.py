@@ -47,7 +47,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import training_helpers
 from training_helpers import run_world
 
@@ -62,20 +61,33 @@ WEIGHT_TOL = {"fp32": dict(atol=1e-4, bulk=1e-6, outliers=2.5e-4), "bf16": dict(
 
 
 def engine_options(zero_stage: int, dtype: str) -> dict[str, Any]:
-    return dict(zero_stage=zero_stage, dtype=dtype, micro_batch=MICRO_BATCH, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
-                eps=EPS, weight_decay=WEIGHT_DECAY, optimizer="adamw", clip=None, seed=SEED, data_seed=SEED,
-                pad_vocab_to=1)
+    return dict(
+        zero_stage=zero_stage,
+        dtype=dtype,
+        micro_batch=MICRO_BATCH,
+        lr=LR,
+        beta1=BETAS[0],
+        beta2=BETAS[1],
+        eps=EPS,
+        weight_decay=WEIGHT_DECAY,
+        optimizer="adamw",
+        clip=None,
+        seed=SEED,
+        data_seed=SEED,
+        pad_vocab_to=1,
+    )
 
 
 # -- the worker side ---------------------------------------------------------------------------------
+
 
 def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
     """Train each scenario's engine, write its losses and (rank 0) its full fp32 masters."""
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from training_worker import full_tensors
 
     from training import Engine
-    from training_worker import full_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -97,6 +109,7 @@ def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -
 
 # -- the test side ---------------------------------------------------------------------------------
 
+
 def _deepspeed_or_skip() -> Any:
     from tools.peers import deepspeed_ckpt
 
@@ -113,25 +126,49 @@ def ours(world: int, scenarios: list[dict], out: Path) -> dict[str, tuple[list[f
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(training_helpers, "WORKER", Path(__file__))
         run_world(world, scenarios, out, timeout=300)
-    return {sc["name"]: (json.loads((out / f"{sc['name']}.losses.json").read_text()),
-                         load_file(str(out / f"{sc['name']}.masters.safetensors"))) for sc in scenarios}
+    return {
+        sc["name"]: (
+            json.loads((out / f"{sc['name']}.losses.json").read_text()),
+            load_file(str(out / f"{sc['name']}.masters.safetensors")),
+        )
+        for sc in scenarios
+    }
 
 
 def deepspeed(world: int, stage: int, dtype: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """DeepSpeed's losses and consolidated fp32 weights for the same run (cached after the first time)."""
     peer = _deepspeed_or_skip()
-    root = peer.make_checkpoint(world_size=world, zero_stage=stage, dtype=dtype, steps=STEPS, model_config="tiny",
-                                seed=SEED, lr=LR, micro_batch=MICRO_BATCH)
+    root = peer.make_checkpoint(
+        world_size=world,
+        zero_stage=stage,
+        dtype=dtype,
+        steps=STEPS,
+        model_config="tiny",
+        seed=SEED,
+        lr=LR,
+        micro_batch=MICRO_BATCH,
+    )
     record = json.loads((root / "loss.json").read_text())
     settings = {k: record[k] for k in ("seed", "data_seed", "lr", "weight_decay", "grad_clip", "micro_batch", "seq")}
-    assert settings == {"seed": SEED, "data_seed": SEED, "lr": LR, "weight_decay": WEIGHT_DECAY, "grad_clip": 0.0,
-                        "micro_batch": MICRO_BATCH, "seq": 64}, settings  # the run these tests assume
+    assert settings == {
+        "seed": SEED,
+        "data_seed": SEED,
+        "lr": LR,
+        "weight_decay": WEIGHT_DECAY,
+        "grad_clip": 0.0,
+        "micro_batch": MICRO_BATCH,
+        "seq": 64,
+    }, settings  # the run these tests assume
     losses = [entry["loss"] for entry in sorted(record["losses"], key=lambda e: e["step"])]
     return losses, peer.reference_fp32(root)
 
 
-def check_parity(name: str, dtype: str, mine: tuple[list[float], dict[str, torch.Tensor]],
-                 theirs: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+def check_parity(
+    name: str,
+    dtype: str,
+    mine: tuple[list[float], dict[str, torch.Tensor]],
+    theirs: tuple[list[float], dict[str, torch.Tensor]],
+) -> None:
     (my_losses, my_weights), (ds_losses, ds_weights) = mine, theirs
     assert len(my_losses) == len(ds_losses) == STEPS
     rtol = LOSS_RTOL[dtype]
@@ -166,8 +203,9 @@ def test_plain_reference_reproduces_deepspeed() -> None:
             opt.zero_grad()
             total = torch.zeros((), dtype=torch.float64)
             for rank in range(WORLD):
-                tokens, targets = batch_for_step(step, MICRO_BATCH, cfg.max_seq, cfg.vocab_size, SEED, rank=rank,
-                                                 world_size=WORLD)
+                tokens, targets = batch_for_step(
+                    step, MICRO_BATCH, cfg.max_seq, cfg.vocab_size, SEED, rank=rank, world_size=WORLD
+                )
                 loss = model(tokens, targets)
                 (loss / WORLD).backward()
                 total += loss.detach().double()

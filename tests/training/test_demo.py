@@ -7,17 +7,38 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ucp
 from safetensors.torch import load_file
+
+import ucp
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_crashes_resumes_reshapes_and_exports(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    res = subprocess.run([sys.executable, "-m", "ucp.cli", "demo", "--workdir", str(work), "--model", "tiny",
-                          "--steps", "8", "--kill-at", "4", "--save-every", "2", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ucp.cli",
+            "demo",
+            "--workdir",
+            str(work),
+            "--model",
+            "tiny",
+            "--steps",
+            "8",
+            "--kill-at",
+            "4",
+            "--save-every",
+            "2",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     s = json.loads(res.stdout)
     # the crash came after step 4; checkpoint 4 (saved after step 3) may or may not have been complete

@@ -38,8 +38,21 @@ def test_torchrun_tensor_parallel_matches_one_process() -> None:
     if not torchrun.exists():
         torchrun = Path(shutil.which("torchrun") or "torchrun")
     alone = [x["loss"] for x in run([sys.executable, "-m", "training.run", *ARGS]) if "step" in x]
-    tp = run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "training.run", *ARGS, "--tp", "2",
-              "--zero", "2"])
+    tp = run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "training.run",
+            *ARGS,
+            "--tp",
+            "2",
+            "--zero",
+            "2",
+        ]
+    )
     assert tp[-1]["mesh"] == {"tp": 2, "pp": 1, "dp": 1}
     got = [x["loss"] for x in tp if "step" in x]
     assert got == pytest.approx(alone, rel=1e-5)

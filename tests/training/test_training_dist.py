@@ -12,11 +12,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_helpers import (
+    DEEP,
+    GQA,
+    PLAIN,
+    Gathered,
+    Reference,
+    gather,
+    module_reference,
+    reference_run,
+    rel_close,
+    run_world,
+    scenario,
+    small_module,
+)
 
 from training.layout import gpt_shapes
 from training.models.gpt import GPTConfig
-from training_helpers import (DEEP, GQA, PLAIN, Gathered, Reference, gather, module_reference, reference_run, rel_close,
-                              run_world, scenario, small_module)
 
 TWO = [
     scenario("zero1_dp2", PLAIN, {"dp": 2}, zero_stage=1),
@@ -26,9 +38,15 @@ TWO = [
     scenario("tp2_gqa_swiglu_tied", GQA, {"tp": 2}, zero_stage=0, optimizer="adam"),
     scenario("pp2_gqa_tied_1f1b", GQA, {"pp": 2}, zero_stage=1, grad_accum=3),
     scenario("pp2_plain_gpipe", PLAIN, {"pp": 2}, zero_stage=0, grad_accum=3, clip=0.5, pipeline_schedule="gpipe"),
-    {**scenario("resume_dp2z3_to_tp2", PLAIN, {"dp": 2}, zero_stage=3, micro_batch=2), "kind": "resume",
-     "split": 3, "then": {"mesh": {"tp": 2}, "options": scenario("", PLAIN, {}, zero_stage=1, micro_batch=2,
-                                                                      grad_accum=2)["options"]}},
+    {
+        **scenario("resume_dp2z3_to_tp2", PLAIN, {"dp": 2}, zero_stage=3, micro_batch=2),
+        "kind": "resume",
+        "split": 3,
+        "then": {
+            "mesh": {"tp": 2},
+            "options": scenario("", PLAIN, {}, zero_stage=1, micro_batch=2, grad_accum=2)["options"],
+        },
+    },
     {**scenario("module_zero2", {}, {"dp": 2}, zero_stage=2, zero_alignment=4, micro_batch=3), "kind": "module"},
     {**scenario("module_zero3", {}, {"dp": 2}, zero_stage=3, zero_alignment=1, micro_batch=3), "kind": "module"},
 ]
@@ -39,11 +57,18 @@ FOUR = [
     scenario("tp2_dp2_zero3_plain", PLAIN, {"tp": 2, "dp": 2}, zero_stage=3, zero_alignment=2),
     scenario("tp2_pp2_zero1", PLAIN, {"tp": 2, "pp": 2}, zero_stage=1, grad_accum=2),
     scenario("pp4_1f1b", DEEP, {"pp": 4}, zero_stage=1, grad_accum=6, micro_batch=1),
-    scenario("pp2_dp2_order_tp_pp_dp", GQA, {"pp": 2, "dp": 2, "order": ["tp", "pp", "dp"]}, zero_stage=1,
-             grad_accum=2),
-    {**scenario("resume_tp2dp2_to_pp2dp2", GQA, {"tp": 2, "dp": 2}, zero_stage=2, micro_batch=2), "kind": "resume",
-     "split": 2, "then": {"mesh": {"pp": 2, "dp": 2}, "options": scenario("", GQA, {}, zero_stage=1, micro_batch=1,
-                                                                           grad_accum=2)["options"]}},
+    scenario(
+        "pp2_dp2_order_tp_pp_dp", GQA, {"pp": 2, "dp": 2, "order": ["tp", "pp", "dp"]}, zero_stage=1, grad_accum=2
+    ),
+    {
+        **scenario("resume_tp2dp2_to_pp2dp2", GQA, {"tp": 2, "dp": 2}, zero_stage=2, micro_batch=2),
+        "kind": "resume",
+        "split": 2,
+        "then": {
+            "mesh": {"pp": 2, "dp": 2},
+            "options": scenario("", GQA, {}, zero_stage=1, micro_batch=1, grad_accum=2)["options"],
+        },
+    },
 ]
 
 
@@ -72,8 +97,9 @@ def check_against_reference(g: Gathered, ref: Reference, sections: tuple[str, ..
         for name, want in expect.items():
             got = g.full[(section, name)]
             tol = atol if section in ("model", "fp32_master") else atol * 1e-2
-            assert torch.allclose(got, want, rtol=0, atol=tol), \
+            assert torch.allclose(got, want, rtol=0, atol=tol), (
                 f"{section} {name}: max diff {(got - want).abs().max().item():.3g}"
+            )
 
 
 SECTIONS = ("model", "fp32_master", "exp_avg", "exp_avg_sq")

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 import torch
-
 import training_helpers
+from training_helpers import BASE, GQA, PLAIN, rel_close, run_world
+
 import ucp
 from training import Engine
 from training.models.gpt import GPTConfig
-from training_helpers import BASE, GQA, PLAIN, rel_close, run_world
 
 # Global batch of 4 rows everywhere; one process trains with micro_batch 4.
 ONE = {**BASE, "micro_batch": 4}
@@ -51,6 +51,7 @@ def save_at(e: Engine, root: Path, steps: int) -> ucp.CheckpointManager:
 
 # -- the worker side (two ranks) --------------------------------------------------------------------
 
+
 def run_corrupt(sc: dict, rank: int) -> dict[str, Any]:
     """dp 2 ZeRO-1 saves steps 1 and 2; a byte that only rank 1 reads is flipped in step 2; both ranks resume."""
     import torch.distributed as dist
@@ -65,8 +66,13 @@ def run_corrupt(sc: dict, rank: int) -> dict[str, Any]:
     if rank == 0:
         path = Path(manager.path(2))
         manifest = ucp.read_manifest(path)
-        piece = next(p for name, t in manifest.tensors.items() if name.startswith("optimizer.exp_avg_sq.")
-                     for p in t.pieces if p.file == "rank-00001.safetensors" and p.length >= 8)
+        piece = next(
+            p
+            for name, t in manifest.tensors.items()
+            if name.startswith("optimizer.exp_avg_sq.")
+            for p in t.pieces
+            if p.file == "rank-00001.safetensors" and p.length >= 8
+        )
         with open(path / piece.file, "r+b") as f:  # bit rot in rank 1's own optimizer partition
             f.seek(piece.offset + piece.length // 2)
             byte = f.read(1)
@@ -112,15 +118,19 @@ def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -
 
 # -- single process: what resumes correctly ---------------------------------------------------------
 
-FP16 = {"dtype": "fp16", "loss_scale": {"initial": 2.0 ** 20, "growth_interval": 2}}
+FP16 = {"dtype": "fp16", "loss_scale": {"initial": 2.0**20, "growth_interval": 2}}
 
 
-@pytest.mark.parametrize("options", [
-    {"zero_stage": 0},
-    {"zero_stage": 3, "zero_alignment": 4, "grad_accum": 2, "micro_batch": 2},
-    {"zero_stage": 2, **FP16},  # overflows skip steps: adam_step < step, the scale moves both ways
-    {"zero_stage": 1, "dtype": "bf16", "clip": 0.05},  # every step clipped
-], ids=["z0", "z3_accum", "z2_fp16_scaler", "z1_bf16_clip"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"zero_stage": 0},
+        {"zero_stage": 3, "zero_alignment": 4, "grad_accum": 2, "micro_batch": 2},
+        {"zero_stage": 2, **FP16},  # overflows skip steps: adam_step < step, the scale moves both ways
+        {"zero_stage": 1, "dtype": "bf16", "clip": 0.05},  # every step clipped
+    ],
+    ids=["z0", "z3_accum", "z2_fp16_scaler", "z1_bf16_clip"],
+)
 def test_resume_is_bit_exact_in_one_process(tmp_path: Path, options: dict) -> None:
     """Save at step 3, resume in a fresh engine: losses, Adam's step, the loss scale and every state bit-exact."""
     ref = engine(**options)
@@ -150,8 +160,9 @@ def test_rollback_into_an_engine_that_trained_on(tmp_path: Path) -> None:
 
 def test_learning_rate_schedule_resumes_at_the_saved_step(tmp_path: Path) -> None:
     """The schedule is a function of the step: the resumed engine asks it for steps 3.. again."""
+
     def schedule(step: int) -> float:
-        return 1e-2 * (0.5 ** step)
+        return 1e-2 * (0.5**step)
 
     ref = Engine(GPTConfig(**GQA), lr_schedule=schedule, **ONE)
     losses = [ref.train_step() for _ in range(5)]
@@ -161,9 +172,10 @@ def test_learning_rate_schedule_resumes_at_the_saved_step(tmp_path: Path) -> Non
     assert [fresh.train_step() for _ in range(3, 5)] == losses[3:]
 
 
-@pytest.mark.parametrize("change,tensor", [({"d_ff": 64}, "layers.0.mlp.fc1.weight"),
-                                           ({"vocab_size": 100}, "embed.weight"),
-                                           ({"n_layer": 3}, "layers.2.")])
+@pytest.mark.parametrize(
+    "change,tensor",
+    [({"d_ff": 64}, "layers.0.mlp.fc1.weight"), ({"vocab_size": 100}, "embed.weight"), ({"n_layer": 3}, "layers.2.")],
+)
 def test_shape_mismatch_names_the_tensor(tmp_path: Path, change: dict, tensor: str) -> None:
     manager = save_at(engine(), tmp_path, 1)
     other = engine({**GQA, **change})
@@ -183,10 +195,15 @@ def test_weights_only_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
 
 # -- single process: what a resume refuses -----------------------------------------------------------
 
-@pytest.mark.parametrize("change,named", [
-    ({"n_layer": 1}, [r"n_layer 2 vs 1", r"this model lacks: model\.layers\.1\."]),
-    ({"n_head": 8, "n_kv_head": 8}, [r"n_head 4 vs 8", r"n_kv_head 4 vs 8"]),
-], ids=["fewer_layers", "n_head"])
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"n_layer": 1}, [r"n_layer 2 vs 1", r"this model lacks: model\.layers\.1\."]),
+        ({"n_head": 8, "n_kv_head": 8}, [r"n_head 4 vs 8", r"n_kv_head 4 vs 8"]),
+    ],
+    ids=["fewer_layers", "n_head"],
+)
 def test_checkpoint_of_another_model_config_is_refused(tmp_path: Path, change: dict, named: list[str]) -> None:
     """The recorded model config and the model tensor names must be this engine's; the error names the differences."""
     plain = {**PLAIN, "d_ff": 48, "n_head": 4}
@@ -240,6 +257,7 @@ def abort_a_step(e: Engine) -> None:
 
 # -- single process: a step that raised --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_load_after_an_aborted_step_resumes_cleanly(tmp_path: Path, stage: int) -> None:
     """Gradients of the aborted step's first micro-batch, stage-2 buckets and ZeRO-3 gathered weights are gone."""
@@ -281,15 +299,36 @@ def test_run_rejects_a_bad_zero_stage() -> None:
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize("argv", [["--tp", "0"], ["--pp", "0"], ["--save-every", "0", "--save-dir", "{tmp}"],
-                                  ["--model", "no-such-model"], ["--steps", "-1"], ["--start-step", "-1"],
-                                  ["--tp", "2"], ["--dp", "2"], ["--resume"],
-                                  ["--resume", "--save-dir", "{tmp}", "--start-step", "3"]],
-                         ids=["tp0", "pp0", "save_every0", "unknown_model", "negative_steps", "negative_start",
-                              "world_not_a_multiple_of_tp", "mesh_not_the_world", "resume_without_dir",
-                              "start_step_with_resume"])
-def test_run_rejects_bad_arguments_with_a_usage_error(tmp_path: Path, argv: list[str],
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tp", "0"],
+        ["--pp", "0"],
+        ["--save-every", "0", "--save-dir", "{tmp}"],
+        ["--model", "no-such-model"],
+        ["--steps", "-1"],
+        ["--start-step", "-1"],
+        ["--tp", "2"],
+        ["--dp", "2"],
+        ["--resume"],
+        ["--resume", "--save-dir", "{tmp}", "--start-step", "3"],
+    ],
+    ids=[
+        "tp0",
+        "pp0",
+        "save_every0",
+        "unknown_model",
+        "negative_steps",
+        "negative_start",
+        "world_not_a_multiple_of_tp",
+        "mesh_not_the_world",
+        "resume_without_dir",
+        "start_step_with_resume",
+    ],
+)
+def test_run_rejects_bad_arguments_with_a_usage_error(
+    tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = [a.replace("{tmp}", str(tmp_path / "ck")) for a in argv]
     with pytest.raises(SystemExit) as exc:
         run_main(argv)
@@ -297,9 +336,10 @@ def test_run_rejects_bad_arguments_with_a_usage_error(tmp_path: Path, argv: list
     assert not (tmp_path / "ck").exists()  # refused before training anything
 
 
-def test_run_fails_when_an_async_save_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    import ucp.background as bg
+def test_run_fails_when_an_async_save_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ucp.saving.background as bg
 
     original = bg.write_image
 
@@ -321,6 +361,7 @@ def test_run_fails_when_an_async_save_failed(tmp_path: Path, monkeypatch: pytest
 
 # -- two ranks ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch of two gloo ranks: the corrupt-checkpoint resume and the pp 2 save/resume."""
@@ -328,13 +369,17 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     reference = engine(zero_stage=0)
     losses = [reference.train_step() for _ in range(6)]
     save_at(engine(zero_stage=2), base / "dp1", 3)
-    scenarios = [{"name": "corrupt", "action": "corrupt", "root": str(base / "corrupt")},
-                 {"name": "pp2", "action": "pp2", "root": str(base / "pp2"), "from_dp1": str(base / "dp1")}]
+    scenarios = [
+        {"name": "corrupt", "action": "corrupt", "root": str(base / "corrupt")},
+        {"name": "pp2", "action": "pp2", "root": str(base / "pp2"), "from_dp1": str(base / "dp1")},
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(training_helpers, "WORKER", Path(__file__))
         run_world(2, scenarios, base / "out", timeout=90)
-    results = {sc["name"]: [json.loads((base / "out" / f"{sc['name']}.rank{r}.json").read_text()) for r in range(2)]
-               for sc in scenarios}
+    results = {
+        sc["name"]: [json.loads((base / "out" / f"{sc['name']}.rank{r}.json").read_text()) for r in range(2)]
+        for sc in scenarios
+    }
     return {"reference": losses, "results": results, "pp2_root": base / "pp2"}
 
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import pytest
 import torch
+from training_helpers import BASE, GQA, rel_close
 
 import ucp
 from training import Engine
 from training.models.gpt import GPTConfig
-from training_helpers import BASE, GQA, rel_close
 
 K = 2  # the checkpoint that completes; the save of K+1 is killed
 STEPS = K + 2
@@ -48,12 +48,13 @@ WORKER_DEADLINE = 240.0
 
 # -- the worker side ---------------------------------------------------------------------------------
 
+
 def install_kill_hook(rank: int, spec: dict) -> None:
     """On the victim rank: SIGKILL this process right after the first write into the data file of step K+1."""
     if rank != spec["victim"]:
         return
     from ucp.manager import step_name
-    from ucp.storage import LocalStorage
+    from ucp.store.storage import LocalStorage
 
     marker = f".{step_name(K + 1)}.tmp-"
     real_open = LocalStorage.open_writer
@@ -84,8 +85,13 @@ def worker(rank: int, world: int, init: str, out: Path, spec: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=spec.get("gloo_timeout", 1800)))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=spec.get("gloo_timeout", 1800)),
+    )
     install_kill_hook(rank, spec)
     status: dict[str, Any] = {"rank": rank, "phase": "train"}
 
@@ -110,8 +116,7 @@ def worker(rank: int, world: int, init: str, out: Path, spec: dict) -> None:
         e.train_step()
         record(phase="done")
     except BaseException as exc:  # noqa: BLE001 - the survivor's error is what the test looks at
-        record(error=f"{type(exc).__name__}: {exc}"[:2000], where=status["phase"],
-               trace=traceback.format_exc()[-3000:])
+        record(error=f"{type(exc).__name__}: {exc}"[:2000], where=status["phase"], trace=traceback.format_exc()[-3000:])
     finally:
         record(closing=True)
         manager.close()
@@ -119,6 +124,7 @@ def worker(rank: int, world: int, init: str, out: Path, spec: dict) -> None:
 
 
 # -- the test side ---------------------------------------------------------------------------------
+
 
 def launch(spec: dict, out: Path) -> tuple[list[subprocess.Popen], list[str]]:
     """Start WORLD ranks of this file; wait for the victim to die and the survivors to exit (bounded)."""
@@ -128,9 +134,16 @@ def launch(spec: dict, out: Path) -> tuple[list[subprocess.Popen], list[str]]:
     init.unlink(missing_ok=True)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     logs = [open(out / f"rank{r}.log", "w") for r in range(WORLD)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(init), str(out), str(out / "spec.json")],
-                              stdout=logs[r], stderr=subprocess.STDOUT, env=env, start_new_session=True)
-             for r in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(r), str(WORLD), str(init), str(out), str(out / "spec.json")],
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        for r in range(WORLD)
+    ]
     victim = procs[spec["victim"]]
     hung: list[str] = []
     try:
@@ -140,8 +153,10 @@ def launch(spec: dict, out: Path) -> tuple[list[subprocess.Popen], list[str]]:
             try:
                 p.wait(timeout=max(1.0, SURVIVOR_BOUND - (time.monotonic() - dead_at)))
             except subprocess.TimeoutExpired:
-                hung.append(f"rank {r} still running {SURVIVOR_BOUND:.0f}s after the victim died; "
-                            f"last status: {_status(out, r)}")
+                hung.append(
+                    f"rank {r} still running {SURVIVOR_BOUND:.0f}s after the victim died; "
+                    f"last status: {_status(out, r)}"
+                )
     except subprocess.TimeoutExpired:
         hung.append(f"the victim (rank {spec['victim']}) never died; statuses: {_status(out, 0)} {_status(out, 1)}")
     finally:

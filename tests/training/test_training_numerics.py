@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from training_helpers import gather, run_world
 
 from reshard import Mesh
 from reshard.names import name_matches
@@ -34,7 +35,6 @@ from training.engine import EngineConfig
 from training.layout import GPT_GROUPS, gpt_shapes
 from training.models.gpt import GPT, PRESETS, GPTConfig, batch_for_step
 from training.parallel.gpt import build_stage
-from training_helpers import gather, run_world
 
 TINY = PRESETS["tiny"]
 ONE = dict(micro_batch=2, seq_len=16, lr=1e-3, weight_decay=0.1, beta2=0.99, eps=1e-7)
@@ -52,8 +52,10 @@ def warmup_decay(step: int) -> float:
 def no_decay_groups(named: dict[str, torch.nn.Parameter], wd: float) -> list[dict[str, Any]]:
     """The engine's grouping (GPT_GROUPS): biases and layernorms without weight decay."""
     nd = [n for n in named if any(name_matches(p, n) for p in GPT_GROUPS[0])]
-    return [{"params": [named[n] for n in nd], "weight_decay": 0.0},
-            {"params": [p for n, p in named.items() if n not in nd], "weight_decay": wd}]
+    return [
+        {"params": [named[n] for n in nd], "weight_decay": 0.0},
+        {"params": [p for n, p in named.items() if n not in nd], "weight_decay": wd},
+    ]
 
 
 def twin(engine: Engine) -> torch.nn.Module:
@@ -74,6 +76,7 @@ def global_part(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 # -- single process: bit-exact against torch.optim ------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["adamw", "adam"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -98,9 +101,11 @@ def test_update_is_bit_exact_with_torch_optim_under_an_lr_schedule(stage: int, k
             masters = engine_state(engine, "fp32_master")
             assert all(torch.equal(masters[n], global_part(init[n], engine.shapes[n])) for n in masters)
     assert engine.optimizer.adam_step == 4
-    torch_state = {"fp32_master": {n: p for n, p in named.items()},
-                   "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()},
-                   "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"] for n, p in named.items()}}
+    torch_state = {
+        "fp32_master": {n: p for n, p in named.items()},
+        "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()},
+        "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"] for n, p in named.items()},
+    }
     for section in STATES:
         got = engine_state(engine, section)
         assert set(got) == set(named)
@@ -130,15 +135,21 @@ def test_mixed_precision_is_bit_exact_with_a_manual_fp32_master_loop(stage: int,
     """fp16/bf16 compute weights = fp32 masters cast; gradients unscaled in fp32; fp16 overflow skips the step
     (no Adam step, no weight change), halves the scale, and 2 clean steps double it."""
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    initial = 2.0 ** 17  # overflows on the first step, then runs clean at 2^16 with growth back to 2^17
-    engine = Engine("tiny", zero_stage=stage, dtype=dtype, loss_scale={"initial": initial, "growth_interval": 2},
-                    **{**ONE, "lr": 1e-2})
+    initial = 2.0**17  # overflows on the first step, then runs clean at 2^16 with growth back to 2^17
+    engine = Engine(
+        "tiny",
+        zero_stage=stage,
+        dtype=dtype,
+        loss_scale={"initial": initial, "growth_interval": 2},
+        **{**ONE, "lr": 1e-2},
+    )
     ref = twin(engine)
     named = dict(ref.named_parameters())
     masters = {n: torch.nn.Parameter(p.detach().clone()) for n, p in named.items()}
     ref.to(half)
-    opt = torch.optim.AdamW(no_decay_groups(masters, ONE["weight_decay"]), lr=1e-2, betas=(0.9, ONE["beta2"]),
-                            eps=ONE["eps"])
+    opt = torch.optim.AdamW(
+        no_decay_groups(masters, ONE["weight_decay"]), lr=1e-2, betas=(0.9, ONE["beta2"]), eps=ONE["eps"]
+    )
     scale, good, applied, skipped = (initial if dtype == "fp16" else 1.0), 0, 0, []
     for step in range(7):
         before = {s: engine_state(engine, s) for s in ("model", *STATES)}
@@ -175,9 +186,12 @@ def test_mixed_precision_is_bit_exact_with_a_manual_fp32_master_loop(stage: int,
     if dtype == "fp16":
         assert skipped and applied >= 3, skipped  # the loop exercised both paths
     got = {s: engine_state(engine, s) for s in ("model", *STATES)}
-    want_state = {"model": named, "fp32_master": masters,
-                  "exp_avg": {n: opt.state[m]["exp_avg"] for n, m in masters.items()},
-                  "exp_avg_sq": {n: opt.state[m]["exp_avg_sq"] for n, m in masters.items()}}
+    want_state = {
+        "model": named,
+        "fp32_master": masters,
+        "exp_avg": {n: opt.state[m]["exp_avg"] for n, m in masters.items()},
+        "exp_avg_sq": {n: opt.state[m]["exp_avg_sq"] for n, m in masters.items()},
+    }
     for section, tensors in got.items():
         for n, t in tensors.items():
             assert torch.equal(t, global_part(want_state[section][n], engine.shapes[n])), f"{section} {n}"
@@ -187,8 +201,10 @@ def test_mixed_precision_is_bit_exact_with_a_manual_fp32_master_loop(stage: int,
 
 # -- single process: accumulation and clipping ------------------------------------------------------
 
-def rel_l2(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-           base: dict[str, torch.Tensor] | None = None) -> float:
+
+def rel_l2(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None = None
+) -> float:
     """||got - want|| / ||want - base|| over all tensors together (base: zeros)."""
     num = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in want)
     den = sum(float((want[n] - (base[n] if base else 0)).double().pow(2).sum()) for n in want)
@@ -213,8 +229,9 @@ def test_clipping_matches_clip_grad_norm() -> None:
     engine = Engine("tiny", zero_stage=2, clip=0.25, **ONE)
     ref = twin(engine)
     named = dict(ref.named_parameters())
-    opt = torch.optim.AdamW(no_decay_groups(named, ONE["weight_decay"]), lr=ONE["lr"], betas=(0.9, ONE["beta2"]),
-                            eps=ONE["eps"])
+    opt = torch.optim.AdamW(
+        no_decay_groups(named, ONE["weight_decay"]), lr=ONE["lr"], betas=(0.9, ONE["beta2"]), eps=ONE["eps"]
+    )
     for step in range(3):
         engine.train_step(step)
         tokens, targets = engine.batch(step, 0)
@@ -230,9 +247,15 @@ def test_clipping_matches_clip_grad_norm() -> None:
 
 # -- two ranks ----------------------------------------------------------------------------------------
 
+
 def sc(name: str, mesh: dict[str, int], steps: int = 3, **options: Any) -> dict[str, Any]:
-    return {"name": name, "model": TINY.model_dump(), "mesh": mesh, "steps": steps,
-            "options": {**ONE, "pad_vocab_to": 128, **options}}
+    return {
+        "name": name,
+        "model": TINY.model_dump(),
+        "mesh": mesh,
+        "steps": steps,
+        "options": {**ONE, "pad_vocab_to": 128, **options},
+    }
 
 
 FP32 = [
@@ -241,8 +264,18 @@ FP32 = [
     sc("pp2_1f1b_z1", {"pp": 2}, zero_stage=1, grad_accum=3, clip=0.5),
     sc("pp2_gpipe_z0", {"pp": 2}, zero_stage=0, grad_accum=3, clip=0.5, pipeline_schedule="gpipe"),
 ]
-HALF = [sc(f"{d}_dp2_z{s}", {"dp": 2}, steps=4, zero_stage=s, dtype=d,
-           loss_scale={"initial": 2.0 ** 17, "growth_interval": 2}) for d in ("bf16", "fp16") for s in range(4)]
+HALF = [
+    sc(
+        f"{d}_dp2_z{s}",
+        {"dp": 2},
+        steps=4,
+        zero_stage=s,
+        dtype=d,
+        loss_scale={"initial": 2.0**17, "growth_interval": 2},
+    )
+    for d in ("bf16", "fp16")
+    for s in range(4)
+]
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +291,9 @@ def reference(s: dict[str, Any]) -> dict[str, Any]:
     model = GPT(cfg.model, seed=cfg.seed)
     named = dict(model.named_parameters())
     init = {n: p.detach().clone() for n, p in named.items()}
-    opt = torch.optim.AdamW(no_decay_groups(named, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            eps=cfg.eps)
+    opt = torch.optim.AdamW(
+        no_decay_groups(named, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
     losses, norms = [], []
     for step in range(s["steps"]):
         tokens, targets = batch_for_step(step, cfg.global_batch, cfg.seq, cfg.model.vocab_size, cfg.data_seed)
@@ -269,10 +303,14 @@ def reference(s: dict[str, Any]) -> dict[str, Any]:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip or math.inf)))
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "init": init,
-            "fp32_master": {n: p.detach() for n, p in named.items()},
-            "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()},
-            "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"] for n, p in named.items()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "init": init,
+        "fp32_master": {n: p.detach() for n, p in named.items()},
+        "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()},
+        "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"] for n, p in named.items()},
+    }
 
 
 @pytest.mark.parametrize("s", FP32, ids=[s["name"] for s in FP32])

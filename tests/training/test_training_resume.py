@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 import torch
-
 import training_helpers
-import ucp
-from training import Engine
-from reshard import Mesh
-from training.models.gpt import GPTConfig
-from ucp.placement import place, recorded_layout
-from ucp.reshape import reshape
 from training_helpers import BASE, GQA, rel_close, run_world
+
+import ucp
+from reshard import Mesh
+from training import Engine
+from training.models.gpt import GPTConfig
+from ucp.convert.placement import place, recorded_layout
+from ucp.convert.reshape import reshape
 
 SPLIT, STEPS = 3, 6
 # Global batch 4 rows on every mesh: micro_batch 2 at dp 2, 4 at dp 1.
@@ -39,6 +39,7 @@ def engine(mesh: dict[str, int], **options: Any) -> Engine:
 
 
 # -- the worker side ---------------------------------------------------------------------------------
+
 
 def run_save(sc: dict) -> list[float]:
     """Train steps 0..SPLIT-1, save step SPLIT; an async save keeps training while it is written."""
@@ -78,6 +79,7 @@ def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -
 
 # -- the test side ---------------------------------------------------------------------------------
 
+
 def spawn(world: int, scenarios: list[dict], out: Path) -> dict[str, list[float]]:
     """Run ``scenarios`` on ``world`` processes of this file; their losses by scenario name."""
     with pytest.MonkeyPatch.context() as mp:
@@ -101,19 +103,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ck = {k: base / k for k in ("dp2_z1", "dp2_z3_async", "tp2dp2_z2")}
     e = engine({}, zero_stage=0, **DP1)
     losses = {"uninterrupted": [e.train_step() for _ in range(STEPS)]}
-    losses |= spawn(2, [
-        # async, written straight from the live tensors while training goes on (the engine waits for
-        # the write before its optimizer step)
-        save("save_dp2_z1", ck["dp2_z1"], {"dp": 2}, zero_stage=1, **DP2) | {"async": True, "snapshot": "none"},
-        # async, copied in the background
-        save("save_dp2_z3_async", ck["dp2_z3_async"], {"dp": 2}, zero_stage=3, zero_alignment=4, **DP2)
-        | {"async": True, "snapshot": "background"},
-        load("dp2_z3_to_dp2_z1", ck["dp2_z3_async"], {"dp": 2}, zero_stage=1, **DP2),
-    ], base / "w2a")
-    losses |= spawn(4, [
-        load("dp2_z1_to_tp2dp2_z3", ck["dp2_z1"], {"tp": 2, "dp": 2}, zero_stage=3, zero_alignment=2, **DP2),
-        save("save_tp2dp2_z2", ck["tp2dp2_z2"], {"tp": 2, "dp": 2}, zero_stage=2, **DP2),
-    ], base / "w4")
+    losses |= spawn(
+        2,
+        [
+            # async, written straight from the live tensors while training goes on (the engine waits for
+            # the write before its optimizer step)
+            save("save_dp2_z1", ck["dp2_z1"], {"dp": 2}, zero_stage=1, **DP2) | {"async": True, "snapshot": "none"},
+            # async, copied in the background
+            save("save_dp2_z3_async", ck["dp2_z3_async"], {"dp": 2}, zero_stage=3, zero_alignment=4, **DP2)
+            | {"async": True, "snapshot": "background"},
+            load("dp2_z3_to_dp2_z1", ck["dp2_z3_async"], {"dp": 2}, zero_stage=1, **DP2),
+        ],
+        base / "w2a",
+    )
+    losses |= spawn(
+        4,
+        [
+            load("dp2_z1_to_tp2dp2_z3", ck["dp2_z1"], {"tp": 2, "dp": 2}, zero_stage=3, zero_alignment=2, **DP2),
+            save("save_tp2dp2_z2", ck["tp2dp2_z2"], {"tp": 2, "dp": 2}, zero_stage=2, **DP2),
+        ],
+        base / "w4",
+    )
     # ucp reshape: the tp2 x dp2 ZeRO-2 checkpoint rewritten for dp2 ZeRO-1, and consolidated
     src = ucp.CheckpointManager(ck["tp2dp2_z2"]).path(SPLIT)
     layout = recorded_layout(ucp.read_manifest(src)).layout
@@ -123,9 +133,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ck["consolidated"] = base / "consolidated"
     reshape(src, ucp.CheckpointManager(ck["reshaped_dp2_z1"]).path(SPLIT), layout=target, memory_budget=1 << 20)
     reshape(src, ucp.CheckpointManager(ck["consolidated"]).path(SPLIT))
-    losses |= spawn(2, [load("tp2dp2_z2_to_dp2_z1", ck["tp2dp2_z2"], {"dp": 2}, zero_stage=1, **DP2),
-                        load("reshaped_to_dp2_z1", ck["reshaped_dp2_z1"], {"dp": 2}, zero_stage=1, **DP2)],
-                    base / "w2b")
+    losses |= spawn(
+        2,
+        [
+            load("tp2dp2_z2_to_dp2_z1", ck["tp2dp2_z2"], {"dp": 2}, zero_stage=1, **DP2),
+            load("reshaped_to_dp2_z1", ck["reshaped_dp2_z1"], {"dp": 2}, zero_stage=1, **DP2),
+        ],
+        base / "w2b",
+    )
     return {"losses": losses, "ck": ck}
 
 
@@ -136,8 +151,9 @@ def test_saving_runs_match_the_uninterrupted_run(runs: dict[str, Any]) -> None:
         assert rel_close(losses[name], losses["uninterrupted"], 1e-5), (name, losses[name])
 
 
-@pytest.mark.parametrize("name", ["dp2_z3_to_dp2_z1", "dp2_z1_to_tp2dp2_z3", "tp2dp2_z2_to_dp2_z1",
-                                  "reshaped_to_dp2_z1"])
+@pytest.mark.parametrize(
+    "name", ["dp2_z3_to_dp2_z1", "dp2_z1_to_tp2dp2_z3", "tp2dp2_z2_to_dp2_z1", "reshaped_to_dp2_z1"]
+)
 def test_resumed_run_continues_the_losses(runs: dict[str, Any], name: str) -> None:
     losses = runs["losses"]
     assert rel_close(losses[name], losses["uninterrupted"][SPLIT:], 1e-5), (losses[name], losses["uninterrupted"])
@@ -151,7 +167,11 @@ def test_checkpoint_records_topology(runs: dict[str, Any]) -> None:
     assert manifest.topology.world_size == 4 and manifest.topology.mesh == {"tp": 2, "pp": 1, "dp": 2}
     meta = manifest.metadata
     assert {k: meta[k] for k in ("mesh", "zero_stage", "dtype", "data_position")} == {
-        "mesh": {"tp": 2, "pp": 1, "dp": 2}, "zero_stage": 2, "dtype": "fp32", "data_position": SPLIT}
+        "mesh": {"tp": 2, "pp": 1, "dp": 2},
+        "zero_stage": 2,
+        "dtype": "fp32",
+        "data_position": SPLIT,
+    }
     recorded = recorded_layout(manifest)
     assert recorded.layout is not None and recorded.layout.mesh == Mesh(tp=2, dp=2)
     assert recorded.layout.zero.stage == 2 and recorded.shapes is not None

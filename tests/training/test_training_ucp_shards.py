@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import torch
+from training_helpers import GQA
 
 import ucp
 from reshard import Mesh, Resolver
 from training.checkpoint import assemble, build_targets, fill_from_full
 from training.layout import gpt_layout, gpt_shapes
 from training.models.gpt import GPTConfig
-from training_helpers import GQA
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "ucp"))
 from ucp_helpers import save_ranks  # noqa: E402

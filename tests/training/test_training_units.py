@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from training_helpers import BASE, GQA, PLAIN, reference_run, rel_close, scenario, small_module
 
 import ucp
 from reshard import FlatRange, Mesh, Resolver
@@ -18,7 +19,6 @@ from training.layout import gpt_layout, gpt_shapes
 from training.models.gpt import GPTConfig
 from training.parallel.tp import vocab_parallel_cross_entropy
 from training.zero import DynamicLossScaler, GroupPlan, LossScaleConfig, ZeroOptimizer
-from training_helpers import BASE, GQA, PLAIN, reference_run, rel_close, scenario, small_module
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
@@ -115,8 +115,13 @@ def test_zero3_gathers_only_around_use() -> None:
 
 def test_fp16_overflow_skips_the_step_and_backs_off() -> None:
     module = small_module().half()
-    opt = ZeroOptimizer.for_module(module, stage=1, adam=AdamConfig(lr=1e-2), dtype=torch.float16,
-                                   loss_scaler=DynamicLossScaler(LossScaleConfig(initial=1024.0, growth_interval=2)))
+    opt = ZeroOptimizer.for_module(
+        module,
+        stage=1,
+        adam=AdamConfig(lr=1e-2),
+        dtype=torch.float16,
+        loss_scaler=DynamicLossScaler(LossScaleConfig(initial=1024.0, growth_interval=2)),
+    )
     before = [t.clone() for t in opt.master]
     x = torch.randn(4, 7).half()
     with opt.forward_context():

@@ -25,8 +25,18 @@ WORKER = Path(__file__).with_name("training_worker.py")
 # Plain MLP with an odd d_ff (uneven TP split) and a vocabulary not divisible by tp (padded).
 PLAIN = dict(vocab_size=101, n_layer=2, n_head=4, d_model=32, d_ff=51, max_seq=16)
 # GQA (2 kv heads), SwiGLU, tied embeddings, no linear biases.
-GQA = dict(vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48, max_seq=16, swiglu=True,
-           tied_embeddings=True, bias=False)
+GQA = dict(
+    vocab_size=101,
+    n_layer=2,
+    n_head=4,
+    n_kv_head=2,
+    d_model=32,
+    d_ff=48,
+    max_seq=16,
+    swiglu=True,
+    tied_embeddings=True,
+    bias=False,
+)
 # Four layers for pp = 4 (tied embeddings across the first and last stage).
 DEEP = {**GQA, "n_layer": 4}
 BASE = dict(micro_batch=2, seq_len=16, lr=1e-2, weight_decay=0.1, pad_vocab_to=8, beta2=0.99)
@@ -44,9 +54,16 @@ def run_world(world: int, scenarios: list[dict], out: Path, timeout: float = 120
     init = out / "init"
     init.unlink(missing_ok=True)  # a stale rendezvous file would hang the file:// store
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(init), str(out), str(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), str(init), str(out), str(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
     outs = []
     for p in procs:
         try:
@@ -75,8 +92,10 @@ def reference_run(sc: dict) -> Reference:
     model = GPT(cfg.model, seed=cfg.seed)
     named = dict(model.named_parameters())
     no_decay = [n for n in named if any(name_matches(p, n) for p in GPT_GROUPS[0])]
-    groups = [{"params": [named[n] for n in no_decay], "weight_decay": 0.0},
-              {"params": [p for n, p in named.items() if n not in no_decay], "weight_decay": cfg.weight_decay}]
+    groups = [
+        {"params": [named[n] for n in no_decay], "weight_decay": 0.0},
+        {"params": [p for n, p in named.items() if n not in no_decay], "weight_decay": cfg.weight_decay},
+    ]
     Opt = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     opt = Opt(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     losses = []
@@ -90,9 +109,12 @@ def reference_run(sc: dict) -> Reference:
         opt.step()
         losses.append(loss.item())
     state = {n: opt.state[p] for n, p in named.items()}
-    return Reference(losses, {n: p.detach().clone() for n, p in named.items()},
-                     {n: s["exp_avg"].clone() for n, s in state.items()},
-                     {n: s["exp_avg_sq"].clone() for n, s in state.items()})
+    return Reference(
+        losses,
+        {n: p.detach().clone() for n, p in named.items()},
+        {n: s["exp_avg"].clone() for n, s in state.items()},
+        {n: s["exp_avg_sq"].clone() for n, s in state.items()},
+    )
 
 
 @dataclass
@@ -119,7 +141,9 @@ def gather(out: Path, name: str, world: int, shapes: dict[str, tuple[int, ...]])
         for p in meta["pieces"]:
             key = (p["section"], p["name"])
             t = full.setdefault(key, torch.full(shapes[p["name"]], float("nan")))
-            region: Box | FlatRange = FlatRange(*p["flat"]) if "flat" in p else Box(tuple(p["offsets"]), tuple(p["shape"]))
+            region: Box | FlatRange = (
+                FlatRange(*p["flat"]) if "flat" in p else Box(tuple(p["offsets"]), tuple(p["shape"]))
+            )
             v = values[p["key"]]
             regions.setdefault(key, [])
             if p["replica"] == 0:
@@ -138,7 +162,7 @@ def gather(out: Path, name: str, world: int, shapes: dict[str, tuple[int, ...]])
 
 
 def _view(t: torch.Tensor, region: Box | FlatRange) -> torch.Tensor:
-    return t.view(-1)[region.start:region.stop] if isinstance(region, FlatRange) else t[region.slices()]
+    return t.view(-1)[region.start : region.stop] if isinstance(region, FlatRange) else t[region.slices()]
 
 
 def rel_close(a: list[float], b: list[float], rtol: float) -> bool:
@@ -147,11 +171,15 @@ def rel_close(a: list[float], b: list[float], rtol: float) -> bool:
 
 # -- a plain module for ZeRO without the GPT ------------------------------------------------------
 
+
 def small_module() -> torch.nn.Module:
     """Linear-GELU-Linear-LayerNorm with odd sizes (ZeRO partitions cut parameters mid-way)."""
     torch.manual_seed(1234)
-    return torch.nn.Sequential(collections.OrderedDict(
-        fc1=torch.nn.Linear(7, 13), act=torch.nn.GELU(), fc2=torch.nn.Linear(13, 5), norm=torch.nn.LayerNorm(5)))
+    return torch.nn.Sequential(
+        collections.OrderedDict(
+            fc1=torch.nn.Linear(7, 13), act=torch.nn.GELU(), fc2=torch.nn.Linear(13, 5), norm=torch.nn.LayerNorm(5)
+        )
+    )
 
 
 def module_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,9 +192,14 @@ def module_reference(sc: dict, world: int) -> Reference:
     o = sc["options"]
     named = dict(module.named_parameters())
     no_decay = [n for n in named if n.endswith(".bias") or n.startswith("norm.")]
-    opt = torch.optim.AdamW([{"params": [named[n] for n in no_decay], "weight_decay": 0.0},
-                             {"params": [p for n, p in named.items() if n not in no_decay]}],
-                            lr=o["lr"], weight_decay=o["weight_decay"])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [named[n] for n in no_decay], "weight_decay": 0.0},
+            {"params": [p for n, p in named.items() if n not in no_decay]},
+        ],
+        lr=o["lr"],
+        weight_decay=o["weight_decay"],
+    )
     losses = []
     for step in range(sc["steps"]):
         x, y = module_batch(step, o["micro_batch"] * world)
@@ -176,6 +209,9 @@ def module_reference(sc: dict, world: int) -> Reference:
         opt.step()
         losses.append(loss.item())
     state = {n: opt.state[p] for n, p in named.items()}
-    return Reference(losses, {n: p.detach().clone() for n, p in named.items()},
-                     {n: s["exp_avg"].clone() for n, s in state.items()},
-                     {n: s["exp_avg_sq"].clone() for n, s in state.items()})
+    return Reference(
+        losses,
+        {n: p.detach().clone() for n, p in named.items()},
+        {n: s["exp_avg"].clone() for n, s in state.items()},
+        {n: s["exp_avg_sq"].clone() for n, s in state.items()},
+    )

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from training_helpers import module_batch, small_module
 
 from training import Engine
 from training.adam import AdamConfig
 from training.checkpoint import CheckpointTargets, assemble, build_targets
 from training.models.gpt import GPTConfig
 from training.zero import ZeroOptimizer
-from training_helpers import module_batch, small_module
 
 
 def dump(out: Path, name: str, rank: int, targets: CheckpointTargets, extra: dict[str, Any]) -> None:
@@ -50,8 +50,12 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
     }
     g = engine.optimizer.gatherer
     if g is not None:
-        facts["stage3"] = {"gathers": g.gathers, "prefetched": g.prefetched, "packed": g.packed,
-                           "held_after_step": sum(p.numel() for p in engine.model.parameters())}
+        facts["stage3"] = {
+            "gathers": g.gathers,
+            "prefetched": g.prefetched,
+            "packed": g.packed,
+            "held_after_step": sum(p.numel() for p in engine.model.parameters()),
+        }
     return facts
 
 
@@ -78,8 +82,9 @@ def run_resume(sc: dict) -> tuple[list[float], Engine]:
     full = full_tensors(a.checkpoint_targets())
     state = a.state_dict_for_checkpoint()
     b = Engine(GPTConfig(**sc["model"]), mesh=sc["then"]["mesh"], **sc["then"]["options"])
-    b.load_from_full(lambda section, name: full[(section, name)], step=state["step"],
-                     adam_step=state["optimizer"]["adam_step"])
+    b.load_from_full(
+        lambda section, name: full[(section, name)], step=state["step"], adam_step=state["optimizer"]["adam_step"]
+    )
     losses += [b.train_step() for _ in range(sc["split"], sc["steps"])]
     return losses, b
 
@@ -88,8 +93,13 @@ def run_module(sc: dict, rank: int, world: int) -> tuple[list[float], Checkpoint
     module = small_module()
     o = sc["options"]
     opt = ZeroOptimizer.for_module(
-        module, stage=o["zero_stage"], adam=AdamConfig(lr=o["lr"], weight_decay=o["weight_decay"]),
-        groups=(("*.bias", "norm.*"), ("*",)), group_weight_decay=[0.0, None], alignment=o["zero_alignment"])
+        module,
+        stage=o["zero_stage"],
+        adam=AdamConfig(lr=o["lr"], weight_decay=o["weight_decay"]),
+        groups=(("*.bias", "norm.*"), ("*",)),
+        group_weight_decay=[0.0, None],
+        alignment=o["zero_alignment"],
+    )
     losses = []
     for step in range(sc["steps"]):
         x, y = module_batch(step, o["micro_batch"] * world)

@@ -102,8 +102,24 @@ def test_raw_tools_take_any_valid_aio_block_size(tmp_path: Path) -> None:
         AioConfig(block_size=block)  # a valid aio config
         for tool in (Fio(10 * MIB, block, 32), Dd(10 * MIB, block)):
             assert tool.block_size % 4096 == 0 and (10 * MIB) % tool.block_size == 0 and tool.block_size <= block
-    result = runner.invoke(app, ["bench", "io", "--size-gib", "0.004", "--dir", str(tmp_path), "--methods", "raw",
-                                 "--raw", "dd", "--block-size", "12KiB", *QUIET])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "io",
+            "--size-gib",
+            "0.004",
+            "--dir",
+            str(tmp_path),
+            "--methods",
+            "raw",
+            "--raw",
+            "dd",
+            "--block-size",
+            "12KiB",
+            *QUIET,
+        ],
+    )
     assert result.exit_code == 0 or isinstance(result.exception, SystemExit), repr(result.exception)
     assert list(tmp_path.iterdir()) == []
 
@@ -126,7 +142,9 @@ def test_more_ranks_than_cpus_is_a_warning(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_raw_tools_refuse_sizes_they_cannot_split_into_pages() -> None:
-    with pytest.raises(ValueError, match=r"size \(10486272\) and the block size \(8388608\) must each be a positive multiple"):
+    with pytest.raises(
+        ValueError, match=r"size \(10486272\) and the block size \(8388608\) must each be a positive multiple"
+    ):
         Dd(10 * MIB + 512, 8 * MIB)
     with pytest.raises(ValueError, match="multiple of 4096"):
         Fio(10 * MIB, 6000, 32)
@@ -155,13 +173,34 @@ def test_tools_reject_zero_rounds_before_any_work(tool: str, tmp_path: Path, mon
 
 
 def test_bench_save_leaves_the_users_files_alone(tmp_path: Path) -> None:
-    mine = {"m-results/table.csv": "a,b\n", "fio-notes.txt": "keep\n", "worker-setup/notes.md": "keep\n",
-            "m-ucp-1r/notes.md": "the very name of the bench's ucp checkpoint dir\n"}
+    mine = {
+        "m-results/table.csv": "a,b\n",
+        "fio-notes.txt": "keep\n",
+        "worker-setup/notes.md": "keep\n",
+        "m-ucp-1r/notes.md": "the very name of the bench's ucp checkpoint dir\n",
+    }
     for rel, text in mine.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    result = runner.invoke(app, ["bench", "save", "--size-gib", "0.004", "--ranks", "1", "--methods", "ucp",
-                                 "--raw", "none", "--dir", str(tmp_path), "--json", *QUIET])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "save",
+            "--size-gib",
+            "0.004",
+            "--ranks",
+            "1",
+            "--methods",
+            "ucp",
+            "--raw",
+            "none",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            *QUIET,
+        ],
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["methods"] and doc["directory"] == str(tmp_path)
@@ -173,8 +212,9 @@ def test_bench_save_leaves_the_users_files_alone(tmp_path: Path) -> None:
 def test_bench_io_leaves_the_users_files_alone(tmp_path: Path) -> None:
     mine = tmp_path / "ucp-bench-ucp-threads.bin"  # the name of the bench's own file for that method
     mine.write_text("keep\n")
-    result = runner.invoke(app, ["bench", "io", "--size-gib", "0.004", "--methods", "threads", "--dir", str(tmp_path),
-                                 "--json", *QUIET])
+    result = runner.invoke(
+        app, ["bench", "io", "--size-gib", "0.004", "--methods", "threads", "--dir", str(tmp_path), "--json", *QUIET]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["directory"] == str(tmp_path)
     assert list(tmp_path.iterdir()) == [mine] and mine.read_text() == "keep\n"
@@ -207,10 +247,27 @@ def test_a_dir_the_bench_created_is_removed_after_failure(tmp_path: Path, kind: 
 
 
 def test_bench_train_ckpt_sigint_stops_its_ranks(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "bench_train_ckpt.py"), "--model", "tiny",
-                             "--procs", "1", "--ways", "none", "--steps", "1000000", "--rounds", "1",
-                             "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tools" / "bench_train_ckpt.py"),
+            "--model",
+            "tiny",
+            "--procs",
+            "1",
+            "--ways",
+            "none",
+            "--steps",
+            "1000000",
+            "--rounds",
+            "1",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
     ranks: list[int] = []
     try:
         assert _wait_until(lambda: bool(_children(proc.pid)), 30), "no rank started"
@@ -226,8 +283,9 @@ def test_bench_train_ckpt_sigint_stops_its_ranks(tmp_path: Path) -> None:
         proc.wait(timeout=10)
 
 
-def test_bench_reshape_handles_a_root_with_spaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_reshape_handles_a_root_with_spaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     import ucp
@@ -260,17 +318,21 @@ def test_bench_reshape_handles_a_root_with_spaces(tmp_path: Path, monkeypatch: p
 # -- more options, tool choice, JSON, ratios, Ctrl-C ---------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "io", "--methods", "raw,bogus"],
-    ["bench", "io", "--rounds", "0"],
-    ["bench", "save", "--methods", "ucp,bogus"],
-    ["bench", "save", "--ranks", "0"],
-    ["bench", "save", "--ranks", "1,1"],
-    ["bench", "save", "--rounds", "0"],
-    ["bench", "save", "--async-snapshot", "never"],
-])
-def test_bad_arguments_fail_before_making_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   argv: list[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "io", "--methods", "raw,bogus"],
+        ["bench", "io", "--rounds", "0"],
+        ["bench", "save", "--methods", "ucp,bogus"],
+        ["bench", "save", "--ranks", "0"],
+        ["bench", "save", "--ranks", "1,1"],
+        ["bench", "save", "--rounds", "0"],
+        ["bench", "save", "--async-snapshot", "never"],
+    ],
+)
+def test_bad_arguments_fail_before_making_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
     monkeypatch.chdir(tmp_path)  # the default work dir would be made here
     result = runner.invoke(app, [*argv, "--size-gib", "0.004", "--no-drop-caches"])
     assert result.exit_code in (1, 2) and isinstance(result.exception, SystemExit), result.exception
@@ -283,8 +345,9 @@ def test_no_space_names_the_dir_and_leaves_it_empty(tmp_path: Path, monkeypatch:
     with pytest.raises(BenchError, match=rf"{tmp_path} has 0\.00 GiB free; the bench needs about"):
         run_bench_io(BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, drop_caches=False))
     with pytest.raises(BenchError, match=rf"{tmp_path} has 0\.00 GiB free"):
-        bench_save.run_bench_save(BenchSaveOptions(size_gib=0.004, rounds=1, ranks=[1], directory=tmp_path,
-                                                   drop_caches=False))
+        bench_save.run_bench_save(
+            BenchSaveOptions(size_gib=0.004, rounds=1, ranks=[1], directory=tmp_path, drop_caches=False)
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -303,8 +366,9 @@ def test_fio_dd_selection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     res = run_bench_io(BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, methods=["raw"], drop_caches=False))
     assert res.raw_tool == "dd" and "dd fallback (fio not installed)" in res.raw_note
     with pytest.raises(BenchError, match="fio requested but not installed"):
-        run_bench_io(BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, methods=["raw"], raw="fio",
-                                    drop_caches=False))
+        run_bench_io(
+            BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, methods=["raw"], raw="fio", drop_caches=False)
+        )
     assert list(tmp_path.iterdir()) == []
     opts = BenchSaveOptions(size_gib=0.004, ranks=[1], drop_caches=False)
     tool, note = _raw_tool(opts, 4 * MIB, True)
@@ -329,8 +393,14 @@ def test_save_ratios_with_a_method_missing_at_one_rank_count(tmp_path: Path) -> 
         return [OpSample(round=1, seconds=seconds, cpu_s=0.1)]
 
     run.save.update({("ucp", 1): s(1.0), ("torch", 1): s(4.0), ("ucp", 2): s(0.5)})  # torch never ran at 2 ranks
-    run.load.update({("ucp", "full", 1): s(2.0), ("ucp", "into", 1): s(1.0), ("torch", "full", 1): s(3.0),
-                     ("ucp", "into", 2): s(0.25)})
+    run.load.update(
+        {
+            ("ucp", "full", 1): s(2.0),
+            ("ucp", "into", 1): s(1.0),
+            ("torch", "full", 1): s(3.0),
+            ("ucp", "into", 2): s(0.25),
+        }
+    )
     res = _result(opts, run, spec, ([], []), None, "not run", True, {}, (False, "not run"), tmp_path, "t0", None)
     assert [(m.name, m.ranks) for m in res.methods] == [("ucp", 1), ("ucp-into", 1), ("torch", 1), ("ucp-into", 2)]
     one = res.method("ucp", 1)
@@ -347,13 +417,35 @@ def test_save_ratios_with_a_method_missing_at_one_rank_count(tmp_path: Path) -> 
 
 
 def test_bench_io_json_on_real_stdout_is_pure(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "ucp.cli", "bench", "io", "--size-gib", "0.004", "--dir", str(tmp_path),
-                           "--methods", "raw,threads,torch", "--raw", "dd", "--json", *QUIET],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ucp.cli",
+            "bench",
+            "io",
+            "--size-gib",
+            "0.004",
+            "--dir",
+            str(tmp_path),
+            "--methods",
+            "raw,threads,torch",
+            "--raw",
+            "dd",
+            "--json",
+            *QUIET,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)  # nothing but the JSON object on stdout
     assert [m["name"] for m in doc["methods"]] == ["dd", "ucp-threads", "torch"]
-    assert doc["methods"][1]["write_vs_raw"] == pytest.approx(doc["methods"][1]["write_gbps"] / doc["methods"][0]["write_gbps"])
+    assert doc["methods"][1]["write_vs_raw"] == pytest.approx(
+        doc["methods"][1]["write_gbps"] / doc["methods"][0]["write_gbps"]
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -365,10 +457,16 @@ def test_sigint_to_the_bench_leaves_no_files_or_ranks(tmp_path: Path, kind: str)
         args = ["io", "--size-gib", "0.02", "--rounds", "1000", "--methods", "raw,threads", "--raw", "dd"]
     else:
         args = ["save", "--size-gib", "0.01", "--rounds", "1000", "--ranks", "2", "--methods", "ucp", "--raw", "none"]
-    proc = subprocess.Popen([sys.executable, "-m", "ucp.cli", "bench", *args, "--no-drop-caches", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ucp.cli", "bench", *args, "--no-drop-caches", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=work,
+    )
     kids: list[int] = []
     try:
+
         def running() -> bool:
             made = [p for p in work.iterdir() if p.name.startswith(".ucp-bench")]
             prefix = "ucp-bench-" if kind == "io" else "m-"  # a method's file / checkpoint dir: mid-round

@@ -13,11 +13,18 @@ import torch
 from typer.testing import CliRunner
 
 import ucp
-from ucp.cow import cow_unavailable
 from ucp.bench.save import BenchSaveResult, print_table, to_markdown
-from ucp.bench.save_workers import (BYTES_PER_PARAM, Worker, WorkerConfig, build_state, find_async_save, get_path,
-                                    gpt_spec)
+from ucp.bench.save_workers import (
+    BYTES_PER_PARAM,
+    Worker,
+    WorkerConfig,
+    build_state,
+    find_async_save,
+    get_path,
+    gpt_spec,
+)
 from ucp.cli.main import app
+from ucp.saving.cow.snapshot import cow_unavailable
 
 runner = CliRunner()
 TINY = gpt_spec(2 << 20)  # 2 MiB of state: fast in-process worker tests
@@ -26,8 +33,24 @@ TINY = gpt_spec(2 << 20)  # 2 MiB of state: fast in-process worker tests
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchSaveResult, Path]:
     work = tmp_path_factory.mktemp("bench-save")
-    result = runner.invoke(app, ["bench", "save", "--size-gib", "0.02", "--rounds", "1", "--ranks", "1,2", "--json",
-                                 "--dir", str(work), "--async-compute-s", "0.05"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "save",
+            "--size-gib",
+            "0.02",
+            "--rounds",
+            "1",
+            "--ranks",
+            "1,2",
+            "--json",
+            "--dir",
+            str(work),
+            "--async-compute-s",
+            "0.05",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return BenchSaveResult.model_validate(json.loads(result.stdout)), work
 
@@ -37,8 +60,18 @@ def test_every_method_at_both_rank_counts_with_verified_data(bench: tuple[BenchS
     rows = [(m.name, m.ranks) for m in res.methods]
     raw = res.raw_tool
     assert raw in ("fio", "dd")
-    assert rows == [(raw, None), ("ucp", 1), ("ucp-into", 1), ("torch", 1), ("safetensors", 1), ("dcp", 1),
-                    ("ucp-into", 2), ("torch", 2), ("safetensors", 2), ("dcp", 2)]
+    assert rows == [
+        (raw, None),
+        ("ucp", 1),
+        ("ucp-into", 1),
+        ("torch", 1),
+        ("safetensors", 1),
+        ("dcp", 1),
+        ("ucp-into", 2),
+        ("torch", 2),
+        ("safetensors", 2),
+        ("dcp", 2),
+    ]
     assert res.verification_passed and res.ranks == [1, 2] and res.rounds == 1
     for m in res.methods:
         assert m.save.gbps > 0 and m.load.gbps > 0, m.name
@@ -94,7 +127,9 @@ def test_reports_render(bench: tuple[BenchSaveResult, Path]) -> None:
 
 
 def test_bad_options_fail_cleanly(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["bench", "save", "--size-gib", "0.01", "--dir", str(tmp_path), "--methods", "ucp,nope"])
+    result = runner.invoke(
+        app, ["bench", "save", "--size-gib", "0.01", "--dir", str(tmp_path), "--methods", "ucp,nope"]
+    )
     assert result.exit_code == 1 and "nope" in result.output
     result = runner.invoke(app, ["bench", "save", "--size-gib", "0.01", "--dir", str(tmp_path), "--ranks", "0"])
     assert result.exit_code == 1 and "ranks" in result.output
@@ -164,8 +199,9 @@ def test_worker_async_save_background_snapshot(tmp_path: Path) -> None:
     """A deferred snapshot: the stall is the call plus the wait after the simulated compute; the data is exact."""
     w = _worker()
     for rnd in range(2):  # the saver (and its staging) is reused across rounds
-        reply = w.handle({"op": "async_save", "dir": str(tmp_path / str(rnd)), "snapshot": "background",
-                          "compute_s": 0.02})
+        reply = w.handle(
+            {"op": "async_save", "dir": str(tmp_path / str(rnd)), "snapshot": "background", "compute_s": 0.02}
+        )
         assert reply["mismatch"] is None
         assert 0 <= reply["waited_s"] <= reply["stall_s"] <= reply["seconds"]
         assert reply["seconds"] >= 0.02  # the compute ran between the call and the wait

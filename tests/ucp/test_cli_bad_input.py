@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
+from ucp_helpers import cli_error_line
 
 import ucp
 from ucp.cli.main import app
 from ucp.cli.verify import VerifyOutput
 from ucp.manager import CheckpointManager
-from ucp_helpers import cli_error_line
 
 runner = CliRunner()
 W = torch.arange(12.0).reshape(3, 4)
@@ -30,8 +30,10 @@ W = torch.arange(12.0).reshape(3, 4)
 
 def _strict_json(text: str):
     """json.loads that refuses NaN/Infinity (not JSON)."""
+
     def refuse(name: str):
         raise ValueError(f"non-standard JSON constant {name}")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -78,15 +80,19 @@ def test_unparseable_manifest_is_one_line_exit_2(ckpt: Path, case: str) -> None:
     assert out.exit_code == 2 and manifest in out.problems[0].message
 
 
-@pytest.mark.parametrize("edit,words", [
-    (lambda m: m["files"]["rank-00000.safetensors"].update(size=-1), "size -1 is out of range"),
-    (lambda m: m["files"].update({"../x": m["files"].pop("rank-00000.safetensors")}), "'../x'"),
-    (lambda m: m["topology"].update(world_size=0), "world_size 0"),
-    (lambda m: m["tensors"]["model.w"].update(dtype="F99"), "'F99'"),
-    (lambda m: m["tensors"]["model.w"].update(shape=[10**18, 10**18]), "'model.w'"),
-    (lambda m: m["files"]["rank-00000.safetensors"].update(size=4143), "past the file's size"),
-    (lambda m: m.update(format_version=10**30), "not supported"),
-], ids=["neg-size", "traversal", "world0", "dtype", "huge-shape", "size-short", "version"])
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda m: m["files"]["rank-00000.safetensors"].update(size=-1), "size -1 is out of range"),
+        (lambda m: m["files"].update({"../x": m["files"].pop("rank-00000.safetensors")}), "'../x'"),
+        (lambda m: m["topology"].update(world_size=0), "world_size 0"),
+        (lambda m: m["tensors"]["model.w"].update(dtype="F99"), "'F99'"),
+        (lambda m: m["tensors"]["model.w"].update(shape=[10**18, 10**18]), "'model.w'"),
+        (lambda m: m["files"]["rank-00000.safetensors"].update(size=4143), "past the file's size"),
+        (lambda m: m.update(format_version=10**30), "not supported"),
+    ],
+    ids=["neg-size", "traversal", "world0", "dtype", "huge-shape", "size-short", "version"],
+)
 def test_invalid_manifest_values_name_manifest_and_key(ckpt: Path, edit, words: str) -> None:  # noqa: ANN001
     _edit_manifest(ckpt, edit)
     manifest = str(ckpt / "manifest.json")
@@ -139,12 +145,16 @@ def _patch(path: Path, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-@pytest.mark.parametrize("damage,words", [
-    (lambda f: _patch(f, 0, (1 << 62).to_bytes(8, "little")), "header"),
-    (lambda f: _patch(f, 10, b"\x00\x01"), "header is not valid JSON"),
-    (lambda f: open(f, "ab").write(b"x" * 10), "longer than expected"),
-    (lambda f: os.truncate(f, 20), "truncated"),
-], ids=["header-length", "header-bytes", "grown", "truncated"])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (lambda f: _patch(f, 0, (1 << 62).to_bytes(8, "little")), "header"),
+        (lambda f: _patch(f, 10, b"\x00\x01"), "header is not valid JSON"),
+        (lambda f: open(f, "ab").write(b"x" * 10), "longer than expected"),
+        (lambda f: os.truncate(f, 20), "truncated"),
+    ],
+    ids=["header-length", "header-bytes", "grown", "truncated"],
+)
 def test_verify_damaged_data_file_exit_1_names_file(ckpt: Path, damage, words: str) -> None:  # noqa: ANN001
     damage(ckpt / "rank-00000.safetensors")
     result = runner.invoke(app, ["verify", str(ckpt)])
@@ -211,7 +221,7 @@ def _safetensors_variants(folder: Path) -> dict[str, Path]:
     data = good.read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     out = {
-        "header-garbage": data[:8] + b"{" + b"x" * (n - 1) + data[8 + n:],
+        "header-garbage": data[:8] + b"{" + b"x" * (n - 1) + data[8 + n :],
         "header-length": struct.pack("<Q", 1 << 40) + data[8:],
         "truncated": data[:-5],
         "tiny": b"abc",
@@ -267,8 +277,9 @@ def test_convert_trust_pickle_on_garbage_pt_is_a_clean_error(tmp_path: Path) -> 
 
 def test_convert_garbage_pt_is_not_called_an_unsafe_pickle(tmp_path: Path) -> None:
     src = _garbage_deepspeed(tmp_path / "ds")
-    line = cli_error_line(runner.invoke(app, ["convert", str(src), str(tmp_path / "out")]), 2,
-                           "mp_rank_00_model_states.pt")
+    line = cli_error_line(
+        runner.invoke(app, ["convert", str(src), str(tmp_path / "out")]), 2, "mp_rank_00_model_states.pt"
+    )
     assert "--trust-pickle" not in line and "not a readable" in line
 
 
@@ -277,13 +288,15 @@ def test_convert_destination_checks(tmp_path: Path) -> None:
     save_file({"w": torch.ones(2)}, src)
     (tmp_path / "plain").write_text("keep")
     cli_error_line(runner.invoke(app, ["convert", str(src), str(tmp_path / "plain")]), 2, "already exists")
-    cli_error_line(runner.invoke(app, ["convert", str(src), str(tmp_path / "plain"), "--force"]), 2,
-                    "not a UCP checkpoint")
+    cli_error_line(
+        runner.invoke(app, ["convert", str(src), str(tmp_path / "plain"), "--force"]), 2, "not a UCP checkpoint"
+    )
     assert (tmp_path / "plain").read_text() == "keep"
 
 
-def test_convert_url_destination_is_not_written_as_a_local_folder(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_url_destination_is_not_written_as_a_local_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(2)}, src)
     work = tmp_path / "cwd"
@@ -304,13 +317,16 @@ def test_convert_from_hf_refuses_a_ucp_checkpoint(ckpt: Path, tmp_path: Path) ->
 # -- export -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--memory-budget", "0"], "--memory-budget"),
-    (["--memory-budget", "-1"], "--memory-budget"),
-    (["--max-shard-size", "0"], "--max-shard-size"),
-    (["--format", "zarr", "--level", "99"], "level 99"),
-    (["--level", "3"], "--level apply to --format zarr only"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--memory-budget", "0"], "--memory-budget"),
+        (["--memory-budget", "-1"], "--memory-budget"),
+        (["--max-shard-size", "0"], "--max-shard-size"),
+        (["--format", "zarr", "--level", "99"], "level 99"),
+        (["--level", "3"], "--level apply to --format zarr only"),
+    ],
+)
 def test_export_bad_options_exit_2(ckpt: Path, tmp_path: Path, args: list[str], words: str) -> None:
     cli_error_line(runner.invoke(app, ["export", str(ckpt), str(tmp_path / "o"), *args]), 2, words)
     assert not (tmp_path / "o").exists()
@@ -326,8 +342,9 @@ def test_export_chunk_mb_must_be_a_positive_number(ckpt: Path, tmp_path: Path, v
 def test_export_destination_checks(ckpt: Path, tmp_path: Path) -> None:
     cli_error_line(runner.invoke(app, ["export", str(ckpt), "memory://ucp-review-export/o"]), 2, "local paths only")
     (tmp_path / "plain").write_text("keep")
-    cli_error_line(runner.invoke(app, ["export", str(ckpt), str(tmp_path / "plain"), "--overwrite"]), 2,
-                    "not a directory")
+    cli_error_line(
+        runner.invoke(app, ["export", str(ckpt), str(tmp_path / "plain"), "--overwrite"]), 2, "not a directory"
+    )
     cli_error_line(runner.invoke(app, ["export", str(tmp_path / "nothing"), str(tmp_path / "o")]), 2, "nothing")
     assert sorted(os.listdir(tmp_path)) == ["ck", "plain"]
 
@@ -370,11 +387,15 @@ def test_convert_force_onto_a_symlink_leaves_no_leftover(ckpt: Path, tmp_path: P
 # -- reshape ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("damage,words", [
-    (lambda d: os.truncate(d / "rank-00000.safetensors", 0), "truncated"),
-    (lambda d: (d / "rank-00000.safetensors").unlink(), "missing"),
-    (lambda d: _patch(d / "rank-00000.safetensors", 4100, b"\xff"), "CRC-32C"),
-], ids=["truncated", "missing", "flipped"])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (lambda d: os.truncate(d / "rank-00000.safetensors", 0), "truncated"),
+        (lambda d: (d / "rank-00000.safetensors").unlink(), "missing"),
+        (lambda d: _patch(d / "rank-00000.safetensors", 4100, b"\xff"), "CRC-32C"),
+    ],
+    ids=["truncated", "missing", "flipped"],
+)
 def test_reshape_damaged_source_fails_cleanly(ckpt: Path, tmp_path: Path, damage, words: str) -> None:  # noqa: ANN001
     damage(ckpt)
     cli_error_line(runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o")]), 2, "rank-00000.safetensors", words)
@@ -385,10 +406,10 @@ def test_reshape_bad_targets(ckpt: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{bad")
     o = str(tmp_path / "o")
     cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--tp", "2"]), 2, "records no layout")
-    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "nofile.json")]), 2,
-                    "nofile.json")
-    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "bad.json")]), 2,
-                    "bad.json")
+    cli_error_line(
+        runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "nofile.json")]), 2, "nofile.json"
+    )
+    cli_error_line(runner.invoke(app, ["reshape", str(ckpt), o, "--layout", str(tmp_path / "bad.json")]), 2, "bad.json")
     cli_error_line(runner.invoke(app, ["reshape", str(ckpt), str(ckpt)]), 2, "already exists")
     assert sorted(os.listdir(tmp_path)) == ["bad.json", "ck"]
 
@@ -399,8 +420,9 @@ def test_reshape_memory_budget_below_minimum(ckpt: Path, tmp_path: Path) -> None
     assert not (tmp_path / "o").exists()
 
 
-def test_reshape_json_stays_json_when_verify_finds_problems(ckpt: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reshape_json_stays_json_when_verify_finds_problems(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bad = types.SimpleNamespace(kind="CorruptCheckpointError", message="tensor 'model.w': CRC-32C mismatch")
     monkeypatch.setattr(ucp, "verify", lambda path, **kw: types.SimpleNamespace(ok=False, problems=[bad]))
     result = runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o"), "--verify", "--json"])

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from typer.testing import CliRunner
+from ucp_helpers import cli_error_line
 
 import ucp
 from ucp.cli.main import app
 from ucp.cli.verify import VerifyOutput
 from ucp.manager import CheckpointManager
-from ucp_helpers import cli_error_line
 
 runner = CliRunner()
 
@@ -117,13 +117,20 @@ def test_manifest_that_is_a_directory_is_no_checkpoint(ckpt: Path) -> None:
 # -- state-tree errors name the manifest --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("state,words", [
-    ({"tensor": "nope"}, "state: the root must be a dict node"),
-    ({"dict": {"model": {"dict": {"w": {"tensor": "model.w"}}}, "step": {"pickle": 1}}},
-     "state['step']: a state node must be"),
-    ({"dict": {"model": {"dict": {"w": {"tensor": "model.w"}}}, "step": {"items": 3}}},
-     "state['step']: 'items' must hold a list of [key, value] pairs"),
-])
+@pytest.mark.parametrize(
+    "state,words",
+    [
+        ({"tensor": "nope"}, "state: the root must be a dict node"),
+        (
+            {"dict": {"model": {"dict": {"w": {"tensor": "model.w"}}}, "step": {"pickle": 1}}},
+            "state['step']: a state node must be",
+        ),
+        (
+            {"dict": {"model": {"dict": {"w": {"tensor": "model.w"}}}, "step": {"items": 3}}},
+            "state['step']: 'items' must hold a list of [key, value] pairs",
+        ),
+    ],
+)
 def test_state_tree_errors_name_the_manifest_and_node(ckpt: Path, state: dict, words: str) -> None:
     _edit_manifest(ckpt, lambda m: m.update(state=state))
     manifest = str(ckpt / "manifest.json")
@@ -164,21 +171,34 @@ def test_reshape_budget_below_the_minimum_is_a_bad_option(ckpt: Path, tmp_path: 
 
 
 def test_reshape_verify_json_carries_the_problems(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = types.SimpleNamespace(kind="CorruptCheckpointError", message="tensor 'model.w': CRC-32C mismatch [x]",
-                                file="rank-00000.safetensors", tensor="model.w", offset=4096)
+    bad = types.SimpleNamespace(
+        kind="CorruptCheckpointError",
+        message="tensor 'model.w': CRC-32C mismatch [x]",
+        file="rank-00000.safetensors",
+        tensor="model.w",
+        offset=4096,
+    )
     monkeypatch.setattr(ucp, "verify", lambda path, **kw: types.SimpleNamespace(ok=False, problems=[bad]))
     result = runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o"), "--verify", "--json"])
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
     assert doc["verified"] is False
-    assert doc["problems"] == [{"kind": "CorruptCheckpointError", "message": bad.message,
-                                "file": "rank-00000.safetensors", "tensor": "model.w", "offset": 4096}]
+    assert doc["problems"] == [
+        {
+            "kind": "CorruptCheckpointError",
+            "message": bad.message,
+            "file": "rank-00000.safetensors",
+            "tensor": "model.w",
+            "offset": 4096,
+        }
+    ]
     text = runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "t"), "--verify"])
     assert text.exit_code == 1 and bad.message in text.stdout  # printed as written: "[x]" is no markup
 
 
-def test_reshape_verify_that_cannot_read_back_is_a_problem(ckpt: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reshape_verify_that_cannot_read_back_is_a_problem(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def refuse(path, **kw):  # noqa: ANN001, ANN003, ANN202
         raise PermissionError(13, "Permission denied", str(Path(path) / "manifest.json"))
 
@@ -197,15 +217,22 @@ def test_reshape_verify_clean_has_no_problems(ckpt: Path, tmp_path: Path) -> Non
     assert result.exit_code == 0 and doc["verified"] is True and doc["problems"] == []
 
 
-@pytest.mark.parametrize("metadata,words", [
-    ({"layout": {"mesh": {"tp": "x"}}}, "metadata.layout is not a valid layout: "),
-    ({"shapes": 5}, "metadata.shapes must be a list of [name, shape] pairs"),
-])
+@pytest.mark.parametrize(
+    "metadata,words",
+    [
+        ({"layout": {"mesh": {"tp": "x"}}}, "metadata.layout is not a valid layout: "),
+        ({"shapes": 5}, "metadata.shapes must be a list of [name, shape] pairs"),
+    ],
+)
 def test_reshape_bad_recorded_layout_is_one_line(tmp_path: Path, metadata: dict, words: str) -> None:
     src = tmp_path / "src"
     ucp.save({"model": {"w": torch.ones(4, 4)}}, src, metadata=metadata)
-    line = cli_error_line(runner.invoke(app, ["reshape", str(src), str(tmp_path / "o"), "--tp", "2"]), 2,
-                       str(src / "manifest.json"), words)
+    line = cli_error_line(
+        runner.invoke(app, ["reshape", str(src), str(tmp_path / "o"), "--tp", "2"]),
+        2,
+        str(src / "manifest.json"),
+        words,
+    )
     assert "pydantic" not in line
     assert not (tmp_path / "o").exists()
 
@@ -220,11 +247,17 @@ def _root_with_two_steps(root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("pointer,words", [
-    (None, "there is no 'latest' pointer"),
-    (b"{ not json", "the 'latest' pointer cannot be read"),
-    (json.dumps({"step": 3, "name": "step-00000003"}).encode(), "'latest' names step-00000003, which is not complete"),
-])
+@pytest.mark.parametrize(
+    "pointer,words",
+    [
+        (None, "there is no 'latest' pointer"),
+        (b"{ not json", "the 'latest' pointer cannot be read"),
+        (
+            json.dumps({"step": 3, "name": "step-00000003"}).encode(),
+            "'latest' names step-00000003, which is not complete",
+        ),
+    ],
+)
 def test_ls_latest_is_what_a_resume_loads(tmp_path: Path, pointer: bytes | None, words: str) -> None:
     root = _root_with_two_steps(tmp_path / "root")
     (root / "latest").unlink()

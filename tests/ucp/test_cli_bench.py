@@ -79,7 +79,12 @@ def test_bench_io_json_has_every_method_with_verified_data(tmp_path: Path) -> No
         assert m.verified is (None if m.kind == "raw" else True)
     assert res.method(expected_raw).write_vs_raw == pytest.approx(1.0)  # type: ignore[union-attr]
     assert res.method("torch").read_vs_torch == pytest.approx(1.0)  # type: ignore[union-attr]
-    assert [c.name for c in res.checks] == ["ucp_write_vs_raw", "ucp_read_vs_raw", "ucp_write_vs_torch", "ucp_read_vs_torch"]
+    assert [c.name for c in res.checks] == [
+        "ucp_write_vs_raw",
+        "ucp_read_vs_raw",
+        "ucp_write_vs_torch",
+        "ucp_read_vs_torch",
+    ]
     assert all(isinstance(c.passed, bool) and c.method in ("ucp-libaio", "ucp-threads") for c in res.checks)
     assert isinstance(res.all_checks_passed, bool)
     assert list(tmp_path.iterdir()) == []  # every method's file was deleted
@@ -123,13 +128,17 @@ def test_bench_refuses_to_report_wrong_data(tmp_path: Path, monkeypatch: pytest.
     the whole buffer is poisoned before every read, so stale bytes cannot pass."""
     monkeypatch.setattr(AioHandle, "read_file", lambda self, path, out=None: out)
     options = BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, methods=["threads"], drop_caches=False)
-    with pytest.raises(BenchError, match=r"ucp aio threads read back wrong bytes from .*ucp-bench-ucp-threads\.bin at offset \d+"):
+    with pytest.raises(
+        BenchError, match=r"ucp aio threads read back wrong bytes from .*ucp-bench-ucp-threads\.bin at offset \d+"
+    ):
         run_bench_io(options)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_markdown_report_has_table_and_command(tmp_path: Path) -> None:
-    options = BenchIoOptions(size_gib=0.004, rounds=1, directory=tmp_path, methods=["threads", "torch"], drop_caches=False)
+    options = BenchIoOptions(
+        size_gib=0.004, rounds=1, directory=tmp_path, methods=["threads", "torch"], drop_caches=False
+    )
     res = run_bench_io(options, command="ucp bench io --size-gib 0.004")
     md = to_markdown(res)
     assert md.splitlines()[0].startswith("| method | write GB/s | read GB/s |")

@@ -11,12 +11,12 @@ import torch
 import zarr
 from safetensors.torch import load_file
 from typer.testing import CliRunner
+from ucp_helpers import random_tensor, same_bytes, save_ranks
 
 import ucp
 from ucp.cli.main import app
-from ucp.exporters import ExportReport
-from ucp.exporters.zarr_export import read_tensor
-from ucp_helpers import random_tensor, same_bytes, save_ranks
+from ucp.convert.exporters import ExportReport
+from ucp.convert.exporters.zarr_export import read_tensor
 
 runner = CliRunner()
 W = random_tensor(torch.float32, (16, 8), seed=1)
@@ -27,10 +27,20 @@ N = random_tensor(torch.int64, (3,), seed=3)
 @pytest.fixture()
 def ckpt(tmp_path: Path) -> Path:
     """2 ranks: W in row shards, B replicated, N a plain int tensor; an optimizer section besides the model."""
-    states = [{"model": {"w": ucp.ShardedTensor(W[r * 8:(r + 1) * 8].clone(), (16, 8), (r * 8, 0)), "b": B.clone(),
-                         "n": N.clone()},
-               "optimizer": {"exp_avg": {"w": ucp.FlatShard(W.reshape(-1)[r * 64:(r + 1) * 64].clone(), (16, 8), r * 64)}},
-               "step": 4} for r in range(2)]
+    states = [
+        {
+            "model": {
+                "w": ucp.ShardedTensor(W[r * 8 : (r + 1) * 8].clone(), (16, 8), (r * 8, 0)),
+                "b": B.clone(),
+                "n": N.clone(),
+            },
+            "optimizer": {
+                "exp_avg": {"w": ucp.FlatShard(W.reshape(-1)[r * 64 : (r + 1) * 64].clone(), (16, 8), r * 64)}
+            },
+            "step": 4,
+        }
+        for r in range(2)
+    ]
     save_ranks(tmp_path / "step-4", states, step=4, mesh={"dp": 2})
     return tmp_path / "step-4"
 
@@ -40,7 +50,9 @@ def _invoke(*args: str):
 
 
 def test_hf_json_report(ckpt: Path, tmp_path: Path) -> None:
-    result = _invoke(ckpt, tmp_path / "hf", "--format", "hf", "--max-shard-size", "550B", "--memory-budget", "1KiB", "--json")
+    result = _invoke(
+        ckpt, tmp_path / "hf", "--format", "hf", "--max-shard-size", "550B", "--memory-budget", "1KiB", "--json"
+    )
     assert result.exit_code == 0, result.output
     report = ExportReport.model_validate(json.loads(result.stdout))
     assert report.format == "hf" and report.tensors == 3 and report.section == "model"
@@ -61,8 +73,21 @@ def test_hf_cast_and_section_text_output(ckpt: Path, tmp_path: Path) -> None:
 
 def test_zarr(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "m.zarr"
-    result = _invoke(ckpt, out, "--format", "zarr", "--compressor", "blosc", "--level", "3", "--chunk-mb", "0.0002",
-                     "--section", "all", "--json")
+    result = _invoke(
+        ckpt,
+        out,
+        "--format",
+        "zarr",
+        "--compressor",
+        "blosc",
+        "--level",
+        "3",
+        "--chunk-mb",
+        "0.0002",
+        "--section",
+        "all",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     report = ExportReport.model_validate(json.loads(result.stdout))
     assert sorted(report.files) == ["model.b", "model.n", "model.w", "optimizer.exp_avg.w"]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from typer.testing import CliRunner
+from ucp_helpers import random_tensor, save_ranks
 
 import ucp
 from ucp.cli.inspect import InspectReport
 from ucp.cli.main import app
 from ucp.cli.verify import VerifyOutput
-from ucp_helpers import random_tensor, save_ranks
 
 runner = CliRunner()
 W = random_tensor(torch.float32, (8, 6), seed=1)
@@ -28,8 +28,12 @@ def _states() -> list[dict]:
     return [
         {
             "model": {"w": ucp.ShardedTensor(W[r * 4 : (r + 1) * 4].clone(), (8, 6), (r * 4, 0)), "b": B.clone()},
-            "optim": {"state": {0: {"f": ucp.FlatShard(F.reshape(-1)[cut[r] : cut[r + 1]].clone(), (5, 7), cut[r]), "step": 7}},
-                      "param_groups": [{"lr": 0.5, "betas": (0.9, 0.95), "params": [0]}]},
+            "optim": {
+                "state": {
+                    0: {"f": ucp.FlatShard(F.reshape(-1)[cut[r] : cut[r + 1]].clone(), (5, 7), cut[r]), "step": 7}
+                },
+                "param_groups": [{"lr": 0.5, "betas": (0.9, 0.95), "params": [0]}],
+            },
             "epoch": float("inf"),
         }
         for r in range(2)
@@ -77,7 +81,8 @@ def test_inspect_json_describes_everything(ckpt: Path) -> None:
     assert len(tensors["model.b"].pieces) == 1  # replicated: written once
     for t in rep.tensors:  # offsets, lengths and CRCs exactly as in the manifest
         assert [(p.file, p.offset, p.length, p.crc32c) for p in t.pieces] == [
-            (p.file, p.offset, p.length, p.crc32c) for p in m.tensors[t.name].pieces]
+            (p.file, p.offset, p.length, p.crc32c) for p in m.tensors[t.name].pieces
+        ]
     assert rep.tensor_bytes == 8 * 6 * 4 + 5 * 7 * 8 + 3 * 4 * 2 and rep.piece_count == 5
     assert rep.dtypes == {"F32": 192, "I64": 280, "BF16": 24}
     sizes = {f.name: f.size for f in rep.files}
@@ -96,8 +101,18 @@ def test_inspect_table_and_tensor_filter(ckpt: Path) -> None:
     result = runner.invoke(app, ["inspect", str(ckpt)])
     assert result.exit_code == 0, result.output
     text = result.stdout
-    for needle in ("model.w", "optim.state.0.f", "rank-00000.safetensors", "[4:8, 0:6]", "flat[16:35)",
-                   "step 7", "world size 2", "dp=2", '"run": "unit"', "optim.param_groups[0].lr"):
+    for needle in (
+        "model.w",
+        "optim.state.0.f",
+        "rank-00000.safetensors",
+        "[4:8, 0:6]",
+        "flat[16:35)",
+        "step 7",
+        "world size 2",
+        "dp=2",
+        '"run": "unit"',
+        "optim.param_groups[0].lr",
+    ):
         assert needle in text, needle
     only = runner.invoke(app, ["inspect", str(ckpt), "--json", "--tensor", "model.*"])
     assert only.exit_code == 0, only.output
@@ -167,7 +182,12 @@ def test_verify_flipped_byte_names_tensor_file_and_offset(ckpt: Path) -> None:
     out = VerifyOutput.model_validate(json.loads(js.stdout))
     assert not out.ok and out.exit_code == 1 and out.files_checked == 1
     [p] = out.problems
-    assert (p.kind, p.tensor, p.file, p.offset) == ("CorruptCheckpointError", "optim.state.0.f", piece.file, piece.offset)
+    assert (p.kind, p.tensor, p.file, p.offset) == (
+        "CorruptCheckpointError",
+        "optim.state.0.f",
+        piece.file,
+        piece.offset,
+    )
 
 
 def test_verify_truncated_file(ckpt: Path) -> None:

@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
+from ucp_helpers import cli_error_line
 
 import ucp
 from ucp.cli.main import app
-from ucp.importers import ForeignCheckpointError, UnknownFormatError, UnsafePickleError
-from ucp.importers.hf import read_hf
-from ucp.importers.pickles import load_torch, load_torch_bytes
-from ucp.storage import LocalStorage
-from ucp_helpers import cli_error_line
+from ucp.convert.importers import ForeignCheckpointError, UnknownFormatError, UnsafePickleError
+from ucp.convert.importers.hf import read_hf
+from ucp.convert.importers.pickles import load_torch, load_torch_bytes
+from ucp.store.storage import LocalStorage
 
 runner = CliRunner()
 W = torch.arange(12.0).reshape(3, 4)
@@ -55,8 +55,9 @@ def mem_url():
 # -- convert: URLs ------------------------------------------------------------------------------------
 
 
-def test_convert_writes_a_url_destination_through_ucp_save(weights: Path, tmp_path: Path, mem_url: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_writes_a_url_destination_through_ucp_save(
+    weights: Path, tmp_path: Path, mem_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     before = sorted(os.listdir(tmp_path))
     result = runner.invoke(app, ["convert", str(weights), mem_url, "--json"])
@@ -76,8 +77,9 @@ def test_convert_force_never_replaces_a_non_checkpoint_url(weights: Path, mem_ur
     fs = fsspec.filesystem("memory")
     path = mem_url.removeprefix("memory://")
     fs.pipe(f"{path}/keep.txt", b"keep")
-    cli_error_line(runner.invoke(app, ["convert", str(weights), mem_url, "--force"]), 2, mem_url,
-                "not a UCP checkpoint")
+    cli_error_line(
+        runner.invoke(app, ["convert", str(weights), mem_url, "--force"]), 2, mem_url, "not a UCP checkpoint"
+    )
     assert fs.cat(f"{path}/keep.txt") == b"keep"
 
 

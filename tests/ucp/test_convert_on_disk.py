@@ -33,11 +33,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import ucp  # noqa: E402
-import ucp.importers.deepspeed as ds  # noqa: E402
+import ucp.convert.importers.deepspeed as ds  # noqa: E402
 from tests.ucp.ucp_helpers import assert_same_state  # noqa: E402
-from ucp.importers import ForeignCheckpointError, UnsafePickleError, convert, read  # noqa: E402
-from ucp.importers.common import count_stored  # noqa: E402
-from ucp.sharding import Shards  # noqa: E402
+from ucp.convert.importers import ForeignCheckpointError, UnsafePickleError, convert, read  # noqa: E402
+from ucp.convert.importers.common import count_stored  # noqa: E402
+from ucp.format.sharding import Shards  # noqa: E402
 
 PEER_CACHE = Path(os.environ.get("UCP_PEER_CACHE", "/tmp/ucp-peer-cache"))
 MAX_PEER_BYTES = 100 << 20  # the gpt-100m checkpoint (1.5 GB) is not converted here
@@ -86,8 +86,11 @@ def copy_ckpt(ckpt: Path, dst: Path) -> Path:
 
 def digest(folder: Path) -> dict[str, tuple[str, int]]:
     """Every file under ``folder``: content hash and mtime."""
-    return {str(f.relative_to(folder)): (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns)
-            for f in sorted(folder.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(folder)): (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns)
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+    }
 
 
 def tensor_leaves(state: Any) -> int:
@@ -168,8 +171,9 @@ def test_on_disk_convert_equals_torch_path(tmp_path: Path, monkeypatch: pytest.M
     assert ma.state == mb.state
     assert ma.metadata == mb.metadata
     assert ma.step == mb.step == ra.step == rb.step == h["steps"]
-    assert {n: (e.dtype, list(e.shape)) for n, e in ma.tensors.items()} == \
-        {n: (e.dtype, list(e.shape)) for n, e in mb.tensors.items()}
+    assert {n: (e.dtype, list(e.shape)) for n, e in ma.tensors.items()} == {
+        n: (e.dtype, list(e.shape)) for n, e in mb.tensors.items()
+    }
     assert ra.tensors == rb.tensors == len(mb.tensors) and ra.format == rb.format == "deepspeed"
     assert ma.topology.world_size == mb.topology.world_size == 1
     report = ucp.verify(a)
@@ -204,8 +208,9 @@ def test_universal_on_disk_convert_equals_torch_path(tmp_path: Path, name: str) 
 def test_cli_convert_and_verify(tmp_path: Path) -> None:
     ckpt = find(1, "bf16")
     dst = tmp_path / "cli"
-    run = subprocess.run([PY, "-m", "ucp.cli", "convert", str(ckpt), str(dst), "--json"], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [PY, "-m", "ucp.cli", "convert", str(ckpt), str(dst), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["format"] == "deepspeed" and report["tensors"] == len(ucp.read_manifest(dst).tensors)
@@ -215,20 +220,22 @@ def test_cli_convert_and_verify(tmp_path: Path) -> None:
 
 NO_TORCH = """
 import sys
-from ucp.importers import convert
+from ucp.convert.importers import convert
 report = convert(sys.argv[1], sys.argv[2])
 print(report.tensors, 'torch' in sys.modules)
 """
 
 
 @needs_cache
-@pytest.mark.parametrize("config", [(2, "fp32"), (1, "bf16"), (3, "fp32"), (3, "bf16")],
-                         ids=["z2-fp32", "z1-bf16", "z3-fp32", "z3-bf16"])
+@pytest.mark.parametrize(
+    "config", [(2, "fp32"), (1, "bf16"), (3, "fp32"), (3, "bf16")], ids=["z2-fp32", "z1-bf16", "z3-fp32", "z3-bf16"]
+)
 def test_on_disk_convert_does_not_import_torch(tmp_path: Path, config: tuple) -> None:
     stage, dtype = config
     ckpt = find(stage, dtype)
-    run = subprocess.run([PY, "-c", NO_TORCH, str(ckpt), str(tmp_path / "out")], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+    run = subprocess.run(
+        [PY, "-c", NO_TORCH, str(ckpt), str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert run.returncode == 0, run.stderr
     tensors, imported = run.stdout.split()
     expect_torch = stage == 3 and dtype == "bf16"  # the cast of the masters to bf16 weights needs torch
@@ -240,8 +247,13 @@ def test_on_disk_convert_does_not_import_torch(tmp_path: Path, config: tuple) ->
 @needs_cache
 def test_cli_convert_does_not_import_torch(tmp_path: Path) -> None:
     ckpt = find(2, "fp32")
-    run = subprocess.run([PY, "-X", "importtime", "-m", "ucp.cli", "convert", str(ckpt), str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    run = subprocess.run(
+        [PY, "-X", "importtime", "-m", "ucp.cli", "convert", str(ckpt), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     modules = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
     assert "numpy" in modules  # importtime works here
@@ -442,15 +454,23 @@ def test_overwrite_through_a_symlink_keeps_its_target(tmp_path: Path) -> None:
 def test_write_stored_every_dtype_and_parts_in_two_folders(tmp_path: Path) -> None:
     """write_stored on its own: dtypes DeepSpeed files do not hold, 0-d and empty tensors, a leaf whose
     parts lie in files of different folders, plain values; all bit-exact after ucp.load."""
-    from ucp.importers.common import Imported
-    from ucp.importers.stored import stored_leaf
-    from ucp.importers.torch_archive import read_archive
-    from ucp.importers.write_stored import write_stored
+    from ucp.convert.importers.common import Imported
+    from ucp.convert.importers.stored import stored_leaf
+    from ucp.convert.importers.torch_archive import read_archive
+    from ucp.convert.importers.write_stored import write_stored
 
-    values = {"f32": torch.randn(3, 4), "i64": torch.arange(-3, 5), "bool": torch.tensor([True, False, True]),
-              "f16": torch.randn(7).half(), "bf16": torch.randn(2, 2, 2).bfloat16(), "zero_d": torch.tensor(3.5),
-              "i8": torch.tensor([-1, 2], dtype=torch.int8), "f64": torch.randn(2, dtype=torch.float64),
-              "empty": torch.empty(0), "u8": torch.arange(250, 256, dtype=torch.uint8)}
+    values = {
+        "f32": torch.randn(3, 4),
+        "i64": torch.arange(-3, 5),
+        "bool": torch.tensor([True, False, True]),
+        "f16": torch.randn(7).half(),
+        "bf16": torch.randn(2, 2, 2).bfloat16(),
+        "zero_d": torch.tensor(3.5),
+        "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "f64": torch.randn(2, dtype=torch.float64),
+        "empty": torch.empty(0),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+    }
     (tmp_path / "a").mkdir()
     (tmp_path / "b" / "c").mkdir(parents=True)
     torch.save(values, tmp_path / "a" / "v.pt")
@@ -462,19 +482,27 @@ def test_write_stored_every_dtype_and_parts_in_two_folders(tmp_path: Path) -> No
     manifest = write_stored(Imported(state=state, step=7, metadata={"k": "v"}), str(tmp_path / "out"))
     assert manifest.step == 7 and ucp.verify(tmp_path / "out").ok
     got = ucp.load(tmp_path / "out")
-    want = {"v": values, "leaf": torch.tensor([[0.0, 1, 2, 3, 10], [11, 12, 13, 14, 15]]), "n": 3, "s": "text",
-            "l": [1, None]}
+    want = {
+        "v": values,
+        "leaf": torch.tensor([[0.0, 1, 2, 3, 10], [11, 12, 13, 14, 15]]),
+        "n": 3,
+        "s": "text",
+        "l": [1, None],
+    }
     assert_same_state(got, want)
     assert ucp.read_manifest(tmp_path / "out").metadata["k"] == "v"
 
 
-@pytest.mark.parametrize("parts", [[(0, 4, 0), (3, 10, 3)], [(0, 4, 0), (5, 10, 5)], [(0, 10, 0), (0, 10, 0)]],
-                         ids=["overlap", "gap", "twice"])
+@pytest.mark.parametrize(
+    "parts",
+    [[(0, 4, 0), (3, 10, 3)], [(0, 4, 0), (5, 10, 5)], [(0, 10, 0), (0, 10, 0)]],
+    ids=["overlap", "gap", "twice"],
+)
 def test_write_stored_refuses_parts_that_do_not_cover(tmp_path: Path, parts: list) -> None:
-    from ucp.importers.common import Imported
-    from ucp.importers.stored import StoredLeaf
-    from ucp.importers.torch_archive import read_archive
-    from ucp.importers.write_stored import write_stored
+    from ucp.convert.importers.common import Imported
+    from ucp.convert.importers.stored import StoredLeaf
+    from ucp.convert.importers.torch_archive import read_archive
+    from ucp.convert.importers.write_stored import write_stored
 
     torch.save({"x": torch.arange(10.0)}, tmp_path / "x.pt")
     x = read_archive(tmp_path / "x.pt")["x"]
@@ -492,6 +520,7 @@ def _fail_halfway(exc: BaseException):
     def progress(done: int, total: int, what: str) -> None:
         if total > 100_000 and done > total // 2:  # the write phase (bytes), half done
             raise exc
+
     return progress
 
 
@@ -524,7 +553,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path: Path) -> None:
 @needs_cache
 def test_write_error_from_the_disk_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An OSError inside the data file writer (ENOSPC-like), not from a callback."""
-    import ucp.reshape as reshape
+    import ucp.convert.reshape as reshape
 
     real = reshape.write_rank_file
 
@@ -554,7 +583,7 @@ def test_write_error_from_the_disk_leaves_nothing(tmp_path: Path, monkeypatch: p
 
 KILLED = """
 import os, signal, sys
-from ucp.importers import convert
+from ucp.convert.importers import convert
 
 def progress(done, total, what):
     if total > 100_000 and done > total // 2:

@@ -1,4 +1,4 @@
-"""Copy-on-write snapshots (ucp/cow.py, ucp/cow_helper.py): save returns at once, the checkpoint holds the
+"""Copy-on-write snapshots (ucp/saving/cow/snapshot.py, ucp/saving/cow/helper.py): save returns at once, the checkpoint holds the
 state of the call whatever writes it next, and a failing helper fails the save without blocking training."""
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ucp  # noqa: E402
-from ucp import cow as ucp_cow  # noqa: E402
-from ucp.async_saving import AsyncSaver  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
-needs_cow = pytest.mark.skipif(ucp_cow.cow_unavailable() is not None,
-                               reason=f"copy-on-write snapshots unavailable: {ucp_cow.cow_unavailable()}")
+import ucp  # noqa: E402
+from ucp.saving.async_save import AsyncSaver  # noqa: E402
+from ucp.saving.cow import snapshot as ucp_cow  # noqa: E402
+
+needs_cow = pytest.mark.skipif(
+    ucp_cow.cow_unavailable() is not None, reason=f"copy-on-write snapshots unavailable: {ucp_cow.cow_unavailable()}"
+)
 
 
 def state_of(seed: int = 0) -> dict:

@@ -1,4 +1,4 @@
-"""Edge cases of copy-on-write snapshots (ucp/cow.py, ucp/cow_helper.py, AsyncSaver(snapshot="cow")), from a
+"""Edge cases of copy-on-write snapshots (ucp/saving/cow/snapshot.py, ucp/saving/cow/helper.py, AsyncSaver(snapshot="cow")), from a
 review that found twelve bugs (wrong bytes after abandoned jobs and shared memory, failed saves committed,
 no fallback when the helper cannot start, leaks); each is now a passing test here.
 
@@ -25,13 +25,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import ucp  # noqa: E402
-from ucp import cow as ucp_cow  # noqa: E402
-from ucp.async_saving import AsyncSaver  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor  # noqa: E402
 
-needs_cow = pytest.mark.skipif(ucp_cow.cow_unavailable() is not None,
-                               reason=f"copy-on-write snapshots unavailable: {ucp_cow.cow_unavailable()}")
+import ucp  # noqa: E402
+from ucp.saving.async_save import AsyncSaver  # noqa: E402
+from ucp.saving.cow import snapshot as ucp_cow  # noqa: E402
+
+needs_cow = pytest.mark.skipif(
+    ucp_cow.cow_unavailable() is not None, reason=f"copy-on-write snapshots unavailable: {ucp_cow.cow_unavailable()}"
+)
 
 
 # -- running a scenario in a child process -------------------------------------------------------
@@ -49,8 +51,14 @@ def run_body(name: str, tmp_path: Path, timeout: float = 120.0) -> str:
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=str(HERE.parent.parent))
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=str(HERE.parent.parent),
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"scenario {name} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}")
     out = proc.stdout + proc.stderr
@@ -108,8 +116,11 @@ def alive(pid: int) -> bool:
 
 
 def my_fds() -> set[str]:
-    return {f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}" for fd in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{fd}")}
+    return {
+        f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}"
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    }
 
 
 def ucp_maps(pid: int) -> int:
@@ -121,8 +132,18 @@ def ucp_maps(pid: int) -> int:
 
 
 def _body_many_tiny_tensors(tmp: str) -> None:
-    dtypes = [torch.float32, torch.int8, torch.bfloat16, torch.bool, torch.complex64, torch.float64,
-              torch.float16, torch.int64, torch.uint8, torch.int16]
+    dtypes = [
+        torch.float32,
+        torch.int8,
+        torch.bfloat16,
+        torch.bool,
+        torch.complex64,
+        torch.float64,
+        torch.float16,
+        torch.int64,
+        torch.uint8,
+        torch.int16,
+    ]
     state: dict = {}
     for i in range(3000):
         dt = dtypes[i % len(dtypes)]
@@ -148,10 +169,14 @@ def _body_views_of_one_storage(tmp: str) -> None:
     base = random_tensor(torch.float32, (3 << 19,), 1)  # 6 MiB: three helper blocks
     raw = random_tensor(torch.uint8, (5 << 20,), 2)
     state = {
-        "a": base[:600000], "b": base[400000:], "whole": base, "same": base, "one": base[524287:524289],
-        "bytes_mid": raw[4095:2 * 1048576 + 3],  # spans a page and a 2 MiB boundary at odd offsets
-        "as_int": raw[8:4 << 20].view(torch.int32),
-        "tail": raw[(5 << 20) - 7:],
+        "a": base[:600000],
+        "b": base[400000:],
+        "whole": base,
+        "same": base,
+        "one": base[524287:524289],
+        "bytes_mid": raw[4095 : 2 * 1048576 + 3],  # spans a page and a 2 MiB boundary at odd offsets
+        "as_int": raw[8 : 4 << 20].view(torch.int32),
+        "tail": raw[(5 << 20) - 7 :],
     }
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
@@ -173,7 +198,7 @@ def _body_gil_held_python_writes(tmp: str) -> None:
         view = memoryview(big.numpy()).cast("B")
         view[-8:] = b"\x11" * 8  # the last block, a pure Python write holding the GIL
         view[:8] = b"\x22" * 8  # the first block
-        view[len(view) // 2: len(view) // 2 + 8] = b"\x33" * 8
+        view[len(view) // 2 : len(view) // 2 + 8] = b"\x33" * 8
         small.numpy()[:] = 7  # numpy holds the GIL too
         h.result(timeout=60)
         assert saver._cow.faulted_blocks >= 3
@@ -309,7 +334,7 @@ def _body_failure_after_send_releases_pages(tmp: str) -> None:
     """An exception in save after the helper got the job: pages are released, tensors not kept forever."""
     import weakref
 
-    import ucp.cow as cow
+    import ucp.saving.cow.snapshot as cow
 
     real = cow.send_message
     state = {"w": random_tensor(torch.float32, (1 << 21,), 14)}
@@ -339,8 +364,8 @@ def _body_failure_after_send_releases_pages(tmp: str) -> None:
 def _body_failed_save_is_not_committed(tmp: str) -> None:
     """save() raised (an error after the helper took the job, e.g. Ctrl-C in the wait for its ack); the
     writer started late (busy disk): the helper's completion must not make it commit that save anyway."""
-    import ucp.background as bg
-    import ucp.cow as cow
+    import ucp.saving.background as bg
+    import ucp.saving.cow.snapshot as cow
 
     real_send, real_execute = cow.send_message, bg.execute
     state = {"w": random_tensor(torch.float32, (1 << 20,), 25)}
@@ -381,7 +406,7 @@ def _body_unreadable_tensor_error_names_it(tmp: str) -> None:
 
 def _body_failure_before_send_does_not_leak(tmp: str) -> None:
     """A non-OSError escaping send_message before anything was sent (e.g. KeyboardInterrupt)."""
-    import ucp.cow as cow
+    import ucp.saving.cow.snapshot as cow
 
     real = cow.send_message
     state = {"w": random_tensor(torch.float32, (1 << 21,), 15)}
@@ -401,7 +426,8 @@ def _body_failure_before_send_does_not_leak(tmp: str) -> None:
             cow.send_message = real
         assert in_thread(lambda: state["w"].add_(1), 30)
         assert not saver._cow._pending, (
-            f"{len(saver._cow._pending)} snapshot(s) never sent stay pending forever, keeping their tensors")
+            f"{len(saver._cow._pending)} snapshot(s) never sent stay pending forever, keeping their tensors"
+        )
         expected = clone(state)
         h = saver.save(state, Path(tmp) / "ck2")
         h.result(timeout=60)
@@ -411,8 +437,8 @@ def _body_failure_before_send_does_not_leak(tmp: str) -> None:
 def _body_abandoned_job_writes_into_reused_arena(tmp: str) -> None:
     """A snapshot that failed after the helper took it: its arena goes back to the pool at once, yet the
     helper still copies into it later; the next save (same layout, other tensors) must not get those bytes."""
-    import ucp.background as bg
-    import ucp.cow as cow
+    import ucp.saving.background as bg
+    import ucp.saving.cow.snapshot as cow
 
     real_send, real_execute = cow.send_message, bg.execute
     n = 1 << 21
@@ -442,13 +468,14 @@ def _body_abandoned_job_writes_into_reused_arena(tmp: str) -> None:
             bg.execute = real_execute
     loaded = ucp.load(Path(tmp) / "new")
     assert torch.equal(loaded["w"], new["w"]), (
-        f"the checkpoint of 'new' holds {loaded['w'].unique().tolist()}: the abandoned snapshot's bytes")
+        f"the checkpoint of 'new' holds {loaded['w'].unique().tolist()}: the abandoned snapshot's bytes"
+    )
 
 
 def _body_protect_timeout_then_helper_resumes(tmp: str) -> None:
     """The helper is stopped when a save starts: after the protect timeout the trainer kills it (so it
     can never write the abandoned job into an arena) and copies itself; later saves copy too."""
-    import ucp.cow as cow
+    import ucp.saving.cow.snapshot as cow
 
     n = 1 << 21
     old = {"w": torch.full((n,), 1.0)}
@@ -535,7 +562,7 @@ def _body_helper_cannot_start(tmp: str) -> None:
 
 def _body_helper_exits_at_start(tmp: str) -> None:
     """The helper starts but dies at once (broken environment): the save copies before returning."""
-    import ucp.cow as cow
+    import ucp.saving.cow.snapshot as cow
 
     real_popen = cow.subprocess.Popen
 

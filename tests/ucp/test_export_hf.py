@@ -12,15 +12,26 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-import ucp
-import ucp.exporters.stream as stream
-from ucp.exporters import ExportError, export, parse_dtype, parse_size, plan_batches, select_tensors
-from ucp.exporters.hf import INDEX, file_layout, plan_shards
 from ucp_helpers import random_tensor, same_bytes, save_ranks
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-          torch.uint8, torch.bool, torch.float8_e4m3fn, torch.complex64]
+import ucp
+import ucp.convert.exporters.stream as stream
+from ucp.convert.exporters import ExportError, export, parse_dtype, parse_size, plan_batches, select_tensors
+from ucp.convert.exporters.hf import INDEX, file_layout, plan_shards
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.complex64,
+]
 
 
 def model_state() -> dict[str, torch.Tensor]:
@@ -36,8 +47,11 @@ def model_state() -> dict[str, torch.Tensor]:
 
 @pytest.fixture()
 def ckpt(tmp_path: Path) -> tuple[Path, dict]:
-    state = {"model": model_state(), "optimizer": {"exp_avg": {"a": random_tensor(torch.float32, (4,), seed=50)},
-                                                   "adam_step": 3}, "step": 9}
+    state = {
+        "model": model_state(),
+        "optimizer": {"exp_avg": {"a": random_tensor(torch.float32, (4,), seed=50)}, "adam_step": 3},
+        "step": 9,
+    }
     path = tmp_path / "step-9"
     ucp.save(state, path, step=9)
     return path, state
@@ -124,11 +138,13 @@ def test_sharded_output_index_and_sizes(tmp_path: Path) -> None:
 
 
 def test_plan_shards_greedy_in_order() -> None:
-    from ucp.exporters.selection import ExportTensor
-    from ucp.manifest import TensorEntry
+    from ucp.convert.exporters.selection import ExportTensor
+    from ucp.format.manifest import TensorEntry
 
-    ts = [ExportTensor(f"n{i}", f"n{i}", TensorEntry(dtype="U8", shape=[n], pieces=[]), torch.uint8)
-          for i, n in enumerate([3, 3, 5, 1, 9, 2])]
+    ts = [
+        ExportTensor(f"n{i}", f"n{i}", TensorEntry(dtype="U8", shape=[n], pieces=[]), torch.uint8)
+        for i, n in enumerate([3, 3, 5, 1, 9, 2])
+    ]
     shards = plan_shards(ts, 6)
     assert [[t.name for t in s] for s in shards] == [["n0", "n1"], ["n2", "n3"], ["n4"], ["n5"]]
     assert plan_shards(ts, None) == [ts]
@@ -154,10 +170,17 @@ def test_multi_rank_sharded_checkpoint_is_consolidated(tmp_path: Path) -> None:
     f = random_tensor(torch.int64, (5, 7), seed=3)
     r = random_tensor(torch.float16, (3, 3), seed=4)
     cut = [0, 16, 35]
-    states = [{"model": {"w": ucp.ShardedTensor(w[k * 4:(k + 1) * 4].clone(), (8, 6), (k * 4, 0)),
-                         "v": ucp.ShardedTensor(v[:, k * 4:(k + 1) * 4].contiguous(), (6, 8), (0, k * 4)),
-                         "f": ucp.FlatShard(f.reshape(-1)[cut[k]:cut[k + 1]].clone(), (5, 7), cut[k]),
-                         "r": r.clone()}} for k in range(2)]
+    states = [
+        {
+            "model": {
+                "w": ucp.ShardedTensor(w[k * 4 : (k + 1) * 4].clone(), (8, 6), (k * 4, 0)),
+                "v": ucp.ShardedTensor(v[:, k * 4 : (k + 1) * 4].contiguous(), (6, 8), (0, k * 4)),
+                "f": ucp.FlatShard(f.reshape(-1)[cut[k] : cut[k + 1]].clone(), (5, 7), cut[k]),
+                "r": r.clone(),
+            }
+        }
+        for k in range(2)
+    ]
     save_ranks(tmp_path / "ck", states, mesh={"dp": 2})
     m = ucp.read_manifest(tmp_path / "ck")
     assert len(m.files) == 2 and all(len(m.tensors[f"model.{k}"].pieces) == 2 for k in "wvf")
@@ -172,8 +195,16 @@ def test_two_process_gloo_checkpoint_exports(tmp_path: Path) -> None:
     """A checkpoint written by 2 real processes (tests/ucp/ucp_dist_worker.py, scenario save2)."""
     worker = Path(__file__).with_name("ucp_dist_worker.py")
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(worker), "save2", str(r), "2", str(tmp_path / "init"), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), "save2", str(r), "2", str(tmp_path / "init"), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
     sys.path.insert(0, str(worker.parent))
@@ -267,7 +298,7 @@ def test_option_parsing() -> None:
 
 
 def test_a_failed_overwrite_puts_the_old_export_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucp.exporters.output as output
+    import ucp.convert.exporters.output as output
 
     ucp.save({"model": {"w": torch.arange(6.0)}}, tmp_path / "a")
     ucp.save({"model": {"w": torch.zeros(6)}}, tmp_path / "b")

@@ -10,14 +10,25 @@ import numpy as np
 import pytest
 import torch
 import zarr
-
-import ucp
-from ucp.exporters import ExportError, export
-from ucp.exporters.zarr_export import array_name, chunk_shape, read_tensor
 from ucp_helpers import random_tensor, same_bytes, save_ranks
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int16, torch.uint8,
-          torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+import ucp
+from ucp.convert.exporters import ExportError, export
+from ucp.convert.exporters.zarr_export import array_name, chunk_shape, read_tensor
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int16,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+]
 RAW = {torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8, torch.float8_e5m2: np.uint8}
 
 
@@ -104,10 +115,16 @@ def test_multi_rank_sharded_checkpoint(tmp_path: Path) -> None:
     w = random_tensor(torch.float32, (8, 6), seed=1)
     f = random_tensor(torch.bfloat16, (5, 7), seed=2)
     cut = [0, 13, 35]
-    states = [{"model": {"w": ucp.ShardedTensor(w[:, k * 3:(k + 1) * 3].contiguous(), (8, 6), (0, k * 3)),
-                         "f": ucp.FlatShard(f.reshape(-1)[cut[k]:cut[k + 1]].clone(), (5, 7), cut[k])},
-               "optimizer": {"m": ucp.FlatShard(w.reshape(-1)[k * 24:(k + 1) * 24].clone(), (8, 6), k * 24)}}
-              for k in range(2)]
+    states = [
+        {
+            "model": {
+                "w": ucp.ShardedTensor(w[:, k * 3 : (k + 1) * 3].contiguous(), (8, 6), (0, k * 3)),
+                "f": ucp.FlatShard(f.reshape(-1)[cut[k] : cut[k + 1]].clone(), (5, 7), cut[k]),
+            },
+            "optimizer": {"m": ucp.FlatShard(w.reshape(-1)[k * 24 : (k + 1) * 24].clone(), (8, 6), k * 24)},
+        }
+        for k in range(2)
+    ]
     save_ranks(tmp_path / "ck", states, mesh={"dp": 2}, step=11)
     report = export(tmp_path / "ck", tmp_path / "z", format="zarr", section="all", dtype="fp32")
     group = zarr.open_group(str(tmp_path / "z"), mode="r")

@@ -19,15 +19,18 @@ import pytest
 import torch
 
 import ucp
-from ucp.importers import UnsafePickleError, convert, detect
-from ucp.importers.dcp import read_metadata
+from ucp.convert.importers import UnsafePickleError, convert, detect
+from ucp.convert.importers.dcp import read_metadata
 
 
 def _state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(7)
     return {
-        "model": {"embed.weight": torch.randn(10, 4, generator=g), "ln.bias": torch.randn(4, generator=g).bfloat16(),
-                  "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)},
+        "model": {
+            "embed.weight": torch.randn(10, 4, generator=g),
+            "ln.bias": torch.randn(4, generator=g).bfloat16(),
+            "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        },
         "optimizer": {"state": {"lr": 0.5, "betas": [0.9, 0.99]}, "count": torch.tensor(3, dtype=torch.int32)},
         "step": 12,
         "name": "run-a",
@@ -124,8 +127,16 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 def test_two_rank_sharded_save(tmp_path: Path) -> None:
     out = tmp_path / "dcp"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(tmp_path / "init"), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(r), "2", str(tmp_path / "init"), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     convert(out, tmp_path / "ucp")

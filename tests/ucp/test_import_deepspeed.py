@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
 
 import ucp  # noqa: E402
 from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint, reference_fp32, reference_universal  # noqa: E402
-from ucp.importers import convert, detect, read  # noqa: E402
+from ucp.convert.importers import convert, detect, read  # noqa: E402
 
 MISSING = deepspeed_missing()
 needs_ds = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -37,12 +37,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CI = [(1, "bf16", 2), (2, "fp32", 2), (3, "fp32", 2), (3, "bf16", 4)]
 FULL = [(s, d, w) for s in (1, 2, 3) for d in ("fp32", "bf16") for w in (2, 4) if (s, d, w) not in CI]
 # Alignment padding between parameters, and round-robin reordering of the flat buffer (ZeRO-1/2).
-VARIANTS = {"align": {"zero_optimization": {"parameter_alignment": True}},
-            "align-rr": {"zero_optimization": {"parameter_alignment": True, "round_robin_gradients": True}}}
+VARIANTS = {
+    "align": {"zero_optimization": {"parameter_alignment": True}},
+    "align-rr": {"zero_optimization": {"parameter_alignment": True, "round_robin_gradients": True}},
+}
 PADDED = [(2, "bf16", 4, "align"), (2, "fp32", 4, "align-rr")]
-CONFIGS = [pytest.param(c, id=f"z{c[0]}-{c[1]}-w{c[2]}") for c in CI] + \
-    [pytest.param(c, id=f"z{c[0]}-{c[1]}-w{c[2]}-{c[3]}") for c in PADDED] + \
-    [pytest.param(c, id=f"z{c[0]}-{c[1]}-w{c[2]}", marks=pytest.mark.full_matrix) for c in FULL]
+CONFIGS = (
+    [pytest.param(c, id=f"z{c[0]}-{c[1]}-w{c[2]}") for c in CI]
+    + [pytest.param(c, id=f"z{c[0]}-{c[1]}-w{c[2]}-{c[3]}") for c in PADDED]
+    + [pytest.param(c, id=f"z{c[0]}-{c[1]}-w{c[2]}", marks=pytest.mark.full_matrix) for c in FULL]
+)
 
 
 class Imports:
@@ -55,8 +59,13 @@ class Imports:
     def get(self, config: tuple) -> dict[str, Any]:
         if config not in self.done:
             stage, dtype, world, *variant = config
-            ckpt = make_checkpoint(world_size=world, zero_stage=stage, dtype=dtype, steps=3,  # type: ignore[arg-type]
-                                   ds_config=VARIANTS[variant[0]] if variant else None)
+            ckpt = make_checkpoint(
+                world_size=world,
+                zero_stage=stage,
+                dtype=dtype,
+                steps=3,  # type: ignore[arg-type]
+                ds_config=VARIANTS[variant[0]] if variant else None,
+            )
             dst = self.root / "-".join(str(c) for c in config)
             report = convert(ckpt, dst)
             self.done[config] = {"ckpt": ckpt, "dst": dst, "report": report, "state": ucp.load(dst)}
@@ -70,7 +79,7 @@ def imports(tmp_path_factory: pytest.TempPathFactory) -> Imports:
 
 def _native(ckpt: Path, name: str) -> dict[str, Any]:
     """A model-states file of the checkpoint, loaded the way DeepSpeed's own tools do (weights only)."""
-    from ucp.importers.pickles import load_torch
+    from ucp.convert.importers.pickles import load_torch
 
     tag = (ckpt / "latest").read_text().strip()
     return load_torch(ckpt / tag / name)
@@ -125,22 +134,31 @@ def test_structure_and_metadata(imports: Imports, config: tuple) -> None:
     got = imports.get(config)
     state, report = got["state"], got["report"]
     assert set(state) == {"model", "optimizer", "step", "scheduler", "rng"}
-    assert state["optimizer"]["hparams"] == {"kind": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                             "weight_decay": 0.01}
+    assert state["optimizer"]["hparams"] == {
+        "kind": "adamw",
+        "lr": 1e-3,
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+    }
     assert state["optimizer"]["loss_scale"] is None
     assert state["scheduler"] == {"kind": "constant", "last_step": 3} and state["rng"] == {"data_seed": 1234}
     manifest = ucp.read_manifest(got["dst"])
     src = manifest.metadata["source"]
-    assert (src["format"], src["zero_stage"], src["dp_world_size"], src["dtype"], src["ds_version"]) == \
-        ("deepspeed", stage, world, dtype, "0.19.8")
+    assert (src["format"], src["zero_stage"], src["dp_world_size"], src["dtype"], src["ds_version"]) == (
+        "deepspeed",
+        stage,
+        world,
+        dtype,
+        "0.19.8",
+    )
     assert manifest.step == 3 and report.format == "deepspeed" and report.tensors == len(manifest.tensors) == 160
     assert ucp.verify(got["dst"]).ok
 
 
 @needs_ds
 @pytest.mark.parametrize("config", CONFIGS)
-def test_universal_import_equals_native_import(imports: Imports, config: tuple,
-                                               tmp_path: Path) -> None:
+def test_universal_import_equals_native_import(imports: Imports, config: tuple, tmp_path: Path) -> None:
     got = imports.get(config)
     udir = reference_universal(got["ckpt"])
     assert detect(udir) == "deepspeed-universal" and detect(got["ckpt"]) == "deepspeed"
@@ -170,7 +188,9 @@ def test_tag_folder_imports_like_the_root(imports: Imports, tmp_path: Path) -> N
     _assert_same(ucp.load(tmp_path / "tag"), got["state"])
 
 
-def test_parameter_straddling_partitions_is_copied_whole_or_kept_as_flat_pieces(imports: Imports, tmp_path: Path) -> None:
+def test_parameter_straddling_partitions_is_copied_whole_or_kept_as_flat_pieces(
+    imports: Imports, tmp_path: Path
+) -> None:
     """No concatenation in memory: ``convert`` copies a parameter cut by a partition boundary byte range
     by byte range into one consolidated piece; read into torch tensors it stays two flat views (two pieces)."""
     if MISSING:
@@ -203,8 +223,9 @@ def _worker(rank: int, world: int, init: str, spec_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         for case in json.loads(Path(spec_file).read_text()):
-            engine = Engine("tiny", mesh=case["mesh"], zero_stage=case["zero_stage"], dtype=case["dtype"],
-                            data_seed=1234)  # the peer run's data stream (recorded in the import)
+            engine = Engine(
+                "tiny", mesh=case["mesh"], zero_stage=case["zero_stage"], dtype=case["dtype"], data_seed=1234
+            )  # the peer run's data stream (recorded in the import)
             start = engine.load(case["src"])
             assert start == 3 and engine.optimizer.adam_step == 3, (start, engine.optimizer.adam_step)
             ucp.save(engine.state_dict_for_checkpoint(), case["out"], step=engine.step)
@@ -217,15 +238,35 @@ def test_engine_resumes_import_at_other_meshes(imports: Imports, tmp_path: Path)
     cases = []
     for config, mesh, zero in ENGINE_CASES:
         got = imports.get(config)
-        cases.append({"src": str(got["dst"]), "out": str(tmp_path / f"resaved-{len(cases)}"), "mesh": mesh,
-                      "zero_stage": zero, "dtype": config[1]})
+        cases.append(
+            {
+                "src": str(got["dst"]),
+                "out": str(tmp_path / f"resaved-{len(cases)}"),
+                "mesh": mesh,
+                "zero_stage": zero,
+                "dtype": config[1],
+            }
+        )
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(cases))
     init = tmp_path / "init"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(init), str(spec)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(r), "2", str(init), str(spec)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     for (config, _, _), case in zip(ENGINE_CASES, cases):

@@ -23,20 +23,37 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 import zarr
 from safetensors.torch import load_file, save_file
-
-import ucp
-from ucp.exporters import ExportError, export
-from ucp.exporters.hf import INDEX
-from ucp.exporters.zarr_export import read_tensor
-from ucp.importers import ForeignCheckpointError, convert, detect, read
 from ucp_helpers import random_tensor, same_bytes, save_ranks
 
-ALL_DTYPES = ["float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16",
-              "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-              "float8_e8m0fnu", "complex64"]
+import ucp
+from ucp.convert.exporters import ExportError, export
+from ucp.convert.exporters.hf import INDEX
+from ucp.convert.exporters.zarr_export import read_tensor
+from ucp.convert.importers import ForeignCheckpointError, convert, detect, read
+
+ALL_DTYPES = [
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex64",
+]
 
 
 def _every_dtype() -> dict[str, torch.Tensor]:
@@ -73,28 +90,39 @@ def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 # -- export: sharded sources ---------------------------------------------------------------------
 
+
 def _three_rank_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Flat ZeRO pieces at odd element offsets (several per rank, bool / bf16 / float8 among them) and
     2-d boxes, spread over 3 simulated ranks."""
-    full = {"f32": random_tensor(torch.float32, (13, 7), seed=1), "bf": random_tensor(torch.bfloat16, (5, 11), seed=2),
-            "b": random_tensor(torch.bool, (9, 5), seed=3), "f8": random_tensor(torch.float8_e4m3fn, (3, 17), seed=4),
-            "i64": random_tensor(torch.int64, (29,), seed=5), "box": random_tensor(torch.float16, (6, 9), seed=6)}
-    cuts = {"f32": [0, 24, 46, 57, 77, 91], "bf": [0, 26, 28, 41, 52, 55], "b": [0, 4, 11, 13, 37, 45],
-            "f8": [0, 4, 9, 12, 41, 51], "i64": [0, 14, 21, 25, 27, 29]}
+    full = {
+        "f32": random_tensor(torch.float32, (13, 7), seed=1),
+        "bf": random_tensor(torch.bfloat16, (5, 11), seed=2),
+        "b": random_tensor(torch.bool, (9, 5), seed=3),
+        "f8": random_tensor(torch.float8_e4m3fn, (3, 17), seed=4),
+        "i64": random_tensor(torch.int64, (29,), seed=5),
+        "box": random_tensor(torch.float16, (6, 9), seed=6),
+    }
+    cuts = {
+        "f32": [0, 24, 46, 57, 77, 91],
+        "bf": [0, 26, 28, 41, 52, 55],
+        "b": [0, 4, 11, 13, 37, 45],
+        "f8": [0, 4, 9, 12, 41, 51],
+        "i64": [0, 14, 21, 25, 27, 29],
+    }
     world = 3
     states: list[dict[str, Any]] = [{"model": {}} for _ in range(world)]
     for name, cut in cuts.items():
         flat = full[name].reshape(-1)
         per: list[list[Any]] = [[] for _ in range(world)]
         for j in range(len(cut) - 1):
-            per[j % world].append(ucp.FlatShard(flat[cut[j]:cut[j + 1]].clone(), tuple(full[name].shape), cut[j]))
+            per[j % world].append(ucp.FlatShard(flat[cut[j] : cut[j + 1]].clone(), tuple(full[name].shape), cut[j]))
         for r in range(world):
             states[r]["model"][name] = per[r][0] if len(per[r]) == 1 else ucp.Shards(per[r])
     v = full["box"]
     boxes = [((0, 0), (2, 4)), ((0, 4), (2, 5)), ((2, 0), (4, 4)), ((2, 4), (4, 5))]
     per = [[] for _ in range(world)]
     for j, ((r0, c0), (nr, nc)) in enumerate(boxes):
-        per[j % world].append(ucp.ShardedTensor(v[r0:r0 + nr, c0:c0 + nc].clone(), tuple(v.shape), (r0, c0)))
+        per[j % world].append(ucp.ShardedTensor(v[r0 : r0 + nr, c0 : c0 + nc].clone(), tuple(v.shape), (r0, c0)))
     for r in range(world):
         states[r]["model"]["box"] = per[r][0] if len(per[r]) == 1 else ucp.Shards(per[r])
     save_ranks(path, states, mesh={"dp": world})
@@ -121,6 +149,7 @@ def test_three_rank_flat_and_box_pieces_export_bit_exact(tmp_path: Path) -> None
 
 
 # -- export: dtypes, 0-d and empty tensors, casts -------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def dtype_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -168,7 +197,7 @@ def test_zarr_every_dtype_through_plain_zarr(dtype_ckpt, tmp_path: Path) -> None
 
 def test_zarr_bad_blosc_level_is_refused_up_front(dtype_ckpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, _ = dtype_ckpt
-    import ucp.exporters.stream as stream
+    import ucp.convert.exporters.stream as stream
 
     calls: list[int] = []
     original = stream.read_targets
@@ -179,6 +208,7 @@ def test_zarr_bad_blosc_level_is_refused_up_front(dtype_ckpt, tmp_path: Path, mo
 
 
 # -- export: names and sections -------------------------------------------------------------------
+
 
 def test_odd_names_round_trip_hf_and_zarr(tmp_path: Path) -> None:
     names = ["é", "a b", "enc/dec", "100%", "__x", "layers.0.w", 'x"q', "tab\t", "", "~1", "a.", ".a", "a..b", ".."]
@@ -196,12 +226,21 @@ def test_odd_names_round_trip_hf_and_zarr(tmp_path: Path) -> None:
 
 def test_sections_follow_the_state_tree(tmp_path: Path) -> None:
     w, x, y = (random_tensor(torch.float32, (2,), seed=i) for i in range(3))
-    state = {"model": {"layers.0": {"w": w}},
-             "optimizer": {"state": {0: {"exp_avg": x}}, "param_groups": [{"lr": 1.0}]}, "bufs": [w, y]}
+    state = {
+        "model": {"layers.0": {"w": w}},
+        "optimizer": {"state": {0: {"exp_avg": x}}, "param_groups": [{"lr": 1.0}]},
+        "bufs": [w, y],
+    }
     ucp.save(state, tmp_path / "ck")
-    cases = {"model.layers.0": {"w": w}, "optimizer.state.0": {"exp_avg": x}, "optimizer.state": {"0.exp_avg": x},
-             "bufs": {"0": w, "1": y}, "bufs.1": {"bufs.1": y}, "model": {"layers.0.w": w},
-             "all": {"model.layers.0.w": w, "optimizer.state.0.exp_avg": x, "bufs.0": w, "bufs.1": y}}
+    cases = {
+        "model.layers.0": {"w": w},
+        "optimizer.state.0": {"exp_avg": x},
+        "optimizer.state": {"0.exp_avg": x},
+        "bufs": {"0": w, "1": y},
+        "bufs.1": {"bufs.1": y},
+        "model": {"layers.0.w": w},
+        "all": {"model.layers.0.w": w, "optimizer.state.0.exp_avg": x, "bufs.0": w, "bufs.1": y},
+    }
     for i, (section, want) in enumerate(cases.items()):
         export(tmp_path / "ck", tmp_path / f"s{i}", section=section)
         got = load_file(tmp_path / f"s{i}" / "model.safetensors")
@@ -211,8 +250,15 @@ def test_sections_follow_the_state_tree(tmp_path: Path) -> None:
 
 
 def test_hf_tensor_named_metadata_is_refused(tmp_path: Path) -> None:
-    ucp.save({"model": {"__metadata__": random_tensor(torch.float32, (3,), seed=1),
-                        "w": random_tensor(torch.float32, (2,), seed=2)}}, tmp_path / "ck")
+    ucp.save(
+        {
+            "model": {
+                "__metadata__": random_tensor(torch.float32, (3,), seed=1),
+                "w": random_tensor(torch.float32, (2,), seed=2),
+            }
+        },
+        tmp_path / "ck",
+    )
     try:
         export(tmp_path / "ck", tmp_path / "hf")
     except ExportError as exc:
@@ -249,6 +295,7 @@ def test_zarr_tensor_named_like_the_metadata_file(tmp_path: Path) -> None:
 
 # -- import: Hugging Face -------------------------------------------------------------------------
 
+
 def _hf_shards(folder: Path, parts: list[dict[str, torch.Tensor]], weight_map: dict[str, str] | None = None) -> Path:
     folder.mkdir(parents=True)
     names = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
@@ -263,8 +310,11 @@ def _hf_shards(folder: Path, parts: list[dict[str, torch.Tensor]], weight_map: d
 
 def test_hf_tensor_in_two_shards_is_named(tmp_path: Path) -> None:
     a, b = random_tensor(torch.float32, (2,), seed=1), random_tensor(torch.float32, (3,), seed=2)
-    src = _hf_shards(tmp_path / "hf", [{"a": a, "b": b}, {"b": b}], weight_map={"a": "model-00001-of-00002.safetensors",
-                                                                             "b": "model-00002-of-00002.safetensors"})
+    src = _hf_shards(
+        tmp_path / "hf",
+        [{"a": a, "b": b}, {"b": b}],
+        weight_map={"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    )
     with pytest.raises(ForeignCheckpointError, match=r"model-00002-of-00002\.safetensors.*tensor 'b' also appears"):
         convert(src, tmp_path / "ucp")
     assert not (tmp_path / "ucp").exists()
@@ -272,8 +322,11 @@ def test_hf_tensor_in_two_shards_is_named(tmp_path: Path) -> None:
 
 def test_hf_unlisted_tensor_is_named(tmp_path: Path) -> None:
     a, b = random_tensor(torch.float32, (2,), seed=1), random_tensor(torch.float32, (3,), seed=2)
-    src = _hf_shards(tmp_path / "hf", [{"a": a}, {"b": b}], weight_map={"a": "model-00001-of-00002.safetensors",
-                                                                     "x": "model-00002-of-00002.safetensors"})
+    src = _hf_shards(
+        tmp_path / "hf",
+        [{"a": a}, {"b": b}],
+        weight_map={"a": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.safetensors"},
+    )
     with pytest.raises(ForeignCheckpointError, match=r"index\.json.*listed but missing: \['x'\].*unlisted: \['b'\]"):
         convert(src / INDEX, tmp_path / "ucp")
 
@@ -299,6 +352,7 @@ def test_hf_import_then_export_is_bit_exact(tmp_path: Path) -> None:
 
 
 # -- import: DCP -----------------------------------------------------------------------------------
+
 
 def _dcp_save(state: dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
@@ -353,8 +407,12 @@ def test_dcp_bytes_item(tmp_path: Path) -> None:
 
 def _dcp_full() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return {"rows": torch.randn(7, 3, generator=g), "cols": torch.randn(4, 5, generator=g).bfloat16(),
-            "tiny": torch.randn(1, 4, generator=g), "rep": torch.randn(3, generator=g)}
+    return {
+        "rows": torch.randn(7, 3, generator=g),
+        "cols": torch.randn(4, 5, generator=g).bfloat16(),
+        "tiny": torch.randn(1, 4, generator=g),
+        "rep": torch.randn(3, generator=g),
+    }
 
 
 def _dcp_worker(rank: int, init: str, out: str) -> None:
@@ -367,13 +425,20 @@ def _dcp_worker(rank: int, init: str, out: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (2,))
         f = _dcp_full()
-        state = {"model": {"rows": distribute_tensor(f["rows"], mesh, [Shard(0)]),      # 4 + 3 rows
-                           "cols": distribute_tensor(f["cols"], mesh, [Shard(1)]),      # 3 + 2 columns, bf16
-                           "tiny": distribute_tensor(f["tiny"], mesh, [Shard(0)]),      # rank 1's chunk is empty
-                           "rep": distribute_tensor(f["rep"], mesh, [Replicate()])},
-                 "optim": {"state": {"rows": {"exp_avg": distribute_tensor(f["rows"] * 2, mesh, [Shard(0)]),
-                                              "step": torch.tensor(4.0)}}},
-                 "step": 4}
+        state = {
+            "model": {
+                "rows": distribute_tensor(f["rows"], mesh, [Shard(0)]),  # 4 + 3 rows
+                "cols": distribute_tensor(f["cols"], mesh, [Shard(1)]),  # 3 + 2 columns, bf16
+                "tiny": distribute_tensor(f["tiny"], mesh, [Shard(0)]),  # rank 1's chunk is empty
+                "rep": distribute_tensor(f["rep"], mesh, [Replicate()]),
+            },
+            "optim": {
+                "state": {
+                    "rows": {"exp_avg": distribute_tensor(f["rows"] * 2, mesh, [Shard(0)]), "step": torch.tensor(4.0)}
+                }
+            },
+            "step": 4,
+        }
         dcp.save(state, checkpoint_id=out)
     finally:
         dist.destroy_process_group()
@@ -383,8 +448,16 @@ def _dcp_worker(rank: int, init: str, out: str) -> None:
 def test_dcp_two_rank_sharded_save_with_optimizer_state(tmp_path: Path) -> None:
     out = tmp_path / "dcp"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(tmp_path / "init"), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(r), str(tmp_path / "init"), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=100)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     report = convert(out, tmp_path / "ucp")
@@ -404,6 +477,7 @@ def test_dcp_two_rank_sharded_save_with_optimizer_state(tmp_path: Path) -> None:
 
 # -- import: DeepSpeed universal ------------------------------------------------------------------
 
+
 def _universal(folder: Path) -> dict[str, Any]:
     """A small ``ds_to_universal``-shaped ZeRO-2 folder: model states, zero/optimizer_state.pt and one
     ``{"param": tensor, "cat_dim": 0}`` file per parameter and state."""
@@ -412,9 +486,18 @@ def _universal(folder: Path) -> dict[str, Any]:
     master = {n: random_tensor(torch.float32, tuple(s), seed=i) for i, (n, s) in enumerate(shapes.items())}
     module = OrderedDict((n, master[n].bfloat16()) for n in shapes)
     module["pos"] = torch.arange(5)  # a buffer: not in param_shapes
-    torch.save({"module": module, "param_shapes": [shapes], "global_steps": 3, "dp_world_size": 2, "mp_world_size": 1,
-                "ds_version": "0.19.8", "ds_config": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}},
-               folder / "mp_rank_00_model_states.pt")
+    torch.save(
+        {
+            "module": module,
+            "param_shapes": [shapes],
+            "global_steps": 3,
+            "dp_world_size": 2,
+            "mp_world_size": 1,
+            "ds_version": "0.19.8",
+            "ds_config": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+        },
+        folder / "mp_rank_00_model_states.pt",
+    )
     groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]
     torch.save({"zero_stage": 2, "param_groups": groups}, folder / "zero" / "optimizer_state.pt")
     moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import ucp
-from ucp.importers import ForeignCheckpointError, convert, detect
+from ucp.convert.importers import ForeignCheckpointError, convert, detect
 
 
 def _weights() -> dict[str, torch.Tensor]:

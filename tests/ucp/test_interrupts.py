@@ -49,7 +49,7 @@ RUNNER = textwrap.dedent(r'''
 
 
     def patch_reshape():
-        import ucp.reshape as r
+        import ucp.convert.reshape as r
         orig = r._fill
 
         def fill(*a, **k):  # one batch of a reshape read from the source; DELAY: a slow disk
@@ -67,7 +67,7 @@ RUNNER = textwrap.dedent(r'''
 
 
     def patch_save():
-        import ucp.saving as s
+        import ucp.saving.sync_save as s
         orig = s.write_rank_file
 
         def write(storage, rel, plan, views, **k):  # each piece of the rank file, as it is written
@@ -76,7 +76,7 @@ RUNNER = textwrap.dedent(r'''
 
 
     def patch_export():
-        import ucp.exporters.hf as h
+        import ucp.convert.exporters.hf as h
         orig = h.export_hf
 
         def export_hf(*a, progress=None, **k):
@@ -118,8 +118,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("interrupt-sources")
     ckpt = root / "src"
-    ucp.save({"model": {f"layer{i}.weight": torch.full((1 << 17,), float(i)) for i in range(N_TENSORS)}},
-             str(ckpt), step=7)
+    ucp.save(
+        {"model": {f"layer{i}.weight": torch.full((1 << 17,), float(i)) for i in range(N_TENSORS)}}, str(ckpt), step=7
+    )
     hf = root / "model.safetensors"
     save_file({f"l{i}.weight": torch.full((1 << 18,), float(i)) for i in range(8)}, str(hf))
     return {"ckpt": ckpt, "hf": hf}
@@ -146,14 +147,17 @@ def calls(log: Path, point: str) -> int:
     return sum(1 for line in log.read_text().splitlines() if line.split()[0] == point) if log.exists() else 0
 
 
-def run_runner(tmp_path: Path, args: list[str], *, sig: str = "", at: str = "", nth: int = 1,
-               delay: float = 0.0) -> tuple[subprocess.CompletedProcess, Path]:
+def run_runner(
+    tmp_path: Path, args: list[str], *, sig: str = "", at: str = "", nth: int = 1, delay: float = 0.0
+) -> tuple[subprocess.CompletedProcess, Path]:
     script, log = runner(tmp_path)
-    env = dict(os.environ, UCP_T_SIGNAL=sig, UCP_T_AT=at, UCP_T_NTH=str(nth), UCP_T_DELAY=str(delay),
-               UCP_T_LOG=str(log))
+    env = dict(
+        os.environ, UCP_T_SIGNAL=sig, UCP_T_AT=at, UCP_T_NTH=str(nth), UCP_T_DELAY=str(delay), UCP_T_LOG=str(log)
+    )
     try:
-        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
-                              cwd=tmp_path, timeout=TIMEOUT)
+        proc = subprocess.run(
+            [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=TIMEOUT
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{args[0]} did not end within {TIMEOUT} s of its interrupt: {exc.stderr!r}")
     return proc, log
@@ -172,8 +176,14 @@ def test_reshape_ctrl_c_from_outside_exits_130_and_leaves_nothing(tmp_path: Path
     before = digest(src)
     script, log = runner(tmp_path)
     env = dict(os.environ, UCP_T_DELAY="0.1", UCP_T_LOG=str(log))
-    proc = subprocess.Popen([sys.executable, str(script), "reshape", str(src), str(dst), "--memory-budget", "1MiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "reshape", str(src), str(dst), "--memory-budget", "1MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + TIMEOUT
         while calls(log, "fill") < 1 and proc.poll() is None and time.monotonic() < deadline:
@@ -236,8 +246,9 @@ def test_reshape_ctrl_c_stops_reading_promptly(tmp_path: Path, sources: dict[str
     """Ctrl-C during batch 2 of 24: the batches already being read may finish, but the reshape must not read
     (and write, and then throw away) all the others — on a 100 GB checkpoint that is minutes of I/O."""
     src, dst = sources["ckpt"], tmp_path / "dst"
-    proc, log = run_runner(tmp_path, ["reshape", str(src), str(dst), "--memory-budget", "1MiB"],
-                           sig="SIGINT", at="fill", nth=2, delay=0.05)
+    proc, log = run_runner(
+        tmp_path, ["reshape", str(src), str(dst), "--memory-budget", "1MiB"], sig="SIGINT", at="fill", nth=2, delay=0.05
+    )
     assert proc.returncode == 130, proc.stderr
     assert not dst.exists() and leftovers(dst) == []
     assert calls(log, "fill") <= N_TENSORS // 2, f"{calls(log, 'fill')} of {N_TENSORS} batches read after Ctrl-C"
@@ -247,7 +258,8 @@ def test_save_interrupted_in_io_submit_leaves_later_saves_working(tmp_path: Path
     """Ctrl-C lands while io_submit blocks (O_DIRECT writes on ext4 often block there): a real SIGINT sent
     during the call. In a notebook the user then saves again: that save must work."""
     script = tmp_path / "libaio_interrupt.py"
-    script.write_text(textwrap.dedent(r'''
+    script.write_text(
+        textwrap.dedent(r"""
         import os, signal, sys, time, torch, ucp
         from aio.engines import libaio_engine as le
         if le._pylibaio is None:
@@ -275,7 +287,8 @@ def test_save_interrupted_in_io_submit_leaves_later_saves_working(tmp_path: Path
             print("second save ok" if ok else "second save wrong")
         except Exception as exc:
             print(f"second save failed: {type(exc).__name__}: {exc}")
-    '''))
+    """)
+    )
     dst = tmp_path / "ckpt"
     proc = subprocess.run([sys.executable, str(script), str(dst)], capture_output=True, text=True, timeout=TIMEOUT)
     if "NO-LIBAIO" in proc.stdout or "NOT-INTERRUPTED" in proc.stdout:
@@ -307,9 +320,10 @@ def test_sigterm_leaves_no_temp_dir(tmp_path: Path, sources: dict[str, Path], co
 # -- temporary directories of a reshape in flight ----------------------------------------------------
 
 
-def test_reshape_in_flight_into_manager_root_is_not_a_leftover(tmp_path: Path, sources: dict[str, Path],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucp.reshape as reshape_mod
+def test_reshape_in_flight_into_manager_root_is_not_a_leftover(
+    tmp_path: Path, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ucp.convert.reshape as reshape_mod
     from ucp.manager import clean_leftovers, list_checkpoints
 
     root = tmp_path / "run"
@@ -351,8 +365,9 @@ def test_broken_stdout_pipe_no_traceback(tmp_path: Path, sources: dict[str, Path
 
 def test_progress_bar_silent_when_stderr_is_not_a_terminal(tmp_path: Path, sources: dict[str, Path]) -> None:
     dst = tmp_path / "dst"
-    proc = subprocess.run(ucp_cli("reshape", str(sources["ckpt"]), str(dst)), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    proc = subprocess.run(
+        ucp_cli("reshape", str(sources["ckpt"]), str(dst)), capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "reshaped" in proc.stdout
@@ -380,7 +395,7 @@ def test_cli_exit_code_with_stderr_closed(tmp_path: Path, sources: dict[str, Pat
 @pytest.mark.parametrize("ending", ["return", "sys.exit", "exit_now", "KeyboardInterrupt"])
 def test_async_save_in_flight_is_committed_at_exit(tmp_path: Path, ending: str) -> None:
     dst = tmp_path / "ckpt"
-    code = textwrap.dedent(f'''
+    code = textwrap.dedent(f"""
         import sys, torch, ucp
         from ucp.shutdown import exit_now
         sd = {{f"t{{i}}": torch.full((1 << 20,), float(i)) for i in range(8)}}
@@ -392,7 +407,7 @@ def test_async_save_in_flight_is_committed_at_exit(tmp_path: Path, ending: str) 
             exit_now(0)
         if ending == "KeyboardInterrupt":
             raise KeyboardInterrupt
-    ''')
+    """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     # an uncaught KeyboardInterrupt ends Python by SIGINT (a shell shows 130)
     assert proc.returncode == (-signal.SIGINT if ending == "KeyboardInterrupt" else 0), proc.stderr
@@ -409,11 +424,11 @@ def test_async_save_in_flight_is_committed_at_exit(tmp_path: Path, ending: str) 
 def test_async_save_abandoned_by_os_exit_is_never_a_partial_checkpoint(tmp_path: Path) -> None:
     """``os._exit`` skips every exit hook: the save is lost, but what is left is no checkpoint at all."""
     dst = tmp_path / "ckpt"
-    code = textwrap.dedent(f'''
+    code = textwrap.dedent(f"""
         import os, torch, ucp
         ucp.async_save({{"w": torch.ones(1 << 22)}}, {str(dst)!r})
         os._exit(0)
-    ''')
+    """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     import ucp

@@ -1,11 +1,11 @@
-"""ucp.reader.MemoryPool: batch memory reused only once nothing views it any more."""
+"""ucp.store.reader.MemoryPool: batch memory reused only once nothing views it any more."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ucp.reader import MemoryPool
+from ucp.store.reader import MemoryPool
 
 
 def _address(buf) -> int:
@@ -27,8 +27,11 @@ def test_a_live_slice_numpy_array_or_tensor_keeps_its_memory_out_of_the_pool() -
         a = pool.buffer(1 << 16)
         a.view()[:] = b"\x07" * (1 << 16)
         view = a.view(100, 4096)
-        held = {"slice": view, "numpy": np.frombuffer(view, dtype=np.uint8),
-                "tensor": torch.frombuffer(view, dtype=torch.uint8)}[keep]
+        held = {
+            "slice": view,
+            "numpy": np.frombuffer(view, dtype=np.uint8),
+            "tensor": torch.frombuffer(view, dtype=torch.uint8),
+        }[keep]
         del a, view
         b = pool.buffer(1 << 16)
         b.view()[:] = b"\x00" * (1 << 16)  # a new user writing its buffer never touches the held bytes

@@ -1,6 +1,6 @@
-"""Batch memory reused between batches (``ucp.reader.MemoryPool``): never a stale byte, never past the budget.
+"""Batch memory reused between batches (``ucp.store.reader.MemoryPool``): never a stale byte, never past the budget.
 
-``ucp.reshape`` (and ``ucp convert`` of DeepSpeed checkpoints, the same engine) now fill each batch
+``ucp.convert.reshape`` (and ``ucp convert`` of DeepSpeed checkpoints, the same engine) now fill each batch
 in memory that held an earlier batch, without zeroing it. These tests look for any way a stale byte
 could reach a written file or memory could be handed out while still in use:
 
@@ -30,21 +30,21 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from ucp_helpers import TrackedFileBuffers, flat, random_tensor
 
 import aio.handle
 import ucp
-import ucp.importers.write_stored
-import ucp.partial
-import ucp.reader
-import ucp.reshape
-import ucp.storage
+import ucp.convert.importers.write_stored
+import ucp.convert.reshape
+import ucp.loading.partial
+import ucp.store.reader
+import ucp.store.storage
 from aio import AioConfig, AioHandle
 from aio.engines.threads import ThreadEngine
 from reshard import Box, FlatRange, Layout, Mesh, Pipeline, Rule
-from ucp.placement import layout_metadata
-from ucp.reader import MemoryPool
-from ucp.reshape import reshape
-from ucp_helpers import TrackedFileBuffers, flat, random_tensor
+from ucp.convert.placement import layout_metadata
+from ucp.convert.reshape import reshape
+from ucp.store.reader import MemoryPool
 
 MiB = 1 << 20
 PAD = "__pad__."
@@ -72,10 +72,14 @@ STATE_OF = ("big", "wide", "f64")  # these also get an Adam moment (ZeRO partiti
 def make_state(seed: int = 0) -> dict[str, Any]:
     """Distinct random bytes in every tensor (a stale byte from another batch never matches)."""
     model = {n: random_tensor(dt, shape, seed=seed * 100 + i) for i, (n, dt, shape, _) in enumerate(SPECS)}
-    moments = {n: random_tensor(torch.float32, model[n].shape, seed=seed * 100 + 50 + i)
-               for i, n in enumerate(STATE_OF)}
-    extra = {"empty": random_tensor(torch.float32, (0, 7)), "scalar": random_tensor(torch.float64, (), seed=seed + 7),
-             "one": random_tensor(torch.int8, (1,), seed=seed + 8)}
+    moments = {
+        n: random_tensor(torch.float32, model[n].shape, seed=seed * 100 + 50 + i) for i, n in enumerate(STATE_OF)
+    }
+    extra = {
+        "empty": random_tensor(torch.float32, (0, 7)),
+        "scalar": random_tensor(torch.float64, (), seed=seed + 7),
+        "one": random_tensor(torch.int8, (1,), seed=seed + 8),
+    }
     return {"model": model, "optimizer": {"exp_avg": moments, "adam_step": 3}, "extra": extra, "step": 3}
 
 
@@ -109,7 +113,7 @@ def raw(t: torch.Tensor) -> bytes:
 def region_bytes(t: torch.Tensor, region: Box | FlatRange) -> bytes:
     if isinstance(region, Box):
         return raw(t[tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))])
-    return raw(t.reshape(-1)[region.start:region.stop])
+    return raw(t.reshape(-1)[region.start : region.stop])
 
 
 def check_checkpoint(path: Path, ref: dict[str, torch.Tensor]) -> None:
@@ -136,7 +140,7 @@ def check_data_file(file: Path, entries: dict[str, bytes]) -> None:
     assert start % 4096 == 0, (file, start)
     text = data[8:start].decode("utf-8")
     body = text.rstrip(" ")
-    assert text[len(body):] == " " * (len(text) - len(body))
+    assert text[len(body) :] == " " * (len(text) - len(body))
     header = json.loads(body)
     meta = header.pop("__metadata__")
     assert meta["format"] == "ucp"
@@ -144,7 +148,7 @@ def check_data_file(file: Path, entries: dict[str, bytes]) -> None:
     for key, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"]):
         lo, hi = e["data_offsets"]
         assert lo == pos, (file.name, key, lo, pos)  # no gaps, no overlaps
-        got = data[start + lo:start + hi]
+        got = data[start + lo : start + hi]
         if key.startswith(PAD):
             assert e["dtype"] == "U8" and e["shape"] == [hi - lo], (key, e)
             assert got == bytes(hi - lo), f"{file.name}: padding entry {key} holds non-zero bytes"
@@ -174,14 +178,20 @@ def no_reshape_threads() -> bool:
 # -- 1 + 2: bit-exact outputs across budgets, workers and layouts -----------------------------------
 
 
-CHAIN = [("tp2", lambda: mesh(tp=2)), ("z3", lambda: mesh(tp=2, dp=2, zero=3)), ("z1", lambda: mesh(dp=3, zero=1)),
-         ("cons", lambda: None)]
+CHAIN = [
+    ("tp2", lambda: mesh(tp=2)),
+    ("z3", lambda: mesh(tp=2, dp=2, zero=3)),
+    ("z1", lambda: mesh(dp=3, zero=1)),
+    ("cons", lambda: None),
+]
 
 
-@pytest.mark.parametrize("budget, workers", [(MiB, 1), (MiB, 2), (MiB + 12345, 2), (2 * MiB + 4095, 1),
-                                             (3 * MiB + 777, 2), (6 * MiB, 2)])
-def test_reshape_chain_is_bit_exact_in_every_byte_of_every_file(source, tmp_path: Path, budget: int,
-                                                                 workers: int) -> None:
+@pytest.mark.parametrize(
+    "budget, workers", [(MiB, 1), (MiB, 2), (MiB + 12345, 2), (2 * MiB + 4095, 1), (3 * MiB + 777, 2), (6 * MiB, 2)]
+)
+def test_reshape_chain_is_bit_exact_in_every_byte_of_every_file(
+    source, tmp_path: Path, budget: int, workers: int
+) -> None:
     src, ref = source
     prev = src
     for name, layout in CHAIN:
@@ -205,17 +215,26 @@ def test_two_sources_alternating_in_one_process_never_mix(tmp_path: Path) -> Non
 def test_tensor_one_page_larger_than_a_batch_and_exactly_a_batch(tmp_path: Path) -> None:
     """Pieces of a batch's size, a page more, a byte more, a page less: cut or not, with their phase."""
     for budget, workers in ((MiB, 1), (2 * MiB + 5000, 2)):
-        _, batch = ucp.reshape._share_budget(budget, workers, 2)
-        sizes = {"exact": batch, "page_more": batch + 4096, "byte_more": batch + 1, "page_less": batch - 4096,
-                 "tiny": 3}
+        _, batch = ucp.convert.reshape._share_budget(budget, workers, 2)
+        sizes = {
+            "exact": batch,
+            "page_more": batch + 4096,
+            "byte_more": batch + 1,
+            "page_less": batch - 4096,
+            "tiny": 3,
+        }
         g = {n: random_tensor(torch.uint8, (2, s), seed=i) for i, (n, s) in enumerate(sizes.items())}
         lay = Layout(rules=tuple(Rule(name=n, dims="(tp r) c") for n in g), pipeline=Pipeline())
         src = tmp_path / f"src-{budget}"
-        ucp.save({"model": g}, src, metadata=layout_metadata(lay, {n: tuple(t.shape) for n, t in g.items()},
-                                                            {"model": "weights"}))
+        ucp.save(
+            {"model": g},
+            src,
+            metadata=layout_metadata(lay, {n: tuple(t.shape) for n, t in g.items()}, {"model": "weights"}),
+        )
         ref = {f"model.{n}": t for n, t in g.items()}
-        reshape(src, tmp_path / f"tp2-{budget}", layout=lay.replace(mesh=Mesh(tp=2)), memory_budget=budget,
-                workers=workers)
+        reshape(
+            src, tmp_path / f"tp2-{budget}", layout=lay.replace(mesh=Mesh(tp=2)), memory_budget=budget, workers=workers
+        )
         check_checkpoint(tmp_path / f"tp2-{budget}", ref)
         reshape(tmp_path / f"tp2-{budget}", tmp_path / f"cons-{budget}", memory_budget=budget, workers=workers)
         check_checkpoint(tmp_path / f"cons-{budget}", ref)
@@ -242,19 +261,23 @@ def _data_files(path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("config", [(1, "bf16", 2), (3, "fp32", 2)], ids=["z1-bf16-w2", "z3-fp32-w2"])
-def test_deepspeed_convert_under_small_budgets_writes_the_same_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                     config: tuple[int, str, int]) -> None:
-    from ucp.importers import convert
+def test_deepspeed_convert_under_small_budgets_writes_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: tuple[int, str, int]
+) -> None:
+    from ucp.convert.importers import convert
 
     ckpt = _deepspeed(config)
     convert(ckpt, tmp_path / "ref")  # default budget: a few large batches
     want = _data_files(tmp_path / "ref")
     ref_manifest = ucp.read_manifest(tmp_path / "ref")
-    real = ucp.importers.write_stored.rewrite
+    real = ucp.convert.importers.write_stored.rewrite
     for budget, workers in ((MiB, 1), (MiB + 8191, 2), (2 * MiB, 2)):
         tracked = TrackedFileBuffers(monkeypatch)
-        monkeypatch.setattr(ucp.importers.write_stored, "rewrite",
-                            functools.partial(real, memory_budget=budget, workers=workers))
+        monkeypatch.setattr(
+            ucp.convert.importers.write_stored,
+            "rewrite",
+            functools.partial(real, memory_budget=budget, workers=workers),
+        )
         out = tmp_path / f"b{budget}-w{workers}"
         convert(ckpt, out)
         assert tracked.peak <= budget, (tracked.peak, budget)
@@ -264,8 +287,9 @@ def test_deepspeed_convert_under_small_budgets_writes_the_same_files(tmp_path: P
         for name in want:
             assert got[name] == want[name], f"{name} differs from the one-batch conversion ({budget}, {workers})"
         manifest = ucp.read_manifest(out)
-        assert {n: e.pieces for n, e in manifest.tensors.items()} == \
-            {n: e.pieces for n, e in ref_manifest.tensors.items()}
+        assert {n: e.pieces for n, e in manifest.tensors.items()} == {
+            n: e.pieces for n, e in ref_manifest.tensors.items()
+        }
     assert no_reshape_threads()
 
 
@@ -292,8 +316,9 @@ def _run_with_deadline(fn: Callable[[], Any], seconds: float = 60) -> Any:
 
 
 @pytest.mark.parametrize("fail_at", [1, 4, 23, 70])
-def test_writer_failing_mid_file_then_a_clean_reshape(source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      fail_at: int) -> None:
+def test_writer_failing_mid_file_then_a_clean_reshape(
+    source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int
+) -> None:
     src, ref = source
     real = aio.handle.FileWriter.write
     calls = {"n": 0}
@@ -309,13 +334,15 @@ def test_writer_failing_mid_file_then_a_clean_reshape(source, tmp_path: Path, mo
 
     monkeypatch.setattr(aio.handle.FileWriter, "write", failing)
     with pytest.raises(OSError, match="injected"):
-        _run_with_deadline(lambda: reshape(src, tmp_path / "bad", layout=mesh(tp=2, dp=2, zero=3),
-                                           memory_budget=MiB, workers=2))
+        _run_with_deadline(
+            lambda: reshape(src, tmp_path / "bad", layout=mesh(tp=2, dp=2, zero=3), memory_budget=MiB, workers=2)
+        )
     assert not (tmp_path / "bad").exists()
     monkeypatch.setattr(aio.handle.FileWriter, "write", real)
     assert no_reshape_threads()
-    _run_with_deadline(lambda: reshape(src, tmp_path / "ok", layout=mesh(tp=2, dp=2, zero=3), memory_budget=MiB,
-                                       workers=2))
+    _run_with_deadline(
+        lambda: reshape(src, tmp_path / "ok", layout=mesh(tp=2, dp=2, zero=3), memory_budget=MiB, workers=2)
+    )
     check_checkpoint(tmp_path / "ok", ref)
 
 
@@ -332,21 +359,20 @@ def test_corrupt_source_with_two_workers_then_a_clean_reshape(source, tmp_path: 
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x10]))
         with pytest.raises(ucp.CorruptCheckpointError, match=name.replace(".", r"\.")):
-            _run_with_deadline(lambda: reshape(bad, tmp_path / "out", layout=mesh(tp=2), memory_budget=MiB,
-                                               workers=2))
+            _run_with_deadline(lambda: reshape(bad, tmp_path / "out", layout=mesh(tp=2), memory_budget=MiB, workers=2))
         assert not (tmp_path / "out").exists()
         assert no_reshape_threads()
-        _run_with_deadline(lambda: reshape(src, tmp_path / f"ok{k}", layout=mesh(tp=2), memory_budget=MiB,
-                                           workers=2))
+        _run_with_deadline(lambda: reshape(src, tmp_path / f"ok{k}", layout=mesh(tp=2), memory_budget=MiB, workers=2))
         check_checkpoint(tmp_path / f"ok{k}", ref)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
-def test_read_interrupted_mid_fill_then_a_clean_reshape(source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        exc: type[BaseException]) -> None:
+def test_read_interrupted_mid_fill_then_a_clean_reshape(
+    source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type[BaseException]
+) -> None:
     """A Ctrl-C (or an allocation failure) in a reader thread while batches are in flight."""
     src, ref = source
-    real = ucp.storage.LocalStorage.read_ranges
+    real = ucp.store.storage.LocalStorage.read_ranges
     calls = {"n": 0}
     lock = threading.Lock()
 
@@ -358,28 +384,32 @@ def test_read_interrupted_mid_fill_then_a_clean_reshape(source, tmp_path: Path, 
             raise exc()
         real(self, rel, ranges)
 
-    monkeypatch.setattr(ucp.storage.LocalStorage, "read_ranges", interrupted)
+    monkeypatch.setattr(ucp.store.storage.LocalStorage, "read_ranges", interrupted)
     with pytest.raises(exc):
-        _run_with_deadline(lambda: reshape(src, tmp_path / "bad", layout=mesh(tp=2, dp=2, zero=3),
-                                           memory_budget=MiB, workers=2))
+        _run_with_deadline(
+            lambda: reshape(src, tmp_path / "bad", layout=mesh(tp=2, dp=2, zero=3), memory_budget=MiB, workers=2)
+        )
     assert calls["n"] >= 9
-    monkeypatch.setattr(ucp.storage.LocalStorage, "read_ranges", real)
+    monkeypatch.setattr(ucp.store.storage.LocalStorage, "read_ranges", real)
     assert not (tmp_path / "bad").exists()
     assert no_reshape_threads()
-    _run_with_deadline(lambda: reshape(src, tmp_path / "ok", layout=mesh(tp=2, dp=2, zero=3), memory_budget=MiB,
-                                       workers=2))
+    _run_with_deadline(
+        lambda: reshape(src, tmp_path / "ok", layout=mesh(tp=2, dp=2, zero=3), memory_budget=MiB, workers=2)
+    )
     check_checkpoint(tmp_path / "ok", ref)
 
 
 # -- 4: the budget bounds the mapped data buffers ---------------------------------------------------
 
 
-@pytest.mark.parametrize("budget, workers", [
-    (MiB, 1), (MiB, 2), (3 * MiB // 2 + 123, 2), (2 * MiB, 1), (5 * MiB, 1), (7 * MiB, 2)])
-def test_peak_of_mapped_buffers_within_budget(source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int,
-                                              workers: int) -> None:
+@pytest.mark.parametrize(
+    "budget, workers", [(MiB, 1), (MiB, 2), (3 * MiB // 2 + 123, 2), (2 * MiB, 1), (5 * MiB, 1), (7 * MiB, 2)]
+)
+def test_peak_of_mapped_buffers_within_budget(
+    source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, workers: int
+) -> None:
     src, ref = source
-    tracked = TrackedFileBuffers(monkeypatch, ucp.reshape, ucp.partial)
+    tracked = TrackedFileBuffers(monkeypatch, ucp.convert.reshape, ucp.loading.partial)
     peaks = {}
     prev = src
     for name, layout in (("tp2", mesh(tp=2)), ("z3", mesh(tp=2, dp=2, zero=3)), ("cons", None)):
@@ -418,7 +448,6 @@ class _HeldWrites(ThreadEngine):
 
         self._check_open("writing", f, offset)
         return self._start(held, f, offset, buf, future or Future())
-
 
 
 def test_buffer_in_a_held_borrowed_write_is_not_reused(tmp_path: Path) -> None:
@@ -502,12 +531,12 @@ class _SlowWrites(ThreadEngine):
 
 
 @pytest.mark.parametrize("budget, workers", [(3 * MiB, 1), (4 * MiB + 4096, 2)])
-def test_reshape_with_late_completing_borrowed_writes_is_bit_exact(source, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch, budget: int,
-                                                                   workers: int) -> None:
+def test_reshape_with_late_completing_borrowed_writes_is_bit_exact(
+    source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, workers: int
+) -> None:
     """Batches large enough that the writer moves pieces straight from batch memory (borrowed, O_DIRECT),
     through a device whose writes complete late: batches whose writes are still in flight must not be
-    refilled. (Their memory is not counted in the budget: see ucp.reshape.reshape.)"""
+    refilled. (Their memory is not counted in the budget: see ucp.convert.reshape.reshape.)"""
     src, ref = source
     handle = AioHandle(AioConfig(engine="threads", block_size=256 << 10, queue_depth=16), engine=_SlowWrites())
     borrowed = {"n": 0}
@@ -519,8 +548,11 @@ def test_reshape_with_late_completing_borrowed_writes_is_bit_exact(source, tmp_p
         real_write(self, data, borrow=borrow)
 
     monkeypatch.setattr(aio.handle.FileWriter, "write", counting)
-    monkeypatch.setattr(ucp.storage.LocalStorage, "open_writer",
-                        lambda self, rel, size_hint: handle.writer(self.path(rel), size_hint=size_hint))
+    monkeypatch.setattr(
+        ucp.store.storage.LocalStorage,
+        "open_writer",
+        lambda self, rel, size_hint: handle.writer(self.path(rel), size_hint=size_hint),
+    )
     with handle:
         prev = src
         for name, layout in (("tp2", mesh(tp=2)), ("z3", mesh(tp=2, dp=2, zero=3)), ("cons", None)):

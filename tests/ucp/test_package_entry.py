@@ -17,8 +17,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -31,15 +37,17 @@ def test_importing_ucp_and_its_cli_does_not_import_torch() -> None:
 
 def test_the_deepspeed_byte_copy_path_does_not_import_torch() -> None:
     """``ucp convert`` of a DeepSpeed checkpoint reads and copies it without torch in the usual case."""
-    modules = ("ucp.importers, ucp.importers.deepspeed, ucp.importers.universal, ucp.importers.torch_archive, "
-               "ucp.importers.write_stored")
+    modules = (
+        "ucp.convert.importers, ucp.convert.importers.deepspeed, ucp.convert.importers.universal, ucp.convert.importers.torch_archive, "
+        "ucp.convert.importers.write_stored"
+    )
     assert _python(f"import sys, {modules}; print('torch' in sys.modules)") == "False"
 
 
 def test_every_public_name_resolves() -> None:
     for name in ucp.__all__:
         assert getattr(ucp, name) is not None, name
-    assert ucp.save.__module__ == "ucp.saving" and ucp.read_manifest.__name__ == "read_checkpoint_manifest"
+    assert ucp.save.__module__ == "ucp.saving.sync_save" and ucp.read_manifest.__name__ == "read_checkpoint_manifest"
     assert set(ucp.__all__) <= set(dir(ucp))
     with pytest.raises(AttributeError, match="no attribute 'sav'"):
         ucp.sav  # noqa: B018
@@ -49,8 +57,14 @@ def test_every_public_name_resolves() -> None:
 
 
 def _ucp(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ucp.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "ucp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_console_script_flushes_output_and_keeps_exit_codes(tmp_path: Path) -> None:
@@ -104,9 +118,14 @@ def test_reshape_prefetches_its_source_and_stays_bit_exact(tmp_path: Path) -> No
     for prefetch in ("0", "1"):
         assert evict_file(data) and _resident_fraction(data) == 0.0
         out = tmp_path / f"dst{prefetch}"
-        done = subprocess.run([sys.executable, "-m", "ucp.cli", "reshape", str(tmp_path / "src"), str(out), "--json",
-                               "--verify"], capture_output=True, text=True, timeout=300, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "UCP_PREFETCH": prefetch})
+        done = subprocess.run(
+            [sys.executable, "-m", "ucp.cli", "reshape", str(tmp_path / "src"), str(out), "--json", "--verify"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "UCP_PREFETCH": prefetch},
+        )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["verified"] is True
         back = ucp.load(out)
@@ -118,9 +137,16 @@ def test_reshape_prefetches_its_source_and_stays_bit_exact(tmp_path: Path) -> No
 def test_reshape_runs_without_importing_torch(tmp_path: Path) -> None:
     """``ucp reshape`` moves bytes with numpy only: no torch import (~1.5-2 s) before it can start."""
     w = torch.randn(64, 33)
-    state = {"w": ucp.Shards([ucp.ShardedTensor(w[:, :20].contiguous(), (64, 33), (0, 0)),  # column blocks:
-                              ucp.ShardedTensor(w[:, 20:].contiguous(), (64, 33), (0, 20))]),  # staged box copies
-             "e": torch.randn(10, 7).to(torch.bfloat16), "s": torch.tensor(2.5)}
+    state = {
+        "w": ucp.Shards(
+            [
+                ucp.ShardedTensor(w[:, :20].contiguous(), (64, 33), (0, 0)),  # column blocks:
+                ucp.ShardedTensor(w[:, 20:].contiguous(), (64, 33), (0, 20)),
+            ]
+        ),  # staged box copies
+        "e": torch.randn(10, 7).to(torch.bfloat16),
+        "s": torch.tensor(2.5),
+    }
     ucp.save(state, tmp_path / "src")
     probe = (
         "import sys\n"
@@ -139,7 +165,13 @@ def test_reshape_runs_without_importing_torch(tmp_path: Path) -> None:
 @pytest.mark.parametrize("entry", [["-m", "ucp.cli"], ["-m", "ucp.cli.main"]])
 def test_every_way_of_starting_the_command_line_works(entry: list[str]) -> None:
     """``python -m ucp.cli.main`` (what the benchmark tools run) must not depend on the console script's import."""
-    done = subprocess.run([sys.executable, *entry, "ls", "--help"], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, *entry, "ls", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     assert "Usage" in done.stdout

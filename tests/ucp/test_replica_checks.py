@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ucp_helpers import random_tensor, run_ranks, same_bytes, save_ranks
 
 import ucp
 from ucp import AsyncSaver
-from ucp import commit as _commit
-from ucp.background import WriteJob
-from ucp_helpers import random_tensor, run_ranks, same_bytes, save_ranks
+from ucp.saving.background import WriteJob
+from ucp.store import commit as _commit
 
 
 def _flip(t: torch.Tensor, index: int = 0) -> torch.Tensor:
@@ -27,14 +27,17 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).contiguous().transpose(0, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.int8,
-                                   torch.float16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.int8, torch.float16]
+)
 def test_equal_plain_replicas_of_any_dtype_and_layout_commit(tmp_path, dtype):
     w = random_tensor(dtype, (5, 7), seed=1)
     assert not _strided(w).is_contiguous()
-    states = [{"w": w.clone(), "e": torch.empty(0, 3, dtype=dtype), "s": w[0, 0].clone()},
-              {"w": _strided(w), "e": torch.empty(0, 3, dtype=dtype), "s": w[0, 0].clone()},
-              {"w": w.clone(), "e": torch.empty(0, 3, dtype=dtype), "s": w[0, 0].clone()}]
+    states = [
+        {"w": w.clone(), "e": torch.empty(0, 3, dtype=dtype), "s": w[0, 0].clone()},
+        {"w": _strided(w), "e": torch.empty(0, 3, dtype=dtype), "s": w[0, 0].clone()},
+        {"w": w.clone(), "e": torch.empty(0, 3, dtype=dtype), "s": w[0, 0].clone()},
+    ]
     save_ranks(tmp_path / "c", states, check_replicas=True)
     out = ucp.load(tmp_path / "c")
     assert same_bytes(out["w"], w) and out["e"].shape == (0, 3)
@@ -59,8 +62,11 @@ def test_a_drifted_plain_replica_names_the_tensor_and_both_ranks(tmp_path):
     save_ranks(tmp_path / "probe", [{"big": big, "small": small}] * 2, check_replicas=True)
     assert _writer_of("big", tmp_path / "probe") == 0 and _writer_of("small", tmp_path / "probe") == 1
     states = [{"big": big.clone(), "small": _flip(small, 5)}, {"big": big.clone(), "small": small.clone()}]
-    with pytest.raises(ucp.CommitError, match=r"tensor 'small': rank 0's copy of box .*\[8\].* differs from the one "
-                                              r"rank 1 wrote"):
+    with pytest.raises(
+        ucp.CommitError,
+        match=r"tensor 'small': rank 0's copy of box .*\[8\].* differs from the one "
+        r"rank 1 wrote",
+    ):
         save_ranks(tmp_path / "bad", states, check_replicas=True)
     assert not (tmp_path / "bad").exists()
     save_ranks(tmp_path / "off", states)  # default: rank 1's copy, no comparison
@@ -72,8 +78,14 @@ def test_a_drifted_shard_replica_of_a_shards_part_is_refused(tmp_path):
 
     def state(rank: int, drift: bool) -> dict:
         mine = _flip(w, 2 * 6 * 2 + 3) if drift and rank == 1 else w.clone()  # rank 1 writes rows 2:
-        return {"w": ucp.Shards([ucp.ShardedTensor(mine[:2].clone(), (4, 6), (0, 0), replica_id=rank),
-                                 ucp.ShardedTensor(mine[2:], (4, 6), (2, 0), replica_id=1 - rank)])}
+        return {
+            "w": ucp.Shards(
+                [
+                    ucp.ShardedTensor(mine[:2].clone(), (4, 6), (0, 0), replica_id=rank),
+                    ucp.ShardedTensor(mine[2:], (4, 6), (2, 0), replica_id=1 - rank),
+                ]
+            )
+        }
 
     save_ranks(tmp_path / "ok", [state(0, False), state(1, False)], check_replicas=True)
     assert same_bytes(ucp.load(tmp_path / "ok")["w"], w)
@@ -87,13 +99,22 @@ def test_flat_shard_replicas_across_three_ranks(tmp_path):
 
     def state(rank: int, drift: bool) -> dict:
         mine = _flip(flat, 2 * 20) if drift and rank == 2 else flat.clone()  # rank 2 writes [20, 30)
-        return {"w": ucp.Shards([ucp.FlatShard(mine[10 * k:10 * k + 10].clone(), (5, 6), 10 * k,
-                                               replica_id=(rank - k) % 3) for k in range(3)])}
+        return {
+            "w": ucp.Shards(
+                [
+                    ucp.FlatShard(mine[10 * k : 10 * k + 10].clone(), (5, 6), 10 * k, replica_id=(rank - k) % 3)
+                    for k in range(3)
+                ]
+            )
+        }
 
     save_ranks(tmp_path / "ok", [state(r, False) for r in range(3)], check_replicas=True)
     assert same_bytes(ucp.load(tmp_path / "ok")["w"].reshape(-1), flat)
-    with pytest.raises(ucp.CommitError, match=r"tensor 'w': rank 0's copy of elements .*\"start\":20,\"stop\":30"
-                                              r".* rank 2 wrote"):
+    with pytest.raises(
+        ucp.CommitError,
+        match=r"tensor 'w': rank 0's copy of elements .*\"start\":20,\"stop\":30"
+        r".* rank 2 wrote",
+    ):
         save_ranks(tmp_path / "bad", [state(r, True) for r in range(3)], check_replicas=True)
 
 
@@ -105,9 +126,10 @@ def test_check_replicas_off_sends_no_replicas(tmp_path):
         seen.append([r.replicas for r in reports])
         return real(reports, **kw)
 
-    import ucp.saving
+    import ucp.saving.sync_save
+
     mp = pytest.MonkeyPatch()
-    mp.setattr(ucp.saving._commit, "build_manifest", spy)
+    mp.setattr(ucp.saving.sync_save._commit, "build_manifest", spy)
     try:
         w = random_tensor(torch.float32, (3, 3), seed=7)
         save_ranks(tmp_path / "c", [{"w": w}, {"w": _flip(w)}])
@@ -133,8 +155,12 @@ def test_async_saver_with_strided_equal_replicas_commits(tmp_path, snapshot):
     def fn(group):
         mine = w.clone() if group.rank == 0 else _strided(w)
         with AsyncSaver(snapshot=snapshot) as saver:
-            saver.save({"w": mine, "b": torch.ones(3, dtype=torch.bool)}, tmp_path / "c", process_group=group,
-                       check_replicas=True).result(60)
+            saver.save(
+                {"w": mine, "b": torch.ones(3, dtype=torch.bool)},
+                tmp_path / "c",
+                process_group=group,
+                check_replicas=True,
+            ).result(60)
 
     run_ranks(2, fn)
     out = ucp.load(tmp_path / "c")

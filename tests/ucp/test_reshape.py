@@ -1,4 +1,4 @@
-"""``ucp.reshape`` and ``ucp reshape``: any layout to any other (or consolidated), bit-exact, streaming.
+"""``ucp.convert.reshape`` and ``ucp reshape``: any layout to any other (or consolidated), bit-exact, streaming.
 
 Sources are checkpoints of the training engine in this process (one rank; the engine records its
 layout), reshaped to TP/PP/DP/ZeRO targets and back. Engine-level resumes from reshaped
@@ -15,25 +15,36 @@ from typing import Any
 import pytest
 import torch
 from typer.testing import CliRunner
+from ucp_helpers import flat
 
 import ucp
 from reshard import LayoutError, Mesh
 from training import Engine
 from training.models.gpt import GPTConfig
 from ucp.cli.main import app
-from ucp.placement import place, recorded_layout
-from ucp.reshape import _batches, reshape
-from ucp_helpers import flat
+from ucp.convert.placement import place, recorded_layout
+from ucp.convert.reshape import _batches, reshape
 
 # GQA + SwiGLU + tied embeddings + a vocabulary padded under tp; and a plain MLP with an odd d_ff.
-GQA = GPTConfig(vocab_size=101, n_layer=2, n_head=8, n_kv_head=4, d_model=32, d_ff=48, max_seq=16, swiglu=True,
-                tied_embeddings=True, bias=False)
+GQA = GPTConfig(
+    vocab_size=101,
+    n_layer=2,
+    n_head=8,
+    n_kv_head=4,
+    d_model=32,
+    d_ff=48,
+    max_seq=16,
+    swiglu=True,
+    tied_embeddings=True,
+    bias=False,
+)
 PLAIN = GPTConfig(vocab_size=101, n_layer=2, n_head=4, d_model=32, d_ff=51, max_seq=16)
 
 
 def make_source(root: Path, cfg: GPTConfig, **options: Any) -> str:
-    e = Engine(cfg, zero_stage=options.pop("zero_stage", 1), micro_batch=2, seq_len=16, lr=1e-2, pad_vocab_to=8,
-               **options)
+    e = Engine(
+        cfg, zero_stage=options.pop("zero_stage", 1), micro_batch=2, seq_len=16, lr=1e-2, pad_vocab_to=8, **options
+    )
     e.train_step()
     e.train_step()
     manager = ucp.CheckpointManager(root)
@@ -53,19 +64,29 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("reshape-src")
-    return {"gqa": make_source(base / "gqa", GQA), "plain": make_source(base / "plain", PLAIN, zero_stage=3,
-                                                                         zero_alignment=4)}
+    return {
+        "gqa": make_source(base / "gqa", GQA),
+        "plain": make_source(base / "plain", PLAIN, zero_stage=3, zero_alignment=4),
+    }
 
 
 TARGETS = [  # (tp, pp, dp, zero)
-    (2, 1, 1, 0), (2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 0), (1, 1, 4, 3), (4, 1, 1, 2), (2, 1, 2, 3), (1, 1, 2, 2),
+    (2, 1, 1, 0),
+    (2, 1, 2, 1),
+    (1, 2, 2, 1),
+    (2, 2, 1, 0),
+    (1, 1, 4, 3),
+    (4, 1, 1, 2),
+    (2, 1, 2, 3),
+    (1, 1, 2, 2),
 ]
 
 
 @pytest.mark.parametrize("model", ["gqa", "plain"])
 @pytest.mark.parametrize("tp,pp,dp,zero", TARGETS)
-def test_reshape_is_bit_exact_and_one_file_per_rank(sources: dict[str, str], tmp_path: Path, model: str,
-                                                    tp: int, pp: int, dp: int, zero: int) -> None:
+def test_reshape_is_bit_exact_and_one_file_per_rank(
+    sources: dict[str, str], tmp_path: Path, model: str, tp: int, pp: int, dp: int, zero: int
+) -> None:
     src = sources[model]
     before = flat(ucp.load(src))
     base = recorded_layout(ucp.read_manifest(src)).layout
@@ -103,8 +124,8 @@ def test_reshaped_checkpoint_loads_into_an_engine(sources: dict[str, str], tmp_p
 
 
 def test_batches_respect_the_memory_budget(sources: dict[str, str], tmp_path: Path) -> None:
-    from ucp.plan import make_plan
-    from ucp.reshape import _targets
+    from ucp.convert.reshape import _targets
+    from ucp.saving.plan import make_plan
 
     manifest = ucp.read_manifest(sources["plain"])
     [layouts], _, _ = _targets(manifest, None, None, None, sources["plain"])
@@ -163,8 +184,12 @@ def test_layout_that_does_not_fit_names_the_tensor(sources: dict[str, str], tmp_
     with pytest.raises(LayoutError, match="pp=4|4 stages|layers"):
         reshape(sources["gqa"], tmp_path / "dst", layout=base.replace(mesh=Mesh(pp=4)))
     with pytest.raises(ucp.LayoutMismatchError, match="layers.0.attn.qkv.weight"):
-        reshape(sources["gqa"], tmp_path / "dst", layout=base, shapes={
-            **recorded_layout(ucp.read_manifest(sources["gqa"])).shapes, "layers.0.attn.qkv.weight": (7, 32)})
+        reshape(
+            sources["gqa"],
+            tmp_path / "dst",
+            layout=base,
+            shapes={**recorded_layout(ucp.read_manifest(sources["gqa"])).shapes, "layers.0.attn.qkv.weight": (7, 32)},
+        )
     assert not (tmp_path / "dst").exists()
 
 
@@ -173,8 +198,24 @@ def test_layout_that_does_not_fit_names_the_tensor(sources: dict[str, str], tmp_
 
 def test_cli_reshape_json_and_verify(sources: dict[str, str], tmp_path: Path) -> None:
     runner = CliRunner()
-    res = runner.invoke(app, ["reshape", sources["gqa"], str(tmp_path / "a"), "--tp", "2", "--dp", "2", "--zero", "3",
-                              "--memory-budget", "2MiB", "--verify", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "reshape",
+            sources["gqa"],
+            str(tmp_path / "a"),
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--zero",
+            "3",
+            "--memory-budget",
+            "2MiB",
+            "--verify",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["mesh"] == {"tp": 2, "pp": 1, "dp": 2} and doc["zero_stage"] == 3 and doc["verified"] is True
@@ -189,8 +230,19 @@ def test_cli_layout_file_and_model_preset(sources: dict[str, str], tmp_path: Pat
     runner = CliRunner()
     base = recorded_layout(ucp.read_manifest(sources["gqa"])).layout
     base.replace(mesh=Mesh(pp=2)).dump(tmp_path / "layout.json")
-    res = runner.invoke(app, ["reshape", sources["gqa"], str(tmp_path / "a"), "--layout", str(tmp_path / "layout.json"),
-                              "--dp", "2", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "reshape",
+            sources["gqa"],
+            str(tmp_path / "a"),
+            "--layout",
+            str(tmp_path / "layout.json"),
+            "--dp",
+            "2",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["mesh"] == {"tp": 1, "pp": 2, "dp": 2}
     # a checkpoint without a recorded layout (consolidated copy, metadata stripped) needs one
@@ -202,11 +254,14 @@ def test_cli_layout_file_and_model_preset(sources: dict[str, str], tmp_path: Pat
     assert res.exit_code == 2 and "not a preset" in res.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--tp", "3"], "not divisible by tp=3"),
-    (["--memory-budget", "lots"], "cannot read 'lots' as a size"),
-    (["--dp", "0"], "greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tp", "3"], "not divisible by tp=3"),
+        (["--memory-budget", "lots"], "cannot read 'lots' as a size"),
+        (["--dp", "0"], "greater than or equal to 1"),
+    ],
+)
 def test_cli_bad_targets(sources: dict[str, str], tmp_path: Path, args: list[str], message: str) -> None:
     res = CliRunner().invoke(app, ["reshape", sources["gqa"], str(tmp_path / "x"), *args])
     assert res.exit_code == 2 and message in res.output, res.output
@@ -220,17 +275,24 @@ def test_cli_missing_source(tmp_path: Path) -> None:
 
 def test_consolidates_any_checkpoint(tmp_path: Path) -> None:
     """No layout needed to consolidate: plain state dicts, every kind of tensor and plain values."""
-    sd = {"a": torch.tensor(3.5), "e": torch.empty(0, 5), "b": torch.tensor([True, False]),
-          "bf": torch.randn(300, 7).to(torch.bfloat16), "big": torch.randn(512, 1024), "x": {"y": 3, "z": [1, 2.5, None]}}
+    sd = {
+        "a": torch.tensor(3.5),
+        "e": torch.empty(0, 5),
+        "b": torch.tensor([True, False]),
+        "bf": torch.randn(300, 7).to(torch.bfloat16),
+        "big": torch.randn(512, 1024),
+        "x": {"y": 3, "z": [1, 2.5, None]},
+    }
     ucp.save(sd, tmp_path / "src", step=7)
     reshape(tmp_path / "src", tmp_path / "dst", memory_budget=1 << 20)
     assert ucp.read_manifest(tmp_path / "dst").step == 7
     assert_same(flat(sd), flat(ucp.load(tmp_path / "dst")))
 
 
-def test_each_source_piece_is_verified_once_even_with_parallel_reads(sources: dict[str, str], tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucp.partial as partial
+def test_each_source_piece_is_verified_once_even_with_parallel_reads(
+    sources: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ucp.loading.partial as partial
 
     checked: list[tuple[str, int]] = []
     real = partial.check_crc

@@ -18,33 +18,35 @@ from typing import Any
 import pytest
 import torch
 from typer.testing import CliRunner
+from ucp_helpers import TrackedFileBuffers, flat
 
 import ucp
-import ucp.partial
-import ucp.reader
-import ucp.reshape
+import ucp.convert.reshape
+import ucp.loading.partial
+import ucp.store.reader
 from reshard import Box, FlatRange, Layout, LayoutError, Mesh, Pipeline, Rule
 from reshard.presets import ModelDims, gpt_layout, gpt_shapes, llama_layout, llama_shapes
 from training.layout import gpt_layout as engine_gpt_layout
 from training.layout import gpt_shapes as engine_gpt_shapes
 from training.models.gpt import GPTConfig
 from ucp.cli.main import app
-from ucp.placement import layout_metadata, recorded_layout
-from ucp.reshape import reshape
-from ucp_helpers import TrackedFileBuffers, flat
+from ucp.convert.placement import layout_metadata, recorded_layout
+from ucp.convert.reshape import reshape
 
 STATES = ("fp32_master", "exp_avg", "exp_avg_sq")
 MEG = ModelDims(hidden=16, layers=2, heads=4, kv_heads=2, vocab=37, ffn=24, max_positions=8)  # vocab 37: padded
 HF = ModelDims(hidden=16, layers=2, heads=4, kv_heads=2, vocab=37, ffn=8, experts=4)
-ENGINE = GPTConfig(vocab_size=101, n_layer=3, n_head=8, n_kv_head=4, d_model=32, d_ff=51, max_seq=16,
-                   tied_embeddings=True)
+ENGINE = GPTConfig(
+    vocab_size=101, n_layer=3, n_head=8, n_kv_head=4, d_model=32, d_ff=51, max_seq=16, tied_embeddings=True
+)
 
 
 # -- building sources and the reference ---------------------------------------------------------
 
 
-def global_state(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32,
-                 states: tuple[str, ...] = STATES) -> dict[str, Any]:
+def global_state(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32, states: tuple[str, ...] = STATES
+) -> dict[str, Any]:
     """Engine-structured state: every element of every tensor distinct (misplaced data never matches)."""
     sd: dict[str, Any] = {"model": {}, "step": 3}
     if states:
@@ -72,7 +74,7 @@ def torch_region(t: torch.Tensor, region: Box | FlatRange) -> torch.Tensor:
     """The reference: a region of a global tensor by plain torch indexing."""
     if isinstance(region, Box):
         return t[tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))]
-    return t.reshape(-1)[region.start:region.stop]
+    return t.reshape(-1)[region.start : region.stop]
 
 
 def assert_pieces_are_reference_slices(path: Path, ref: dict[str, Any]) -> None:
@@ -88,8 +90,9 @@ def assert_pieces_are_reference_slices(path: Path, ref: dict[str, Any]) -> None:
                 data = bytearray(f.read(piece.length))
             assert len(data) == want.numel() * want.element_size(), (name, piece)
             got = torch.frombuffer(data, dtype=want.dtype).reshape(want.shape) if data else want
-            assert torch.equal(got.view(torch.uint8) if got.numel() else got,
-                               want.view(torch.uint8) if want.numel() else want), (name, piece.file, piece.region())
+            assert torch.equal(
+                got.view(torch.uint8) if got.numel() else got, want.view(torch.uint8) if want.numel() else want
+            ), (name, piece.file, piece.region())
 
 
 def assert_loads_as(path: Path, ref: dict[str, Any]) -> None:
@@ -107,12 +110,13 @@ def regions_by_file(path: Path, prefix: str) -> dict[tuple[str, str], list[Box |
     for name, entry in ucp.read_manifest(path).tensors.items():
         if name.startswith(prefix):
             for p in entry.pieces:
-                out.setdefault((p.file, name[len(prefix):]), []).append(p.region())
+                out.setdefault((p.file, name[len(prefix) :]), []).append(p.region())
     return out
 
 
-def target(base: Layout, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero: int = 0,
-           alignment: int | None = None) -> Layout:
+def target(
+    base: Layout, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero: int = 0, alignment: int | None = None
+) -> Layout:
     update: dict[str, Any] = {"stage": zero}
     if alignment is not None:
         update["alignment"] = alignment
@@ -152,15 +156,27 @@ def test_megatron_tp2_pp2_rank_files_hold_hand_computed_slices(meg, tmp_path: Pa
             r = f[t + 2 * stage]
             # GQA fused QKV [q:16 k:8 v:8], head_dim 4: each rank 2 q heads, 1 k head, 1 v head
             want[(r, p + "self_attention.query_key_value.weight")] = [
-                Box((8 * t, 0), (8, h)), Box((16 + 4 * t, 0), (4, h)), Box((24 + 4 * t, 0), (4, h))]
+                Box((8 * t, 0), (8, h)),
+                Box((16 + 4 * t, 0), (4, h)),
+                Box((24 + 4 * t, 0), (4, h)),
+            ]
             want[(r, p + "self_attention.query_key_value.bias")] = [
-                Box((8 * t,), (8,)), Box((16 + 4 * t,), (4,)), Box((24 + 4 * t,), (4,))]
+                Box((8 * t,), (8,)),
+                Box((16 + 4 * t,), (4,)),
+                Box((24 + 4 * t,), (4,)),
+            ]
             want[(r, p + "self_attention.dense.weight")] = [Box((0, 8 * t), (h, 8))]
             want[(r, p + "mlp.dense_h_to_4h.weight")] = [Box((12 * t, 0), (12, h))]
             want[(r, p + "mlp.dense_h_to_4h.bias")] = [Box((12 * t,), (12,))]
             want[(r, p + "mlp.dense_4h_to_h.weight")] = [Box((0, 12 * t), (h, 12))]
-        for n in ("input_layernorm.weight", "input_layernorm.bias", "post_attention_layernorm.weight",
-                  "post_attention_layernorm.bias", "self_attention.dense.bias", "mlp.dense_4h_to_h.bias"):
+        for n in (
+            "input_layernorm.weight",
+            "input_layernorm.bias",
+            "post_attention_layernorm.weight",
+            "post_attention_layernorm.bias",
+            "self_attention.dense.bias",
+            "mlp.dense_4h_to_h.bias",
+        ):
             want[(f[2 * stage], p + n)] = [Box((0,), (h,))]  # replicated over tp: tp rank 0 saves it
     got = regions_by_file(dst, "model.")
     assert {k: sorted(v, key=str) for k, v in got.items()} == {k: sorted(v, key=str) for k, v in want.items()}
@@ -189,8 +205,9 @@ def test_zero3_partitions_with_alignment_padding_are_hand_computed(meg, tmp_path
                 if a < b:
                     want[(f"rank-{d:05d}.safetensors", name)] = [FlatRange(a, b)]
         got = regions_by_file(dst, prefix)
-        assert {k: [(r.start, r.stop) if isinstance(r, FlatRange) else r for r in v] for k, v in got.items()} == \
-               {k: [(r.start, r.stop) for r in v] for k, v in want.items()}, prefix
+        assert {k: [(r.start, r.stop) if isinstance(r, FlatRange) else r for r in v] for k, v in got.items()} == {
+            k: [(r.start, r.stop) for r in v] for k, v in want.items()
+        }, prefix
 
 
 def _hf_source(root: Path, fused_qkv: bool, tie: bool) -> tuple[Path, Layout, dict[str, Any]]:
@@ -258,8 +275,10 @@ def test_experts_are_split_over_ep(tmp_path: Path) -> None:
     got = regions_by_file(tmp_path / "dst", "model.")
     for e in range(2):  # ep index = dp index (dp % ep)
         f = f"rank-{e:05d}.safetensors"
-        for name, shape in (("model.layers.0.mlp.experts.gate_up_proj", (2, 16, 16)),
-                            ("model.layers.1.mlp.experts.down_proj", (2, 16, 8))):
+        for name, shape in (
+            ("model.layers.0.mlp.experts.gate_up_proj", (2, 16, 16)),
+            ("model.layers.1.mlp.experts.down_proj", (2, 16, 8)),
+        ):
             regions = got[(f, name)]  # fused [gate up] at tp=1: one box per part (dim 1 is not merged)
             assert all(isinstance(r, Box) and r.offsets[0] == 2 * e and r.shape[0] == 2 for r in regions), regions
             assert sum(r.numel for r in regions) == math.prod(shape)
@@ -311,7 +330,7 @@ class _TrackedBuffers(TrackedFileBuffers):
     """Counts the bytes of reshape's data buffers (fill arenas and read staging) alive at once."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        super().__init__(monkeypatch, ucp.reshape, ucp.partial)
+        super().__init__(monkeypatch, ucp.convert.reshape, ucp.loading.partial)
 
     def run(self, *args: Any, **kw: Any) -> int:
         self.live = self.peak = 0
@@ -321,8 +340,9 @@ class _TrackedBuffers(TrackedFileBuffers):
 
 @pytest.mark.parametrize("dims", ["(tp r) c", "r (tp c)"])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_tensor_larger_than_the_budget_stays_within_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         dims: str, workers: int) -> None:
+def test_a_tensor_larger_than_the_budget_stays_within_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dims: str, workers: int
+) -> None:
     """A 16 MiB tensor, split in two and consolidated again under a 2 MiB budget: its pieces are read and
     written part by part and the source checksummed span by span, so the buffers stay within the budget
     (a column split's parts cut source rows twice as wide as they are: those are staged in parts too)."""
@@ -330,9 +350,14 @@ def test_a_tensor_larger_than_the_budget_stays_within_it(tmp_path: Path, monkeyp
     budget, rows = 2 << 20, 16384
     lay = Layout(rules=(Rule(name="w", dims=dims),), pipeline=Pipeline())
     want = torch.arange(rows * 256, dtype=torch.float32).reshape(rows, 256)
-    ucp.save({"model": {"w": want}}, tmp_path / "src", metadata=layout_metadata(lay, {"w": (rows, 256)}, {"model": "weights"}))
-    peak_split = tracked.run(tmp_path / "src", tmp_path / "tp2", layout=lay.replace(mesh=Mesh(tp=2)),
-                             memory_budget=budget, workers=workers)
+    ucp.save(
+        {"model": {"w": want}},
+        tmp_path / "src",
+        metadata=layout_metadata(lay, {"w": (rows, 256)}, {"model": "weights"}),
+    )
+    peak_split = tracked.run(
+        tmp_path / "src", tmp_path / "tp2", layout=lay.replace(mesh=Mesh(tp=2)), memory_budget=budget, workers=workers
+    )
     assert [len(e.pieces) for e in ucp.read_manifest(tmp_path / "tp2").tensors.values()] == [2]
     peak_back = tracked.run(tmp_path / "tp2", tmp_path / "back", memory_budget=budget, workers=workers)
     assert torch.equal(ucp.load(tmp_path / "back")["model"]["w"], want)
@@ -353,12 +378,16 @@ def test_a_tensor_larger_than_the_budget_stays_within_it(tmp_path: Path, monkeyp
 @pytest.mark.parametrize("where", [0.0, 0.3, 0.999])
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("dims", ["(tp r) c", "r (tp c)"])  # parts read straight in / staged
-def test_a_flipped_byte_in_a_piece_checked_span_by_span_fails_the_reshape(tmp_path: Path, where: float,
-                                                                         workers: int, dims: str) -> None:
+def test_a_flipped_byte_in_a_piece_checked_span_by_span_fails_the_reshape(
+    tmp_path: Path, where: float, workers: int, dims: str
+) -> None:
     rows = 8192
     lay = Layout(rules=(Rule(name="w", dims=dims),), pipeline=Pipeline())
-    ucp.save({"model": {"w": torch.randn(rows, 256)}}, tmp_path / "src",
-             metadata=layout_metadata(lay, {"w": (rows, 256)}, {"model": "weights"}))
+    ucp.save(
+        {"model": {"w": torch.randn(rows, 256)}},
+        tmp_path / "src",
+        metadata=layout_metadata(lay, {"w": (rows, 256)}, {"model": "weights"}),
+    )
     piece = ucp.read_manifest(tmp_path / "src").tensors["model.w"].pieces[0]
     with open(tmp_path / "src" / piece.file, "r+b") as f:
         f.seek(piece.offset + int(piece.length * where))
@@ -366,8 +395,13 @@ def test_a_flipped_byte_in_a_piece_checked_span_by_span_fails_the_reshape(tmp_pa
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(ucp.CorruptCheckpointError, match=r"model\.w"):
-        reshape(tmp_path / "src", tmp_path / "dst", layout=lay.replace(mesh=Mesh(tp=2)), memory_budget=1 << 20,
-                workers=workers)
+        reshape(
+            tmp_path / "src",
+            tmp_path / "dst",
+            layout=lay.replace(mesh=Mesh(tp=2)),
+            memory_budget=1 << 20,
+            workers=workers,
+        )
     assert not (tmp_path / "dst").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".dst")] == []
 
@@ -375,8 +409,8 @@ def test_a_flipped_byte_in_a_piece_checked_span_by_span_fails_the_reshape(tmp_pa
 def test_the_rest_of_a_piece_checked_span_by_span_is_read_at_the_end(tmp_path: Path) -> None:
     """Only the first rows of a large piece are wanted; the bytes no span brought in are read at the end,
     so a flipped byte there still fails the load (as when the piece was read whole to check it)."""
-    from ucp.partial import Target, read_targets
-    from ucp.storage import open_storage
+    from ucp.loading.partial import Target, read_targets
+    from ucp.store.storage import open_storage
 
     rows = 8192
     w = torch.randn(rows, 256)
@@ -386,8 +420,9 @@ def test_the_rest_of_a_piece_checked_span_by_span_is_read_at_the_end(tmp_path: P
     out = torch.empty(16, 256)
     storage, name = open_storage(str(tmp_path / "src"))
     with storage:
-        read_targets(storage, name, manifest, [Target("w", out, Box((8, 0), (16, 256)))], verify=True,
-                     staging_bytes=1 << 20)
+        read_targets(
+            storage, name, manifest, [Target("w", out, Box((8, 0), (16, 256)))], verify=True, staging_bytes=1 << 20
+        )
         assert torch.equal(out, w[8:24])
         with open(tmp_path / "src" / piece.file, "r+b") as f:
             f.seek(piece.offset + piece.length - 3)
@@ -395,8 +430,9 @@ def test_the_rest_of_a_piece_checked_span_by_span_is_read_at_the_end(tmp_path: P
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x80]))
         with pytest.raises(ucp.CorruptCheckpointError, match="CRC-32C mismatch"):
-            read_targets(storage, name, manifest, [Target("w", out, Box((8, 0), (16, 256)))], verify=True,
-                         staging_bytes=1 << 20)
+            read_targets(
+                storage, name, manifest, [Target("w", out, Box((8, 0), (16, 256)))], verify=True, staging_bytes=1 << 20
+            )
 
 
 def test_minimum_memory_budget_bounds_the_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -405,11 +441,15 @@ def test_minimum_memory_budget_bounds_the_buffers(tmp_path: Path, monkeypatch: p
     lay = Layout(rules=(Rule(name="*", dims="(tp r) c"),), pipeline=Pipeline())
     # 8 MiB in 32 KiB tensors: no piece, source or target, exceeds a batch or its read staging
     shapes = {f"t{i}": (32, 256) for i in range(256)}
-    ucp.save({"model": {n: torch.full(s, float(i)) for i, (n, s) in enumerate(shapes.items())}}, tmp_path / "src",
-             metadata=layout_metadata(lay, shapes, {"model": "weights"}))
-    budget = ucp.reshape.MIN_MEMORY_BUDGET
-    peak = tracked.run(tmp_path / "src", tmp_path / "dst", layout=lay.replace(mesh=Mesh(tp=2)), memory_budget=budget,
-                       workers=2)
+    ucp.save(
+        {"model": {n: torch.full(s, float(i)) for i, (n, s) in enumerate(shapes.items())}},
+        tmp_path / "src",
+        metadata=layout_metadata(lay, shapes, {"model": "weights"}),
+    )
+    budget = ucp.convert.reshape.MIN_MEMORY_BUDGET
+    peak = tracked.run(
+        tmp_path / "src", tmp_path / "dst", layout=lay.replace(mesh=Mesh(tp=2)), memory_budget=budget, workers=2
+    )
     assert peak <= budget, f"{peak / 2**20:.1f} MiB of buffers under a {budget / 2**20:.0f} MiB budget"
     back = ucp.load(tmp_path / "dst")["model"]
     assert all(torch.equal(back[n], torch.full(s, float(i))) for i, (n, s) in enumerate(shapes.items()))
@@ -435,8 +475,9 @@ def test_consolidated_output_loads_with_ucp_and_safetensors(meg, tmp_path: Path)
     reshape(tmp_path / "tp2", tmp_path / "cons")
     manifest = ucp.read_manifest(tmp_path / "cons")
     assert manifest.metadata["consolidated"] is True and manifest.topology.world_size == 1
-    assert all(len(e.pieces) == 1 and e.pieces[0].region() == Box.full(tuple(e.shape))
-               for e in manifest.tensors.values())
+    assert all(
+        len(e.pieces) == 1 and e.pieces[0].region() == Box.full(tuple(e.shape)) for e in manifest.tensors.values()
+    )
     assert_loads_as(tmp_path / "cons", ref)
     [file] = manifest.files
     st = {k: v for k, v in load_file(str(tmp_path / "cons" / file)).items() if not k.startswith("__pad__")}
@@ -471,8 +512,10 @@ def test_consolidated_output_with_explicit_stages_reshapes_again(meg, tmp_path: 
 def test_recorded_shapes_disagreeing_with_a_tensor_name_it(meg, tmp_path: Path) -> None:
     src, base, ref = meg
     shapes = dict(gpt_shapes(MEG))
-    sd = {"model": {k[6:]: v for k, v in ref.items() if k.startswith("model.")},
-          "optimizer": {"exp_avg": {k: v for k, v in ref.items() if k.startswith("model.")}}}
+    sd = {
+        "model": {k[6:]: v for k, v in ref.items() if k.startswith("model.")},
+        "optimizer": {"exp_avg": {k: v for k, v in ref.items() if k.startswith("model.")}},
+    }
     sd["optimizer"]["exp_avg"] = {k[6:]: v for k, v in sd["optimizer"]["exp_avg"].items()}
     sd["optimizer"]["exp_avg"]["layers.1.mlp.dense_4h_to_h.weight"] = torch.zeros(24, 16)  # transposed
     ucp.save(sd, tmp_path / "src", metadata=layout_metadata(base, shapes))
@@ -484,9 +527,12 @@ def test_recorded_shapes_disagreeing_with_a_tensor_name_it(meg, tmp_path: Path) 
 def test_recorded_layout_that_does_not_fit_the_tensors_names_the_tensor(tmp_path: Path) -> None:
     """metadata.layout claims fused q/k/v sizes the stored tensor does not have: the CLI says which tensor."""
     base, shapes = gpt_layout(MEG, pad_vocab_to=4), gpt_shapes(MEG)
-    wrong = base.replace(rules=tuple(
-        Rule(name=r.name, dims=r.dims.replace("k:8 v:8", "k:4 v:4")) if "query_key_value" in r.name else r
-        for r in base.rules))
+    wrong = base.replace(
+        rules=tuple(
+            Rule(name=r.name, dims=r.dims.replace("k:8 v:8", "k:4 v:4")) if "query_key_value" in r.name else r
+            for r in base.rules
+        )
+    )
     sd = global_state(shapes, states=())
     ucp.save(sd, tmp_path / "src", metadata=layout_metadata(wrong, shapes))
     res = CliRunner().invoke(app, ["reshape", str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2"])
@@ -511,8 +557,10 @@ def test_top_level_tensors_can_be_reshaped(tmp_path: Path) -> None:
     lay = Layout(rules=(Rule(name="w", dims="(tp r) c"),), mesh=Mesh(tp=2))
     reshape(tmp_path / "src", tmp_path / "dst", layout=lay, shapes={"w": (4, 3)}, sections={"": "weights"})
     regions = regions_by_file(tmp_path / "dst", "")
-    assert regions == {("rank-00000.safetensors", "w"): [Box((0, 0), (2, 3))],
-                       ("rank-00001.safetensors", "w"): [Box((2, 0), (2, 3))]}
+    assert regions == {
+        ("rank-00000.safetensors", "w"): [Box((0, 0), (2, 3))],
+        ("rank-00001.safetensors", "w"): [Box((2, 0), (2, 3))],
+    }
     # the root section is recorded: reshaping again needs no options but the mesh
     res = CliRunner().invoke(app, ["reshape", str(tmp_path / "dst"), str(tmp_path / "tp1"), "--tp", "1"])
     assert res.exit_code == 0, res.output
@@ -549,8 +597,12 @@ def test_dst_inside_src_and_in_place_overwrite(meg, tmp_path: Path) -> None:
 def test_progress_reaches_its_total(meg, tmp_path: Path) -> None:
     src, base, _ = meg
     calls: list[tuple[int, int]] = []
-    reshape(src, tmp_path / "dst", layout=target(base, tp=2, dp=2, zero=1),
-            progress=lambda done, total, what: calls.append((done, total)))
+    reshape(
+        src,
+        tmp_path / "dst",
+        layout=target(base, tp=2, dp=2, zero=1),
+        progress=lambda done, total, what: calls.append((done, total)),
+    )
     assert calls and all(b >= a for (a, _), (b, _) in zip(calls, calls[1:]))
     assert calls[-1][0] == calls[-1][1], calls[-1]
     pieces = ucp.read_manifest(tmp_path / "dst").tensors.values()
@@ -559,8 +611,22 @@ def test_progress_reaches_its_total(meg, tmp_path: Path) -> None:
 
 def test_cli_without_a_terminal_prints_no_progress_bar(meg, tmp_path: Path) -> None:
     src, _, ref = meg
-    res = CliRunner().invoke(app, ["reshape", str(src), str(tmp_path / "dst"), "--tp", "2", "--pp", "2",
-                                   "--workers", "64", "--memory-budget", "1MiB"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "reshape",
+            str(src),
+            str(tmp_path / "dst"),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--workers",
+            "64",
+            "--memory-budget",
+            "1MiB",
+        ],
+    )
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())  # the console wraps at 80 columns
     assert text.startswith("reshaped ") and "4 files" in text and text.count("reshaped") == 1, res.output

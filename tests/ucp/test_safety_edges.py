@@ -28,10 +28,10 @@ import torch
 from safetensors.torch import save_file
 
 import ucp
+from ucp.convert.importers import ForeignCheckpointError, UnsafePickleError, convert, read
+from ucp.convert.importers.pickles import load_torch
 from ucp.errors import CorruptCheckpointError, ManifestError
-from ucp.importers import ForeignCheckpointError, UnsafePickleError, convert, read
-from ucp.importers.pickles import load_torch
-from ucp.manifest import parse_manifest
+from ucp.format.manifest import parse_manifest
 
 RANK0 = "rank-00000.safetensors"
 
@@ -93,8 +93,14 @@ def _absurd_sharded(path: Path) -> Path:
     m["tensors"]["model.w"]["shape"] = [n]
     m["tensors"]["model.w"]["pieces"] = [
         {"file": RANK0, "offset": 4096, "length": half * 4, "flat": {"start": 0, "stop": half}, "crc32c": 0},
-        {"file": RANK0, "offset": 4096 + half * 4, "length": half * 4, "flat": {"start": half, "stop": n},
-         "crc32c": 0, "entry": "model.w#1"},
+        {
+            "file": RANK0,
+            "offset": 4096 + half * 4,
+            "length": half * 4,
+            "flat": {"start": half, "stop": n},
+            "crc32c": 0,
+            "entry": "model.w#1",
+        },
     ]
     m["files"][RANK0]["size"] = 4096 + n * 4
     _write_manifest(path, m)
@@ -117,25 +123,28 @@ def _load_into(src: Path, out: Path) -> None:
 
 
 def _export_hf(src: Path, out: Path) -> None:
-    from ucp.exporters import export
+    from ucp.convert.exporters import export
 
     export(src, out, format="hf")
 
 
 def _export_zarr(src: Path, out: Path) -> None:
-    from ucp.exporters import export
+    from ucp.convert.exporters import export
 
     export(src, out, format="zarr")
 
 
 def _reshape(src: Path, out: Path) -> None:
-    from ucp.reshape import reshape
+    from ucp.convert.reshape import reshape
 
     reshape(src, out)
 
 
-@pytest.mark.parametrize("op", [_load, _load_into, _export_hf, _export_zarr, _reshape],
-                         ids=["load", "load-into", "export-hf", "export-zarr", "reshape"])
+@pytest.mark.parametrize(
+    "op",
+    [_load, _load_into, _export_hf, _export_zarr, _reshape],
+    ids=["load", "load-into", "export-hf", "export-zarr", "reshape"],
+)
 def test_absurd_claimed_size_fails_on_the_data_file_before_any_allocation(tmp_path: Path, op: Any) -> None:
     src = (_absurd_sharded if op is _load else _absurd)(tmp_path / "ck")
     try:
@@ -177,14 +186,18 @@ def test_deeply_nested_manifest_is_a_manifest_error(tmp_path: Path, where: str, 
         parse_manifest(text)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: m["tensors"]["model.w"]["pieces"][0].update(offset=10 ** 30),
-    lambda m: m["tensors"]["model.w"].update(shape=[10 ** 400]),
-    lambda m: m["tensors"]["model.w"]["pieces"][0].update(length=-(10 ** 40)),
-    lambda m: m["files"][RANK0].update(size=10 ** 100),
-    lambda m: m["topology"].update(world_size=10 ** 50),
-    lambda m: m.update(step=10 ** 3000),
-], ids=["offset", "shape", "length", "file-size", "world-size", "step"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["tensors"]["model.w"]["pieces"][0].update(offset=10**30),
+        lambda m: m["tensors"]["model.w"].update(shape=[10**400]),
+        lambda m: m["tensors"]["model.w"]["pieces"][0].update(length=-(10**40)),
+        lambda m: m["files"][RANK0].update(size=10**100),
+        lambda m: m["topology"].update(world_size=10**50),
+        lambda m: m.update(step=10**3000),
+    ],
+    ids=["offset", "shape", "length", "file-size", "world-size", "step"],
+)
 def test_huge_json_numbers_are_manifest_errors(tmp_path: Path, edit: Any) -> None:
     m = _manifest(_save(tmp_path / "ck"))
     edit(m)
@@ -243,8 +256,11 @@ def test_symlinked_data_file_is_followed_but_its_size_header_and_crc_are_checked
     secret.write_bytes((b"TOP-SECRET " * size)[:size])  # exactly the data file's size
     (ck / RANK0).unlink()
     (ck / RANK0).symlink_to(secret)
-    for attempt in (lambda: ucp.load(ck), lambda: ucp.load(ck, verify=False),
-                    lambda: ucp.load(ck, into={"model": {"w": torch.empty(16)}}, verify=False)):
+    for attempt in (
+        lambda: ucp.load(ck),
+        lambda: ucp.load(ck, verify=False),
+        lambda: ucp.load(ck, into={"model": {"w": torch.empty(16)}}, verify=False),
+    ):
         with pytest.raises(CorruptCheckpointError, match=RANK0) as info:
             attempt()
         assert "SECRET" not in str(info.value)
@@ -269,7 +285,7 @@ HOSTILE_NAMES = ["../../evil", "/abs/evil", "..", ".", "a/../../b", "../zarr.jso
 
 @pytest.mark.parametrize("fmt", ["hf", "zarr"])
 def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, fmt: str) -> None:
-    from ucp.exporters import export
+    from ucp.convert.exporters import export
 
     work = tmp_path / "work"
     work.mkdir()
@@ -284,8 +300,9 @@ def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, 
         for f in dirs + files:
             assert (Path(dirpath) / f).resolve().is_relative_to(out)
     if fmt == "zarr":
-        from ucp.exporters.zarr_export import read_tensor
         import zarr
+
+        from ucp.convert.exporters.zarr_export import read_tensor
 
         group = zarr.open_group(str(out), mode="r")
         mapping = group.attrs["ucp"]["tensors"]
@@ -294,10 +311,10 @@ def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, 
 
 
 def test_zarr_export_of_names_with_backslashes(tmp_path: Path) -> None:
-    from ucp.exporters import export
-
-    from ucp.exporters.zarr_export import read_tensor
     import zarr
+
+    from ucp.convert.exporters import export
+    from ucp.convert.exporters.zarr_export import read_tensor
 
     state = {"p": torch.zeros(2), "p\\q": torch.ones(2), "x\\..\\y": torch.full((3,), 2.0)}
     _save(tmp_path / "ck", {"model": state})
@@ -313,24 +330,34 @@ def test_zarr_export_of_names_with_backslashes(tmp_path: Path) -> None:
 # -- foreign checkpoints: pickles ----------------------------------------------------------------------
 
 
-def _deepspeed_root(root: Path, *, model_extra: Any = None, optim_extra: Any = None,
-                    scheduler: Any = None) -> Path:
+def _deepspeed_root(root: Path, *, model_extra: Any = None, optim_extra: Any = None, scheduler: Any = None) -> Path:
     """The smallest DeepSpeed ZeRO-2 checkpoint the importer reads (one rank, one 4-element param)."""
     tag = root / "global_step1"
     tag.mkdir(parents=True)
     (root / "latest").write_text("global_step1")
     w = torch.arange(4.0)
-    model: dict[str, Any] = {"module": {"w": w.clone()}, "param_shapes": [{"w": torch.Size([4])}],
-                             "global_steps": 1, "dp_world_size": 1}
+    model: dict[str, Any] = {
+        "module": {"w": w.clone()},
+        "param_shapes": [{"w": torch.Size([4])}],
+        "global_steps": 1,
+        "dp_world_size": 1,
+    }
     if scheduler is not None:
         model["lr_scheduler"] = scheduler
     if model_extra is not None:
         model["extra"] = model_extra
-    optim: dict[str, Any] = {"optimizer_state_dict": {
-        "zero_stage": 2, "single_partition_of_fp32_groups": [w.clone()],
-        "base_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": 1}},
-                                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}]},
-        "param_alignment_paddings": [[0]], "group_paddings": [0]}}
+    optim: dict[str, Any] = {
+        "optimizer_state_dict": {
+            "zero_stage": 2,
+            "single_partition_of_fp32_groups": [w.clone()],
+            "base_optimizer_state": {
+                "state": {0: {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": 1}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}],
+            },
+            "param_alignment_paddings": [[0]],
+            "group_paddings": [0],
+        }
+    }
     if optim_extra is not None:
         optim["extra"] = optim_extra
     torch.save(model, tag / "mp_rank_00_model_states.pt")
@@ -371,7 +398,7 @@ def test_torch_archive_entry_claiming_a_huge_size_is_a_clean_error(tmp_path: Pat
     patched, i = 0, 0
     while (i := data.find(b"PK\x01\x02", i)) >= 0:  # central directory entries
         name_len = struct.unpack_from("<H", data, i + 28)[0]
-        if bytes(data[i + 46:i + 46 + name_len]).endswith((b"data.pkl", b"data/0")):
+        if bytes(data[i + 46 : i + 46 + name_len]).endswith((b"data.pkl", b"data/0")):
             local = struct.unpack_from("<I", data, i + 42)[0]
             for at in (i + 20, i + 24, local + 18, local + 22):  # compressed / uncompressed sizes
                 struct.pack_into("<I", data, at, 0xFFFFFFF0)
@@ -385,7 +412,8 @@ def test_torch_archive_entry_claiming_a_huge_size_is_a_clean_error(tmp_path: Pat
 
 def _dcp(path: Path) -> Any:
     import torch.distributed.checkpoint as dcp
-    from ucp.importers.dcp import read_metadata
+
+    from ucp.convert.importers.dcp import read_metadata
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # single-process save, no process group
@@ -419,12 +447,15 @@ def _storage(field: str, value: Any) -> Any:
         key = next(k for k in data if k.fqn == "lst")
         data[key] = dataclasses.replace(data[key], **{field: value})
         meta.storage_data = data
+
     return edit
 
 
-@pytest.mark.parametrize("edit", [_planner_index, _storage("length", 1 << 40), _storage("offset", -5),
-                                  _storage("relative_path", ".")],
-                         ids=["planner-list-position", "storage-length", "storage-offset", "relative-path-dot"])
+@pytest.mark.parametrize(
+    "edit",
+    [_planner_index, _storage("length", 1 << 40), _storage("offset", -5), _storage("relative_path", ".")],
+    ids=["planner-list-position", "storage-length", "storage-offset", "relative-path-dot"],
+)
 def test_dcp_metadata_absurd_values_are_foreign_checkpoint_errors(tmp_path: Path, edit: Any) -> None:
     meta = _dcp(tmp_path / "dcp")
     edit(meta)
@@ -491,7 +522,7 @@ def _outside_tag(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute"])
 def test_deepspeed_latest_naming_a_folder_outside_the_root_is_refused(tmp_path: Path, kind: str) -> None:
-    from ucp.importers.deepspeed import tag_dir
+    from ucp.convert.importers.deepspeed import tag_dir
 
     other = _outside_tag(tmp_path)
     root = tmp_path / "ds"
@@ -503,7 +534,7 @@ def test_deepspeed_latest_naming_a_folder_outside_the_root_is_refused(tmp_path: 
 
 @pytest.mark.parametrize("text", ["", "\n", ".", "a/b", "global_step1\0x"])
 def test_deepspeed_latest_must_name_a_plain_tag_folder(tmp_path: Path, text: str) -> None:
-    from ucp.importers.deepspeed import tag_dir
+    from ucp.convert.importers.deepspeed import tag_dir
 
     root = tmp_path / "ds"
     (root / "a" / "b").mkdir(parents=True)
@@ -514,7 +545,7 @@ def test_deepspeed_latest_must_name_a_plain_tag_folder(tmp_path: Path, text: str
 
 
 def test_deepspeed_latest_universal_naming_a_folder_outside_the_root_is_refused(tmp_path: Path) -> None:
-    from ucp.importers.universal import universal_dir
+    from ucp.convert.importers.universal import universal_dir
 
     _outside_tag(tmp_path)
     root = tmp_path / "ds"
@@ -528,7 +559,7 @@ def test_deepspeed_latest_universal_naming_a_folder_outside_the_root_is_refused(
 
 
 def test_process_staging_is_private_and_removed_after_the_writer_is_killed(tmp_path: Path) -> None:
-    from ucp.async_saving import AsyncSaver
+    from ucp.saving.async_save import AsyncSaver
 
     saver = AsyncSaver(mode="process")
     try:
@@ -551,8 +582,9 @@ def test_process_staging_is_private_and_removed_after_the_writer_is_killed(tmp_p
 
 
 @pytest.mark.parametrize("kind", ["file", "symlink"])
-def test_tune_in_a_given_directory_never_touches_files_it_did_not_make(tmp_path: Path, kind: str,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tune_in_a_given_directory_never_touches_files_it_did_not_make(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import aio.tune as tune
 
     monkeypatch.setattr(tune, "drop_page_cache", lambda: (False, "not in tests"))  # shared machine: keep its cache
@@ -563,7 +595,11 @@ def test_tune_in_a_given_directory_never_touches_files_it_did_not_make(tmp_path:
         shutil.copy(precious, work / "ucp-tune.bin")
     else:
         (work / "ucp-tune.bin").symlink_to(precious)
-    tune.run_tune(work, size=64 << 10, repeats=1, grid=tune.TuneGrid(engines=["threads"], block_sizes=[1 << 20],
-                                                                      queue_depths=[8], thread_counts=[4]))
+    tune.run_tune(
+        work,
+        size=64 << 10,
+        repeats=1,
+        grid=tune.TuneGrid(engines=["threads"], block_sizes=[1 << 20], queue_depths=[8], thread_counts=[4]),
+    )
     assert precious.read_bytes() == b"keep me"
     assert (work / "ucp-tune.bin").is_symlink() or (work / "ucp-tune.bin").read_bytes() == b"keep me"

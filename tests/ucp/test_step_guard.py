@@ -1,4 +1,4 @@
-"""Optimizer steps wait for deferred snapshots (ucp.step_guard): a training loop that steps right after
+"""Optimizer steps wait for deferred snapshots (ucp.saving.step_guard): a training loop that steps right after
 ``AsyncSaver(snapshot="background" | "none").save`` without ``wait_snapshot()`` still commits the state
 it asked to save, bit-exact; without the guard the same loop fails its save (the version check)."""
 
@@ -11,11 +11,11 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from ucp_helpers import assert_same_state
 
 import ucp
-from ucp import step_guard
-from ucp.async_saving import AsyncSaver
-from ucp_helpers import assert_same_state
+from ucp.saving import step_guard
+from ucp.saving.async_save import AsyncSaver
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -38,10 +38,16 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def _copy(state: dict) -> dict:
-    return {"model": {k: v.clone() for k, v in state["model"].items()},
-            "optim": {"state": {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in s.items()}
-                                for k, s in state["optim"]["state"].items()},
-                      "param_groups": state["optim"]["param_groups"]}}
+    return {
+        "model": {k: v.clone() for k, v in state["model"].items()},
+        "optim": {
+            "state": {
+                k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in s.items()}
+                for k, s in state["optim"]["state"].items()
+            },
+            "param_groups": state["optim"]["param_groups"],
+        },
+    }
 
 
 def _slow(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, started: threading.Event) -> None:
@@ -57,10 +63,13 @@ def _slow(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, started:
     monkeypatch.setattr(module, attr, late)
 
 
-@pytest.mark.parametrize("snapshot, module_name, attr", [("background", "ucp.async_saving", "snapshot_into"),
-                                                         ("none", "ucp.background", "write_rank_file")])
-def test_a_step_right_after_save_waits_and_the_saved_state_is_the_one_asked_for(tmp_path, monkeypatch, snapshot,
-                                                                              module_name, attr):
+@pytest.mark.parametrize(
+    "snapshot, module_name, attr",
+    [("background", "ucp.saving.async_save", "snapshot_into"), ("none", "ucp.saving.background", "write_rank_file")],
+)
+def test_a_step_right_after_save_waits_and_the_saved_state_is_the_one_asked_for(
+    tmp_path, monkeypatch, snapshot, module_name, attr
+):
     model, opt = _model_and_optimizer(0)
     _train_step(model, opt, 1)  # Adam has moments now
     expected = _copy(_state(model, opt))
@@ -80,7 +89,7 @@ def test_a_step_right_after_save_waits_and_the_saved_state_is_the_one_asked_for(
 def test_without_the_guard_the_same_loop_fails_its_save(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer(0)
     _train_step(model, opt, 1)
-    _slow(monkeypatch, "ucp.async_saving", "snapshot_into", threading.Event())
+    _slow(monkeypatch, "ucp.saving.async_save", "snapshot_into", threading.Event())
     with AsyncSaver(snapshot="background", hold_optimizer_steps=False) as saver:
         h = saver.save(_state(model, opt), tmp_path / "ck", step=1)
         _train_step(model, opt, 2)

@@ -1,7 +1,7 @@
 """Pieces larger than a batch read and written part by part, source pieces checksummed span by span.
 
-Covers ``reshard.box.split_region``, ``ucp.reshape`` (parts handed to the writer as iterators),
-``ucp.partial.read_targets`` / ``SourceIndex.feed`` / ``SourceIndex.finish`` and ``_direct_span``
+Covers ``reshard.box.split_region``, ``ucp.convert.reshape`` (parts handed to the writer as iterators),
+``ucp.loading.partial.read_targets`` / ``SourceIndex.feed`` / ``SourceIndex.finish`` and ``_direct_span``
 (parts of a stored piece read straight into a target), through reshape, ``read_targets`` with a
 small staging, and the exporters. Small memory budgets force the new paths with small tensors.
 """
@@ -18,19 +18,19 @@ from typing import Any
 
 import pytest
 import torch
+from ucp_helpers import TrackedFileBuffers
 
 import ucp
-import ucp.exporters.stream
-import ucp.partial
-import ucp.reader
+import ucp.convert.exporters.stream
+import ucp.loading.partial
+import ucp.store.reader
 from reshard import Box, FlatRange, Layout, Mesh, Pipeline, Rule
 from reshard.box import split_region, transfers
-from ucp.partial import SourceIndex, Target, read_targets
-from ucp.exporters import export
-from ucp.placement import layout_metadata
-from ucp.reshape import reshape
-from ucp.storage import open_storage
-from ucp_helpers import TrackedFileBuffers
+from ucp.convert.exporters import export
+from ucp.convert.placement import layout_metadata
+from ucp.convert.reshape import reshape
+from ucp.loading.partial import SourceIndex, Target, read_targets
+from ucp.store.storage import open_storage
 
 BUDGET = 1 << 20  # the minimum: batches of ~184 KiB, read staging of ~46 KiB
 
@@ -64,8 +64,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def one_tensor_source(path: Path, dims: str, want: torch.Tensor) -> Layout:
     lay = Layout(rules=(Rule(name="w", dims=dims),), pipeline=Pipeline())
-    ucp.save({"model": {"w": want}}, path,
-             metadata=layout_metadata(lay, {"w": tuple(want.shape)}, {"model": "weights"}))
+    ucp.save(
+        {"model": {"w": want}}, path, metadata=layout_metadata(lay, {"w": tuple(want.shape)}, {"model": "weights"})
+    )
     return lay
 
 
@@ -76,11 +77,12 @@ def with_mesh(lay: Layout, tp: int = 1, dp: int = 1, zero: int = 0) -> Layout:
 def region_of(w: torch.Tensor, region: Box | FlatRange) -> torch.Tensor:
     if isinstance(region, Box):
         return w[tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))]
-    return w.reshape(-1)[region.start:region.stop]
+    return w.reshape(-1)[region.start : region.stop]
 
 
-def fill(src: Path, targets: list[Target], *, verify: bool = True, staging: int = 1 << 14,
-         index: SourceIndex | None = None) -> None:
+def fill(
+    src: Path, targets: list[Target], *, verify: bool = True, staging: int = 1 << 14, index: SourceIndex | None = None
+) -> None:
     manifest = ucp.read_manifest(src)
     storage, name = open_storage(str(src))
     with storage:
@@ -108,8 +110,13 @@ def test_split_region_parts_are_consecutive_bounded_and_cover_the_region() -> No
                 pos += part.numel
             assert got == want, (shape, itemsize, max_bytes)
     parts = split_region(FlatRange(3, 20), 4, 16)
-    assert parts == [(0, FlatRange(3, 7)), (4, FlatRange(7, 11)), (8, FlatRange(11, 15)), (12, FlatRange(15, 19)),
-                     (16, FlatRange(19, 20))]
+    assert parts == [
+        (0, FlatRange(3, 7)),
+        (4, FlatRange(7, 11)),
+        (8, FlatRange(11, 15)),
+        (12, FlatRange(15, 19)),
+        (16, FlatRange(19, 20)),
+    ]
     assert split_region(Box((), ()), 8, 1) == [(0, Box((), ()))]  # 0-d: one element, a part of its own
     assert split_region(Box((0, 4), (0, 5)), 4, 1) == [(0, Box((0, 4), (0, 5)))]  # empty
 
@@ -117,19 +124,27 @@ def test_split_region_parts_are_consecutive_bounded_and_cover_the_region() -> No
 # -- reshape: parts, dtypes, layouts ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype, shape, dims", [
-    (torch.bfloat16, (1024, 300), "(tp r) c"),
-    (torch.bool, (1024, 300), "r (tp c)"),
-    (torch.float8_e4m3fn, (700, 600), "r (tp c)"),
-    (torch.float64, (2, 150000), "(tp r) c"),  # one row wider than a batch: parts cut the rows
-    (torch.float32, (2, 2, 100000), "a b (tp c)"),  # parts of the last dimension
-])
-def test_reshape_of_tensors_larger_than_a_batch_is_bit_exact(tmp_path: Path, dtype: torch.dtype,
-                                                             shape: tuple[int, ...], dims: str) -> None:
+@pytest.mark.parametrize(
+    "dtype, shape, dims",
+    [
+        (torch.bfloat16, (1024, 300), "(tp r) c"),
+        (torch.bool, (1024, 300), "r (tp c)"),
+        (torch.float8_e4m3fn, (700, 600), "r (tp c)"),
+        (torch.float64, (2, 150000), "(tp r) c"),  # one row wider than a batch: parts cut the rows
+        (torch.float32, (2, 2, 100000), "a b (tp c)"),  # parts of the last dimension
+    ],
+)
+def test_reshape_of_tensors_larger_than_a_batch_is_bit_exact(
+    tmp_path: Path, dtype: torch.dtype, shape: tuple[int, ...], dims: str
+) -> None:
     want = values(dtype, shape)
     lay = one_tensor_source(tmp_path / "src", dims, want)
-    steps = [("tp2", with_mesh(lay, tp=2)), ("z3", with_mesh(lay, tp=2, dp=2, zero=3)), ("z1", with_mesh(lay, dp=3, zero=1)),
-             ("cons", None)]
+    steps = [
+        ("tp2", with_mesh(lay, tp=2)),
+        ("z3", with_mesh(lay, tp=2, dp=2, zero=3)),
+        ("z1", with_mesh(lay, dp=3, zero=1)),
+        ("cons", None),
+    ]
     prev = tmp_path / "src"
     for name, layout in steps:
         reshape(prev, tmp_path / name, layout=layout, memory_budget=BUDGET, workers=2)
@@ -141,9 +156,17 @@ def test_reshape_of_tensors_larger_than_a_batch_is_bit_exact(tmp_path: Path, dty
 def test_reshape_with_empty_0d_and_boundary_sized_tensors(tmp_path: Path) -> None:
     """Pieces of a batch's size give or take a page, next to empty and 0-d tensors, consolidated from tp=2."""
     g = torch.Generator().manual_seed(3)
-    batch = 188416  # ucp.reshape._share_budget(1 MiB, ...) for one file
-    shapes = {"a": (300, 256), "e": (0, 8), "s": (), "b": (batch // 4096 - 1, 1024), "c": (batch // 4096, 1024),
-              "d": (2, batch // 4), "f": (1, 3), "h": (3, 70000)}
+    batch = 188416  # ucp.convert.reshape._share_budget(1 MiB, ...) for one file
+    shapes = {
+        "a": (300, 256),
+        "e": (0, 8),
+        "s": (),
+        "b": (batch // 4096 - 1, 1024),
+        "c": (batch // 4096, 1024),
+        "d": (2, batch // 4),
+        "f": (1, 3),
+        "h": (3, 70000),
+    }
     sd = {"model": {n: torch.randn(s, generator=g) for n, s in shapes.items()}}
     ucp.save(sd, tmp_path / "src")
     for workers in (1, 2):
@@ -185,34 +208,35 @@ def test_a_failing_file_stops_the_other_and_leaves_no_reader_threads(tmp_path: P
     assert [t.name for t in threading.enumerate() if t.name.startswith("ucp-reshape")] == []
 
 
-def test_a_writer_failing_on_its_own_stops_the_read_ahead_at_once(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_writer_failing_on_its_own_stops_the_read_ahead_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The destination fails (say ENOSPC) after a few pieces: no fill reads on while the error is handled,
     even though the caller still holds the exception (and with it the writer's frames)."""
-    import ucp.reshape
-    import ucp.writer
+    import ucp.convert.reshape
+    import ucp.store.writer
 
     want = values(torch.float32, (4096, 256))
     one_tensor_source(tmp_path / "src", "(tp r) c", want)
-    real = ucp.writer.write_rank_file
+    real = ucp.store.writer.write_rank_file
     fills: list[int] = []
-    real_fill = ucp.reshape._fill
-    monkeypatch.setattr(ucp.reshape, "_fill", lambda batch, *a: (fills.append(1), real_fill(batch, *a))[1])
+    real_fill = ucp.convert.reshape._fill
+    monkeypatch.setattr(ucp.convert.reshape, "_fill", lambda batch, *a: (fills.append(1), real_fill(batch, *a))[1])
 
     def failing(storage, rel_path, plan, views, **kw):  # noqa: ANN001, ANN003, ANN202
         it = iter(views)
         next(it)  # the first piece's bytes arrive, then the device is full
         raise OSError(28, "No space left on device", rel_path)
 
-    monkeypatch.setattr(ucp.reshape, "write_rank_file", failing)
+    monkeypatch.setattr(ucp.convert.reshape, "write_rank_file", failing)
     with pytest.raises(OSError, match="No space left") as info:
         reshape(tmp_path / "src", tmp_path / "dst", memory_budget=BUDGET, workers=1)
     assert info.value is not None  # the exception (and its traceback) is alive here
     assert [t.name for t in threading.enumerate() if t.name.startswith("ucp-reshape")] == []
     settled = len(fills)
     threading.Event().wait(0.2)
-    assert len(fills) == settled <= 1 + ucp.reshape.READ_AHEAD
-    assert real is ucp.writer.write_rank_file
+    assert len(fills) == settled <= 1 + ucp.convert.reshape.READ_AHEAD
+    assert real is ucp.store.writer.write_rank_file
     assert not (tmp_path / "dst").exists()
 
 
@@ -222,12 +246,21 @@ R, C = 256, 64
 
 SOURCES = {
     "whole": lambda w: w,
-    "rows": lambda w: ucp.Shards([ucp.ShardedTensor(w[:100].clone(), (R, C), (0, 0)),
-                                  ucp.ShardedTensor(w[100:].clone(), (R, C), (100, 0))]),
-    "cols": lambda w: ucp.Shards([ucp.ShardedTensor(w[:, :24].contiguous(), (R, C), (0, 0)),
-                                  ucp.ShardedTensor(w[:, 24:].contiguous(), (R, C), (0, 24))]),
-    "flat": lambda w: ucp.Shards([ucp.FlatShard(w.reshape(-1)[:5000].clone(), (R, C), 0),
-                                  ucp.FlatShard(w.reshape(-1)[5000:].clone(), (R, C), 5000)]),
+    "rows": lambda w: ucp.Shards(
+        [ucp.ShardedTensor(w[:100].clone(), (R, C), (0, 0)), ucp.ShardedTensor(w[100:].clone(), (R, C), (100, 0))]
+    ),
+    "cols": lambda w: ucp.Shards(
+        [
+            ucp.ShardedTensor(w[:, :24].contiguous(), (R, C), (0, 0)),
+            ucp.ShardedTensor(w[:, 24:].contiguous(), (R, C), (0, 24)),
+        ]
+    ),
+    "flat": lambda w: ucp.Shards(
+        [
+            ucp.FlatShard(w.reshape(-1)[:5000].clone(), (R, C), 0),
+            ucp.FlatShard(w.reshape(-1)[5000:].clone(), (R, C), 5000),
+        ]
+    ),
 }
 
 TARGETS = {
@@ -235,10 +268,14 @@ TARGETS = {
     "sub_rows_bf16": lambda: [Target("w", torch.empty(40, C, dtype=torch.bfloat16), Box((100, 0), (40, C)))],
     "sub_cols": lambda: [Target("w", torch.empty(R, 10), Box((0, 20), (R, 10)))],
     "transposed_view": lambda: [Target("w", torch.empty(C, 40).t(), Box((100, 0), (40, C)))],
-    "two_with_a_gap": lambda: [Target("w", torch.empty(10, C), Box((5, 0), (10, C))),
-                               Target("w", torch.empty(10, C), Box((200, 0), (10, C)))],
-    "same_region_twice": lambda: [Target("w", torch.empty(R, C), Box((0, 0), (R, C))),
-                                  Target("w", torch.empty(R, C), Box((0, 0), (R, C)))],
+    "two_with_a_gap": lambda: [
+        Target("w", torch.empty(10, C), Box((5, 0), (10, C))),
+        Target("w", torch.empty(10, C), Box((200, 0), (10, C))),
+    ],
+    "same_region_twice": lambda: [
+        Target("w", torch.empty(R, C), Box((0, 0), (R, C))),
+        Target("w", torch.empty(R, C), Box((0, 0), (R, C))),
+    ],
     "flat_middle": lambda: [Target("w", torch.empty(3000), FlatRange(4000, 7000))],
     "full_f64": lambda: [Target("w", torch.empty(R, C, dtype=torch.float64), Box((0, 0), (R, C)))],
 }
@@ -255,8 +292,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tenso
 
 @pytest.mark.parametrize("kind", list(SOURCES))
 @pytest.mark.parametrize("targets", list(TARGETS))
-def test_small_staging_fills_are_bit_exact_and_detect_every_flipped_piece(sources, tmp_path: Path, kind: str,
-                                                                          targets: str) -> None:
+def test_small_staging_fills_are_bit_exact_and_detect_every_flipped_piece(
+    sources, tmp_path: Path, kind: str, targets: str
+) -> None:
     root, w = sources
     for verify in (True, False):
         ts = TARGETS[targets]()
@@ -287,20 +325,34 @@ def test_shared_index_spans_out_of_order_are_completed_by_finish(sources, tmp_pa
     late, early = torch.empty(50, C), torch.empty(20, C)
     storage, name = open_storage(str(tmp_path / "src"))
     with storage:
-        read_targets(storage, name, manifest, [Target("w", late, Box((150, 0), (50, C)))], verify=True,
-                     index=index, staging_bytes=1 << 14)
-        read_targets(storage, name, manifest, [Target("w", early, Box((0, 0), (20, C)))], verify=True,
-                     index=index, staging_bytes=1 << 14)
+        read_targets(
+            storage,
+            name,
+            manifest,
+            [Target("w", late, Box((150, 0), (50, C)))],
+            verify=True,
+            index=index,
+            staging_bytes=1 << 14,
+        )
+        read_targets(
+            storage,
+            name,
+            manifest,
+            [Target("w", early, Box((0, 0), (20, C)))],
+            verify=True,
+            index=index,
+            staging_bytes=1 << 14,
+        )
         assert torch.equal(late, w[150:200]) and torch.equal(early, w[:20])
         with pytest.raises(ucp.CorruptCheckpointError, match="CRC-32C mismatch"):
             index.finish(storage, name, 1 << 14)
 
 
 class _TrackedStaging(TrackedFileBuffers):
-    """Bytes of ``ucp.partial``'s FileBuffers (read staging, finish's chunk) alive at once."""
+    """Bytes of ``ucp.loading.partial``'s FileBuffers (read staging, finish's chunk) alive at once."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        super().__init__(monkeypatch, ucp.partial)
+        super().__init__(monkeypatch, ucp.loading.partial)
 
 
 def test_a_sub_box_of_a_large_piece_stays_within_the_staging(sources, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,19 +366,24 @@ def test_a_sub_box_of_a_large_piece_stays_within_the_staging(sources, monkeypatc
     assert tracked.peak <= staging + 4096, tracked.peak
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.empty(R, C, dtype=torch.bfloat16),  # load(into=) of fp32 weights into a bf16 model
-    lambda: torch.empty(C, R).t(),  # a transposed view
-], ids=["cast", "non_contiguous"])
-def test_a_cast_or_strided_target_of_a_large_piece_stays_within_the_staging(sources, monkeypatch: pytest.MonkeyPatch,
-                                                                            make: Any) -> None:
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(R, C, dtype=torch.bfloat16),  # load(into=) of fp32 weights into a bf16 model
+        lambda: torch.empty(C, R).t(),  # a transposed view
+    ],
+    ids=["cast", "non_contiguous"],
+)
+def test_a_cast_or_strided_target_of_a_large_piece_stays_within_the_staging(
+    sources, monkeypatch: pytest.MonkeyPatch, make: Any
+) -> None:
     root, w = sources
     tracked = _TrackedStaging(monkeypatch)
     staging = 8 << 10
     out = make()
     fill(root / "whole", [Target("w", out, Box.full((R, C)))], staging=staging)
     assert torch.equal(out, w.to(out.dtype))
-    held = (ucp.partial.READ_AHEAD + 1) * staging + 4096
+    held = (ucp.loading.partial.READ_AHEAD + 1) * staging + 4096
     assert tracked.peak <= held, f"{tracked.peak} bytes of staging for {R * C * 4}-byte piece, staging {staging}"
 
 
@@ -334,14 +391,18 @@ def test_a_cast_or_strided_target_of_a_large_piece_stays_within_the_staging(sour
 
 
 @pytest.mark.parametrize("fmt", ["hf", "zarr"])
-def test_export_of_large_pieces_under_a_small_staging(sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      fmt: str) -> None:
+def test_export_of_large_pieces_under_a_small_staging(
+    sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
     """Column shards larger than the staging (checked span by span) export bit-exactly; a flipped byte fails."""
     from safetensors.torch import load_file
 
     root, w = sources
-    monkeypatch.setattr(ucp.exporters.stream, "read_targets",
-                        functools.partial(ucp.exporters.stream.read_targets, staging_bytes=4096))
+    monkeypatch.setattr(
+        ucp.convert.exporters.stream,
+        "read_targets",
+        functools.partial(ucp.convert.exporters.stream.read_targets, staging_bytes=4096),
+    )
     export(root / "cols", tmp_path / "ok", format=fmt, memory_budget=1 << 16)
     if fmt == "hf":
         got = load_file(tmp_path / "ok" / "model.safetensors")["w"]

@@ -1,4 +1,4 @@
-"""The torch-free reader of ``torch.save`` archives (ucp/importers/torch_archive.py, stored.py).
+"""The torch-free reader of ``torch.save`` archives (ucp/convert/importers/torch_archive.py, stored.py).
 
 Every tensor it returns must be exactly the bytes ``torch.load(weights_only=True)`` gives, every
 other value equal; anything it cannot express must raise NeedsTorch (so the caller falls back to
@@ -29,10 +29,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.ucp.ucp_helpers import random_tensor  # noqa: E402
-from ucp.dtypes import dtype_name, torch_dtype  # noqa: E402
-from ucp.importers.pickles import DEEPSPEED_STAND_INS  # noqa: E402
-from ucp.importers.stored import MAX_VALUE_BYTES, NeedsTorch, StoredLeaf, StoredTensor, stored_leaf  # noqa: E402
-from ucp.importers.torch_archive import STORAGE_DTYPES, AttributeBag, read_archive  # noqa: E402
+from ucp.convert.importers.pickles import DEEPSPEED_STAND_INS  # noqa: E402
+from ucp.convert.importers.stored import MAX_VALUE_BYTES, NeedsTorch, StoredLeaf, StoredTensor, stored_leaf  # noqa: E402
+from ucp.convert.importers.torch_archive import STORAGE_DTYPES, AttributeBag, read_archive  # noqa: E402
+from ucp.format.dtypes import dtype_name, torch_dtype  # noqa: E402
 
 PEER_CACHE = Path(os.environ.get("UCP_PEER_CACHE", "/tmp/ucp-peer-cache"))
 MAX_PEER_BYTES = 100 << 20  # skip the big (gpt-100m) checkpoints: comparing them reads GBs
@@ -69,8 +69,9 @@ def assert_same(ours: Any, theirs: Any, where: str = "obj") -> None:
         for k in theirs:
             assert_same(ours[k], theirs[k], f"{where}[{k!r}]")
     elif isinstance(theirs, (list, tuple)):
-        assert type(ours) in (list, tuple) and isinstance(ours, tuple) == isinstance(theirs, tuple), \
+        assert type(ours) in (list, tuple) and isinstance(ours, tuple) == isinstance(theirs, tuple), (
             f"{where}: {type(ours).__name__} vs {type(theirs).__name__}"
+        )
         assert len(ours) == len(theirs), f"{where}: length"
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert_same(a, b, f"{where}[{i}]")
@@ -84,7 +85,7 @@ def assert_same(ours: Any, theirs: Any, where: str = "obj") -> None:
 
 
 def load(path: Path) -> Any:
-    """torch.load(weights_only=True) with the DeepSpeed stand-ins, as ucp.importers.pickles does."""
+    """torch.load(weights_only=True) with the DeepSpeed stand-ins, as ucp.convert.importers.pickles does."""
     with torch.serialization.safe_globals(DEEPSPEED_STAND_INS):
         return torch.load(path, weights_only=True, map_location="cpu")
 
@@ -113,8 +114,9 @@ def members_of(path: Path) -> list[tuple[str, bytes]]:
         return [(i.filename, zf.read(i)) for i in zf.infolist()]
 
 
-def write_zip(path: Path, members: list[tuple[str, bytes]], *, compress: set[str] = frozenset(),
-              align: int = 64) -> None:
+def write_zip(
+    path: Path, members: list[tuple[str, bytes]], *, compress: set[str] = frozenset(), align: int = 64
+) -> None:
     """A zip with uncompressed members whose data start at multiples of ``align`` (as torch writes)."""
     with open(path, "wb") as fh, zipfile.ZipFile(fh, "w") as zf:
         for name, data in members:
@@ -128,8 +130,14 @@ def write_zip(path: Path, members: list[tuple[str, bytes]], *, compress: set[str
             zf.writestr(info, data)
 
 
-def rezip(src: Path, dst: Path, *, replace: dict[str, bytes] | None = None, compress: set[str] = frozenset(),
-          append: list[tuple[str, bytes]] = ()) -> None:
+def rezip(
+    src: Path,
+    dst: Path,
+    *,
+    replace: dict[str, bytes] | None = None,
+    compress: set[str] = frozenset(),
+    append: list[tuple[str, bytes]] = (),
+) -> None:
     members = [(n, (replace or {}).get(n, d)) for n, d in members_of(src)] + list(append)
     write_zip(dst, members, compress=compress)
 
@@ -178,15 +186,20 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, bytes]
     path = tmp_path_factory.mktemp("template") / "archive.pt"
     torch.save(torch.zeros(1), path)
     prefix = prefix_of(path)
-    return [("archive/" + n[len(prefix):], d) for n, d in members_of(path)
-            if not n.endswith("/data.pkl") and "/data/" not in n]
+    return [
+        ("archive/" + n[len(prefix) :], d)
+        for n, d in members_of(path)
+        if not n.endswith("/data.pkl") and "/data/" not in n
+    ]
 
 
-def craft(path: Path, template: list[tuple[str, bytes]], obj: Any, storages: dict[str, bytes],
-          **kw: Any) -> Path:
+def craft(path: Path, template: list[tuple[str, bytes]], obj: Any, storages: dict[str, bytes], **kw: Any) -> Path:
     """A torch.save-like archive of ``obj`` (built of Ref/Call) with the given storage members."""
-    members = [("archive/data.pkl", craft_pickle(obj))] + list(template) + \
-        [(f"archive/data/{k}", v) for k, v in storages.items()]
+    members = (
+        [("archive/data.pkl", craft_pickle(obj))]
+        + list(template)
+        + [(f"archive/data/{k}", v) for k, v in storages.items()]
+    )
     write_zip(path, members, **kw)
     return path
 
@@ -229,9 +242,13 @@ def test_every_storage_dtype_and_shape(tmp_path: Path) -> None:
     for i, (storage, name) in enumerate(sorted(STORAGE_DTYPES.items())):
         dt = torch_dtype(name)
         assert getattr(torch, storage)(1).dtype == dt, storage  # the table maps torch's own names right
-        obj[name] = {"m": random_tensor(dt, (3, 5), seed=i), "zero_d": random_tensor(dt, (), seed=100 + i),
-                     "empty": torch.empty(0, dtype=dt), "empty3": torch.empty(1, 0, 1, dtype=dt),
-                     "one": random_tensor(dt, (1, 1, 7), seed=200 + i)}
+        obj[name] = {
+            "m": random_tensor(dt, (3, 5), seed=i),
+            "zero_d": random_tensor(dt, (), seed=100 + i),
+            "empty": torch.empty(0, dtype=dt),
+            "empty3": torch.empty(1, 0, 1, dtype=dt),
+            "one": random_tensor(dt, (1, 1, 7), seed=200 + i),
+        }
     torch.save(obj, tmp_path / "dtypes.pt")
     ours, theirs = both(tmp_path / "dtypes.pt")
     assert_same(ours, theirs)
@@ -246,8 +263,15 @@ def test_empty_tensor_with_zero_dim_reads(tmp_path: Path) -> None:
 
 def test_views_sharing_one_storage(tmp_path: Path) -> None:
     base = random_tensor(torch.float32, (100,), seed=1)
-    obj = {"whole": base, "a": base[10:30], "b": base[50:].view(5, 10), "c": base[7:7], "last": base[99],
-           "again": base[10:30], "rows": base.view(10, 10)[3:6]}
+    obj = {
+        "whole": base,
+        "a": base[10:30],
+        "b": base[50:].view(5, 10),
+        "c": base[7:7],
+        "last": base[99],
+        "again": base[10:30],
+        "rows": base.view(10, 10)[3:6],
+    }
     torch.save(obj, tmp_path / "views.pt")
     ours, theirs = both(tmp_path / "views.pt")
     assert_same(ours, theirs)
@@ -261,12 +285,18 @@ def test_containers_and_plain_values(tmp_path: Path) -> None:
     p = torch.nn.Parameter(random_tensor(torch.float32, (4, 3), seed=2))
     od = collections.OrderedDict([("w", torch.arange(6, dtype=torch.int64)), ("b", 1.5)])
     obj = {
-        "param": p, "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
-        "od": od, "nested": [1, (2, [3, {"x": (torch.ones(2, dtype=torch.bfloat16),)}]), {"y": []}],
-        "size": torch.Size([3, 4]), "sizes": [torch.Size([]), torch.Size([0, 2])], "empty_tuple": (),
-        "ints": [0, -1, 255, 256, 65536, -2 ** 31, 2 ** 31, 2 ** 63 - 1, -2 ** 63, 10 ** 30],
+        "param": p,
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+        "od": od,
+        "nested": [1, (2, [3, {"x": (torch.ones(2, dtype=torch.bfloat16),)}]), {"y": []}],
+        "size": torch.Size([3, 4]),
+        "sizes": [torch.Size([]), torch.Size([0, 2])],
+        "empty_tuple": (),
+        "ints": [0, -1, 255, 256, 65536, -(2**31), 2**31, 2**63 - 1, -(2**63), 10**30],
         "floats": [0.0, -0.0, 1e-310, float("inf"), float("-inf"), float("nan")],
-        "misc": [None, True, False, "", "ünïcode ✓", "x" * 300], 7: "int key", (1, 2): "tuple key",
+        "misc": [None, True, False, "", "ünïcode ✓", "x" * 300],
+        7: "int key",
+        (1, 2): "tuple key",
         "grad": torch.ones(3, requires_grad=True),
     }
     torch.save(obj, tmp_path / "containers.pt")
@@ -388,20 +418,44 @@ class MyTensor(torch.Tensor):
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
-@pytest.mark.parametrize("what", ["custom-object", "module", "tensor-subclass", "param-with-attrs", "bytes", "set",
-                                  "complex-storage", "uint16-storage", "sparse", "dtype-value", "device-value", "meta",
-                                  "quantized", "float8"])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "custom-object",
+        "module",
+        "tensor-subclass",
+        "param-with-attrs",
+        "bytes",
+        "set",
+        "complex-storage",
+        "uint16-storage",
+        "sparse",
+        "dtype-value",
+        "device-value",
+        "meta",
+        "quantized",
+        "float8",
+    ],
+)
 def test_other_globals_are_refused(tmp_path: Path, what: str) -> None:
     p = torch.nn.Parameter(torch.ones(2))
     p.extra = 3
-    values = {"custom-object": Custom(), "module": torch.nn.Linear(2, 2), "tensor-subclass": MyTensor(torch.ones(2)),
-              "param-with-attrs": p, "bytes": b"\x00\x01", "set": {1, 2},
-              "complex-storage": torch.ones(2, dtype=torch.complex64),
-              "uint16-storage": torch.ones(2, dtype=torch.uint16), "sparse": torch.eye(3).to_sparse(),
-              "dtype-value": torch.float32, "device-value": torch.device("cpu"),
-              "meta": torch.empty(3, device="meta"),
-              "quantized": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
-              "float8": torch.ones(2).to(torch.float8_e4m3fn)}
+    values = {
+        "custom-object": Custom(),
+        "module": torch.nn.Linear(2, 2),
+        "tensor-subclass": MyTensor(torch.ones(2)),
+        "param-with-attrs": p,
+        "bytes": b"\x00\x01",
+        "set": {1, 2},
+        "complex-storage": torch.ones(2, dtype=torch.complex64),
+        "uint16-storage": torch.ones(2, dtype=torch.uint16),
+        "sparse": torch.eye(3).to_sparse(),
+        "dtype-value": torch.float32,
+        "device-value": torch.device("cpu"),
+        "meta": torch.empty(3, device="meta"),
+        "quantized": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
+        "float8": torch.ones(2).to(torch.float8_e4m3fn),
+    }
     torch.save({"v": values[what]}, tmp_path / "other.pt")
     with pytest.raises(NeedsTorch):
         read_archive(tmp_path / "other.pt")
@@ -410,8 +464,12 @@ def test_other_globals_are_refused(tmp_path: Path, what: str) -> None:
 @pytest.mark.parametrize("view", ["transposed", "strided", "expanded", "permuted"])
 def test_non_contiguous_views_are_refused(tmp_path: Path, view: str) -> None:
     base = random_tensor(torch.float32, (4, 6), seed=6)
-    t = {"transposed": base.t(), "strided": base.reshape(-1)[::2], "expanded": torch.ones(1, 3).expand(4, 3),
-         "permuted": base.view(2, 2, 6).permute(2, 0, 1)}[view]
+    t = {
+        "transposed": base.t(),
+        "strided": base.reshape(-1)[::2],
+        "expanded": torch.ones(1, 3).expand(4, 3),
+        "permuted": base.view(2, 2, 6).permute(2, 0, 1),
+    }[view]
     torch.save({"t": t}, tmp_path / "view.pt")
     with pytest.raises(NeedsTorch, match="non-contiguous"):
         read_archive(tmp_path / "view.pt")
@@ -488,24 +546,39 @@ def test_missing_storage_member(tmp_path: Path, small: Path) -> None:
         read_archive(path)
 
 
-@pytest.mark.parametrize("offset,size,stride", [(5, (4,), (1,)), (0, (9,), (1,)), (8, (1,), (1,)), (-1, (2,), (1,)),
-                                                 (0, (-2,), (1,)), (0, (2, 2), (1,)), (3, (2, 3), (3, 1))])
-def test_tensor_outside_its_storage_is_refused(tmp_path: Path, template: list, offset: int, size: tuple,
-                                               stride: tuple) -> None:
+@pytest.mark.parametrize(
+    "offset,size,stride",
+    [
+        (5, (4,), (1,)),
+        (0, (9,), (1,)),
+        (8, (1,), (1,)),
+        (-1, (2,), (1,)),
+        (0, (-2,), (1,)),
+        (0, (2, 2), (1,)),
+        (3, (2, 3), (3, 1)),
+    ],
+)
+def test_tensor_outside_its_storage_is_refused(
+    tmp_path: Path, template: list, offset: int, size: tuple, stride: tuple
+) -> None:
     obj = {"t": tensor_call(Ref("0", torch.FloatStorage, 8), offset, size, stride)}
-    path = craft(tmp_path / "past.pt", template, obj,
-                 {"0": floats(8)})
+    path = craft(tmp_path / "past.pt", template, obj, {"0": floats(8)})
     with pytest.raises(NeedsTorch):
         read_archive(path)
 
 
-@pytest.mark.parametrize("pid", [("storage", "FloatStorage", "0", "cpu", 8),
-                                 ("storage", torch.FloatStorage, 0, "cpu", 8),
-                                 ("module", torch.FloatStorage, "0", "cpu", 8),
-                                 ("storage", torch.FloatStorage, "0", "cpu"),
-                                 ("storage", torch.FloatStorage, "1", "cpu", 8),
-                                 ("storage", torch.FloatStorage, "../0", "cpu", 8),
-                                 ("storage", torch.FloatStorage, "0", "cpu", "eight")])
+@pytest.mark.parametrize(
+    "pid",
+    [
+        ("storage", "FloatStorage", "0", "cpu", 8),
+        ("storage", torch.FloatStorage, 0, "cpu", 8),
+        ("module", torch.FloatStorage, "0", "cpu", 8),
+        ("storage", torch.FloatStorage, "0", "cpu"),
+        ("storage", torch.FloatStorage, "1", "cpu", 8),
+        ("storage", torch.FloatStorage, "../0", "cpu", 8),
+        ("storage", torch.FloatStorage, "0", "cpu", "eight"),
+    ],
+)
 def test_malformed_persistent_ids_are_refused(tmp_path: Path, template: list, pid: tuple) -> None:
     class P(_CraftPickler):
         def persistent_id(self, obj: Any) -> Any:
@@ -574,8 +647,10 @@ def test_build_cannot_repoint_a_tensor(tmp_path: Path, template: list, target: s
 
 
 def test_one_storage_key_with_two_dtypes(tmp_path: Path, template: list) -> None:
-    obj = {"f": tensor_call(Ref("0", torch.FloatStorage, 4), 0, (4,), (1,)),
-           "i": tensor_call(Ref("0", torch.IntStorage, 4), 0, (4,), (1,))}
+    obj = {
+        "f": tensor_call(Ref("0", torch.FloatStorage, 4), 0, (4,), (1,)),
+        "i": tensor_call(Ref("0", torch.IntStorage, 4), 0, (4,), (1,)),
+    }
     path = craft(tmp_path / "twodtypes.pt", template, obj, {"0": floats(4, 1.0)})
     try:
         ours = read_archive(path)
@@ -642,9 +717,24 @@ def _stored(tmp_path: Path, t: torch.Tensor) -> StoredTensor:
     return read_archive(tmp_path / "one.pt")["t"]
 
 
-@pytest.mark.parametrize("key", [slice(2, 5), slice(-3, None), slice(None, -2), slice(5, 2), slice(100, 200),
-                                 slice(-100, 3), slice(0, 0), slice(None), slice(3, 3), slice(-1, None), slice(9, -1),
-                                 slice(None, None, 1), slice(2, 100)])
+@pytest.mark.parametrize(
+    "key",
+    [
+        slice(2, 5),
+        slice(-3, None),
+        slice(None, -2),
+        slice(5, 2),
+        slice(100, 200),
+        slice(-100, 3),
+        slice(0, 0),
+        slice(None),
+        slice(3, 3),
+        slice(-1, None),
+        slice(9, -1),
+        slice(None, None, 1),
+        slice(2, 100),
+    ],
+)
 def test_stored_slices_match_torch(tmp_path: Path, key: slice) -> None:
     t = random_tensor(torch.bfloat16, (10,), seed=7)
     s = _stored(tmp_path, t)
@@ -687,8 +777,21 @@ def test_stored_negative_views_raise(tmp_path: Path, numel: int, shape: tuple) -
         s.view(*shape)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64,
-                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    ],
+)
 def test_stored_item_and_tolist_match_torch(tmp_path: Path, dtype: torch.dtype) -> None:
     t = random_tensor(dtype, (2, 3), seed=9)
     if dtype.is_floating_point:  # finite values, so == compares (NaN payloads are checked bytewise elsewhere)
@@ -703,8 +806,9 @@ def test_stored_item_and_tolist_match_torch(tmp_path: Path, dtype: torch.dtype) 
 
 
 def test_stored_bf16_item_is_exact(tmp_path: Path) -> None:
-    values = torch.tensor([1.0, -0.0, 3.140625, 1e-40, 3.3895313892515355e38, float("inf"), -2.0 ** -133],
-                          dtype=torch.bfloat16)
+    values = torch.tensor(
+        [1.0, -0.0, 3.140625, 1e-40, 3.3895313892515355e38, float("inf"), -(2.0**-133)], dtype=torch.bfloat16
+    )
     got = _stored(tmp_path, values)
     assert got.tolist() == values.tolist()
     assert str(got.view(-1)[2:3].item()) == str(values[2].item())

@@ -1,4 +1,4 @@
-"""Failures around asynchronous saves (ucp.async_saving, ucp.background, ucp.staging, ucp.manager).
+"""Failures around asynchronous saves (ucp.saving.async_save, ucp.saving.background, ucp.saving.staging, ucp.manager).
 
 Failures in the middle of a save, interleaved with good saves, in every mode: the error raised, the
 bytes committed, what is left on disk, and whether the saver still works afterwards.
@@ -18,14 +18,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
-import ucp.async_saving as async_mod  # noqa: E402
-import ucp.background as bg  # noqa: E402
-from ucp.async_saving import AsyncSaver  # noqa: E402
+import ucp.saving.async_save as async_mod  # noqa: E402
+import ucp.saving.background as bg  # noqa: E402
 from ucp.errors import CheckpointError, CommitError  # noqa: E402
 from ucp.manager import CheckpointManager, read_latest  # noqa: E402
-from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
+from ucp.saving.async_save import AsyncSaver  # noqa: E402
 
 MODES = ["thread", "process"]
 
@@ -84,8 +84,9 @@ def failing_snapshot(plan, leaves, arena, progress, stream_for, **kw):
 # -- failures in the middle of a snapshot --------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,snapshot", [("thread", "sync"), ("thread", "background"),
-                                           ("process", "sync"), ("process", "background")])
+@pytest.mark.parametrize(
+    "mode,snapshot", [("thread", "sync"), ("thread", "background"), ("process", "sync"), ("process", "background")]
+)
 def test_a_snapshot_failing_midway_gives_back_arena_lock_and_temp_dir(tmp_path, monkeypatch, mode, snapshot):
     real = async_mod.snapshot_into
     with AsyncSaver(mode=mode, snapshot=snapshot) as saver:

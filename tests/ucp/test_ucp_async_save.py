@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
-from ucp import cow as ucp_cow  # noqa: E402
-from ucp.async_saving import AsyncSaver, SaveHandle, aload, asave, async_save, default_saver  # noqa: E402
-from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
+from ucp.saving.async_save import AsyncSaver, SaveHandle, aload, asave, async_save, default_saver  # noqa: E402
+from ucp.saving.cow import snapshot as ucp_cow  # noqa: E402
 
 HERE = Path(__file__).resolve()
 MODES = ["thread", "process"]  # "thread" copies before returning (snapshot="sync") in these tests
@@ -97,8 +97,8 @@ def savers():
 
 @pytest.mark.parametrize("mode", ALL)
 def test_checkpoint_holds_the_values_of_the_moment_of_the_call(tmp_path, savers, mode, monkeypatch):
-    # many progress steps: the writer follows the copy 
-    monkeypatch.setattr(sys.modules["ucp.async_saving"], "COPY_CHUNK", 1 << 20)
+    # many progress steps: the writer follows the copy
+    monkeypatch.setattr(sys.modules["ucp.saving.async_save"], "COPY_CHUNK", 1 << 20)
     saver = savers[mode]
     state = awkward_state()
     expected = clone_state(state)
@@ -191,7 +191,7 @@ def test_errors_after_return_come_from_result_and_clean_up(tmp_path, savers, mod
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_a_failed_snapshot_raises_cleans_up_and_frees_its_staging(tmp_path, savers, mode, pipeline, monkeypatch):
-    module = sys.modules["ucp.async_saving"]
+    module = sys.modules["ucp.saving.async_save"]
     real = module.snapshot_into
 
     def half_then_fail(plan, leaves, arena, progress, stream_for, **kw):
@@ -232,7 +232,7 @@ def test_no_snapshot_writes_from_the_tensors_and_frees_them_once_written(tmp_pat
 
 @pytest.mark.parametrize("mode", MODES)
 def test_background_snapshot_returns_before_the_copy_and_saves_the_values_of_the_call(tmp_path, mode, monkeypatch):
-    module = sys.modules["ucp.async_saving"]
+    module = sys.modules["ucp.saving.async_save"]
     monkeypatch.setattr(module, "COPY_CHUNK", 1 << 20)
     real, release = module.snapshot_into, __import__("threading").Event()
 
@@ -256,7 +256,7 @@ def test_background_snapshot_returns_before_the_copy_and_saves_the_values_of_the
 
 
 def test_a_failed_background_snapshot_fails_the_save_not_the_wait(tmp_path, monkeypatch):
-    module = sys.modules["ucp.async_saving"]
+    module = sys.modules["ucp.saving.async_save"]
     real = module.snapshot_into
 
     def fail(*args, **kw):
@@ -336,8 +336,9 @@ def test_three_ranks_one_writing_nothing(tmp_path):
 def test_a_rank_failing_to_write_fails_the_save_everywhere(tmp_path, monkeypatch):
     import errno
 
-    from ucp import background
     from ucp_helpers import run_ranks
+
+    from ucp.saving import background
 
     real = background.write_image
 
@@ -365,7 +366,7 @@ DYING_TRAINER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     import torch
-    from ucp.async_saving import AsyncSaver
+    from ucp.saving.async_save import AsyncSaver
     from ucp_helpers import random_tensor
     saver = AsyncSaver(mode="process")
     state = {{"w": random_tensor(torch.float32, (4 << 20,), 21), "v": random_tensor(torch.bfloat16, (1 << 20,), 22)}}
@@ -441,8 +442,11 @@ def worker(rank: int, world: int, init: str, ck: str) -> None:
             if rank == 0:
                 back = ucp.load(f"{ck}/{mode}")
                 assert same_bytes(back["w"], W) and same_bytes(back["f"], F) and same_bytes(back["r"], R)
-                assert sorted(os.listdir(f"{ck}/{mode}")) == ["manifest.json", "rank-00000.safetensors",
-                                                               "rank-00001.safetensors"]
+                assert sorted(os.listdir(f"{ck}/{mode}")) == [
+                    "manifest.json",
+                    "rank-00000.safetensors",
+                    "rank-00001.safetensors",
+                ]
             # one rank fails before its snapshot: it raises at once, the other's result() raises
             bad = rank_state(rank)
             if rank == 1:
@@ -473,9 +477,16 @@ def test_two_gloo_ranks_async_save_commit_through_files(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HERE), str(r), "2", str(tmp_path / "init"), str(ck)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE), str(r), "2", str(tmp_path / "init"), str(ck)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
     outs = []
     for p in procs:
         try:
@@ -498,7 +509,7 @@ def test_a_save_cancelled_while_queued_gives_everything_back(tmp_path, monkeypat
     """The writer runs saves one at a time; one cancelled before its turn frees its tensors and temp dir."""
     import threading
 
-    import ucp.background as bg
+    import ucp.saving.background as bg
 
     gate, real = threading.Event(), bg.write_rank_file
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from ucp_helpers import assert_same_state
 
 import ucp
 from aio import AioError, FileWriter
 from ucp.dist import Group
-from ucp.saving import save_with
-from ucp.storage import LocalStorage, open_storage
-from ucp_helpers import assert_same_state
+from ucp.saving.sync_save import save_with
+from ucp.store.storage import LocalStorage, open_storage
 
 OLD = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
 NEW = {"w": torch.ones(5, 5), "x": torch.zeros(3, dtype=torch.int8), "step": 2}
@@ -95,6 +95,7 @@ def test_failed_save_leaves_previous_checkpoint_and_no_temp(tmp_path, monkeypatc
         monkeypatch.setattr(FileWriter, "write", failing_write)
         expected = AioError
     elif fail_at == "close":
+
         def failing_close(self):
             self.abort()
             raise AioError(errno.EIO, self.path, None, "fsync (simulated)")
@@ -102,6 +103,7 @@ def test_failed_save_leaves_previous_checkpoint_and_no_temp(tmp_path, monkeypatc
         monkeypatch.setattr(FileWriter, "close", failing_close)
         expected = AioError
     else:
+
         def failing_rename(self, src, dst):
             raise OSError(errno.EXDEV, "simulated rename failure")
 
@@ -144,8 +146,8 @@ def test_crash_before_rename_keeps_old_checkpoint(tmp_path):
         import os, sys, torch
         sys.path.insert(0, {str(REPO)!r})
         from ucp.dist import Group
-        from ucp.saving import save_with
-        from ucp.storage import open_storage
+        from ucp.saving.sync_save import save_with
+        from ucp.store.storage import open_storage
         storage, name = open_storage({str(path)!r})
         save_with(storage, name, {{"w": torch.ones(5, 5)}}, Group(0, 1), step=None, metadata={{}}, mesh=None,
                   before_swap=lambda: os._exit(3))

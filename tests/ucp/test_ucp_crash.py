@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ucp
-from ucp.async_saving import AsyncSaver
 from ucp.manager import CheckpointManager, list_checkpoints
+from ucp.saving.async_save import AsyncSaver
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ucp_helpers import same_bytes
 
 import ucp
-from ucp_helpers import same_bytes
 
 WORKER = Path(__file__).with_name("ucp_dist_worker.py")
 
@@ -20,8 +20,13 @@ def run_world(scenario: str, world: int, ck: Path, tmp: Path) -> None:
     init = tmp / f"init-{scenario}-{world}"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(init), str(ck)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(r), str(world), str(init), str(ck)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         for r in range(world)
     ]
     outs = []

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from ucp_helpers import random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
-from ucp_helpers import random_tensor, same_bytes  # noqa: E402
 
 W = random_tensor(torch.float32, (8, 6), seed=21)  # row shards, 4 rows per rank
 F = random_tensor(torch.int64, (5, 7), seed=22)  # flat shards, uneven cut
@@ -62,7 +62,7 @@ class ReadSpy:
     """Records every (file, offset, length) the local storage reads (headers and data)."""
 
     def __init__(self) -> None:
-        from ucp.storage import LocalStorage
+        from ucp.store.storage import LocalStorage
 
         self.reads: list[tuple[str, int, int]] = []
         self._cls = LocalStorage
@@ -99,9 +99,10 @@ def _state_main(rank: int) -> dict[str, Any]:
             "d": torch.full((4,), float(rank)),  # plain tensor whose values DIFFER between ranks
             "q": ucp.ShardedTensor(Q.clone() if rank == 0 else Q[3:].clone(), (3, 4), (3 * rank, 0)),
         },
-        "optim": {"state": {0: {"f": ucp.FlatShard(F.reshape(-1)[CUT[rank] : CUT[rank + 1]].clone(), (5, 7),
-                                                    CUT[rank])}},
-                  "param_groups": [{"lr": 0.1 * (rank + 1), "params": [0]}]},  # differs between ranks
+        "optim": {
+            "state": {0: {"f": ucp.FlatShard(F.reshape(-1)[CUT[rank] : CUT[rank + 1]].clone(), (5, 7), CUT[rank])}},
+            "param_groups": [{"lr": 0.1 * (rank + 1), "params": [0]}],
+        },  # differs between ranks
         f"only_rank{rank}": {"seed": rank},
         "common": 7,
     }
@@ -120,8 +121,8 @@ def _check_full(out: dict[str, Any]) -> dict[str, bool]:
 def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ucp import saving
-    from ucp.plan import PLAN_CACHE
+    from ucp.saving import sync_save as saving
+    from ucp.saving.plan import PLAN_CACHE
 
     res: dict[str, Any] = {}
     path = f"{ck}/main"
@@ -141,31 +142,52 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
 
     # check_replicas: the same state fails on the differing plain tensor "d" (every rank raises, nothing
     # committed); with equal replicas (plain "r", a shard held by both ranks) it saves
-    res["replicas_differ"] = _attempt(lambda: ucp.save(_state_main(rank), f"{ck}/replicas", check_replicas=True)
-                                      and None)
+    res["replicas_differ"] = _attempt(
+        lambda: ucp.save(_state_main(rank), f"{ck}/replicas", check_replicas=True) and None
+    )
     res["replicas_differ"]["exists"] = os.path.exists(f"{ck}/replicas")
     res["replicas_differ"]["leftovers"] = _leftovers(ck, "replicas")
-    def held_by_both(top: torch.Tensor) -> dict[str, Any]:  # rows 0-2 written by rank 0, rows 2-8 by rank 1
-        return {"r": R.clone(), "s": ucp.Shards([ucp.ShardedTensor(top, (8, 6), (0, 0), replica_id=rank),
-                                                 ucp.ShardedTensor(W[2:].clone(), (8, 6), (2, 0), replica_id=1 - rank)])}
 
-    res["replicas_equal"] = _attempt(lambda: ucp.save(held_by_both(W[:2].clone()), f"{ck}/replicas-ok",
-                                                      check_replicas=True) and None)
-    res["shard_replica_differs"] = _attempt(lambda: ucp.save(held_by_both(W[:2].clone() + rank), f"{ck}/replicas-shard",
-                                                             check_replicas=True) and None)
+    def held_by_both(top: torch.Tensor) -> dict[str, Any]:  # rows 0-2 written by rank 0, rows 2-8 by rank 1
+        return {
+            "r": R.clone(),
+            "s": ucp.Shards(
+                [
+                    ucp.ShardedTensor(top, (8, 6), (0, 0), replica_id=rank),
+                    ucp.ShardedTensor(W[2:].clone(), (8, 6), (2, 0), replica_id=1 - rank),
+                ]
+            ),
+        }
+
+    res["replicas_equal"] = _attempt(
+        lambda: ucp.save(held_by_both(W[:2].clone()), f"{ck}/replicas-ok", check_replicas=True) and None
+    )
+    res["shard_replica_differs"] = _attempt(
+        lambda: ucp.save(held_by_both(W[:2].clone() + rank), f"{ck}/replicas-shard", check_replicas=True) and None
+    )
 
     # load(into=) of this rank's own shards: only its own file, only its own pieces
     spans = {t: _piece_spans(m, t) for t in ("model.w", "optim.state.0.f")}
     for verify in (True, False):
-        into = {"model": {"w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (rank * 4, 0))},
-                "optim": {"state": {0: {"f": ucp.FlatShard(torch.zeros(CUT[rank + 1] - CUT[rank], dtype=torch.int64),
-                                                           (5, 7), CUT[rank])}}}}
+        into = {
+            "model": {"w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (rank * 4, 0))},
+            "optim": {
+                "state": {
+                    0: {
+                        "f": ucp.FlatShard(torch.zeros(CUT[rank + 1] - CUT[rank], dtype=torch.int64), (5, 7), CUT[rank])
+                    }
+                }
+            },
+        }
         with ReadSpy() as spy:
             ucp.load(path, into=into, verify=verify, process_group=dist.group.WORLD)
         res[f"into_{verify}"] = {
             "w": same_bytes(into["model"]["w"].local, W[rank * 4 : (rank + 1) * 4].contiguous()),
-            "f": same_bytes(into["optim"]["state"][0]["f"].local, F.reshape(-1)[CUT[rank] : CUT[rank + 1]].contiguous()),
-            "reads": spy.reads, "spans": spans,
+            "f": same_bytes(
+                into["optim"]["state"][0]["f"].local, F.reshape(-1)[CUT[rank] : CUT[rank + 1]].contiguous()
+            ),
+            "reads": spy.reads,
+            "spans": spans,
         }
     # one 4 KiB row in the middle of this rank's 64 KiB, no CRC check: just that row's (aligned) bytes
     big = ucp.ShardedTensor(BIG[rank * 16 : (rank + 1) * 16].clone(), (32, 1024), (rank * 16, 0))
@@ -173,8 +195,11 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     into = {"big": ucp.ShardedTensor(torch.zeros(1, 1024), (32, 1024), (rank * 16 + 5, 0))}
     with ReadSpy() as spy:
         ucp.load(f"{ck}/big", into=into, verify=False)
-    res["into_row"] = {"ok": same_bytes(into["big"].local, BIG[rank * 16 + 5 : rank * 16 + 6].contiguous()),
-                       "reads": spy.reads, "spans": _piece_spans(mb, "big")}
+    res["into_row"] = {
+        "ok": same_bytes(into["big"].local, BIG[rank * 16 + 5 : rank * 16 + 6].contiguous()),
+        "reads": spy.reads,
+        "spans": _piece_spans(mb, "big"),
+    }
 
     # plan cache: rank 1 changes its layout between saves, rank 0 does not; then new values, same layout
     def cache_case() -> dict[str, Any]:
@@ -187,21 +212,27 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
         w1.local.mul_(-1)  # same tensors, same layout, new values: the plan is reused, the data is not stale
         w3 = w1 if rank == 0 else ucp.FlatShard(-W.reshape(-1)[24:], (8, 6), 24)
         ucp.save({"w": w3}, f"{ck}/cache3")
-        return {"counts": [after_layout_change, (PLAN_CACHE.hits, PLAN_CACHE.misses)],
-                "cache2": same_bytes(ucp.load(f"{ck}/cache2")["w"], W),
-                "cache3": same_bytes(ucp.load(f"{ck}/cache3")["w"], -W)}
+        return {
+            "counts": [after_layout_change, (PLAN_CACHE.hits, PLAN_CACHE.misses)],
+            "cache2": same_bytes(ucp.load(f"{ck}/cache2")["w"], W),
+            "cache3": same_bytes(ucp.load(f"{ck}/cache3")["w"], -W),
+        }
 
     res["cache"] = _attempt(cache_case)
 
     # pipeline stages: each rank its own keys; rank-local full tensors wrapped as ShardedTensor save fine,
     # rank-local plain tensors are refused at commit
-    stage = {"stage0": {"p": ucp.ShardedTensor(P0.clone(), (5,), (0,))}} if rank == 0 else \
-        {"stage1": {"p": ucp.ShardedTensor(P1.clone(), (2, 3), (0, 0))}, "sched": {"k": 1}}
+    stage = (
+        {"stage0": {"p": ucp.ShardedTensor(P0.clone(), (5,), (0,))}}
+        if rank == 0
+        else {"stage1": {"p": ucp.ShardedTensor(P1.clone(), (2, 3), (0, 0))}, "sched": {"k": 1}}
+    )
     res["pipe_sharded"] = _attempt(lambda: ucp.save(stage, f"{ck}/pipe") and None)
     if res["pipe_sharded"]["ok"]:
         o = ucp.load(f"{ck}/pipe")
-        res["pipe_loaded"] = same_bytes(o["stage0"]["p"], P0) and same_bytes(o["stage1"]["p"], P1) \
-            and o["sched"] == {"k": 1}
+        res["pipe_loaded"] = (
+            same_bytes(o["stage0"]["p"], P0) and same_bytes(o["stage1"]["p"], P1) and o["sched"] == {"k": 1}
+        )
     plain_stage = {"stage0": {"p": P0.clone()}} if rank == 0 else {"stage1": {"p": P1.clone()}}
     res["pipe_plain"] = _attempt(lambda: ucp.save(plain_stage, f"{ck}/pipe-plain"))
     # a key that is a value on rank 0 and a tensor on rank 1
@@ -211,14 +242,22 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     # shards that do not tile the tensor
     T = torch.arange(8.0)
     bad = {
-        "overlap": ucp.ShardedTensor(T[:5].clone(), (8,), (0,)) if rank == 0 else ucp.ShardedTensor(T[3:].clone(), (8,), (3,)),
-        "gap": ucp.ShardedTensor(T[:3].clone(), (8,), (0,)) if rank == 0 else ucp.ShardedTensor(T[4:].clone(), (8,), (4,)),
+        "overlap": ucp.ShardedTensor(T[:5].clone(), (8,), (0,))
+        if rank == 0
+        else ucp.ShardedTensor(T[3:].clone(), (8,), (3,)),
+        "gap": ucp.ShardedTensor(T[:3].clone(), (8,), (0,))
+        if rank == 0
+        else ucp.ShardedTensor(T[4:].clone(), (8,), (4,)),
         "both_replica0": ucp.ShardedTensor(T.clone(), (8,), (0,), replica_id=0),
         "no_replica0": ucp.ShardedTensor(T.clone(), (8,), (0,), replica_id=rank + 1),
     }
     for case, value in bad.items():
-        res[case] = _attempt(lambda: ucp.save({"good": ucp.ShardedTensor(T[rank * 4 : rank * 4 + 4].clone(), (8,), (rank * 4,)),
-                                               "bad": value}, f"{ck}/{case}"))
+        res[case] = _attempt(
+            lambda: ucp.save(
+                {"good": ucp.ShardedTensor(T[rank * 4 : rank * 4 + 4].clone(), (8,), (rank * 4,)), "bad": value},
+                f"{ck}/{case}",
+            )
+        )
         res[case]["leftovers"] = _leftovers(ck, case)
         res[case]["exists"] = os.path.exists(f"{ck}/{case}")
 
@@ -226,6 +265,7 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     ucp.save({"w": ucp.ShardedTensor(W[rank * 4 : (rank + 1) * 4].clone(), (8, 6), (rank * 4, 0))}, f"{ck}/keep")
     real_write = saving.write_rank_file
     for failing in (0, 1):
+
         def write(*a: Any, **k: Any) -> Any:
             if rank == failing:
                 raise OSError(28, f"No space left on device (injected on rank {failing})")
@@ -233,7 +273,9 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
 
         saving.write_rank_file = write
         try:
-            r = _attempt(lambda: ucp.save({"w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (rank * 4, 0))}, f"{ck}/keep"))
+            r = _attempt(
+                lambda: ucp.save({"w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (rank * 4, 0))}, f"{ck}/keep")
+            )
         finally:
             saving.write_rank_file = real_write
         dist.barrier()
@@ -252,13 +294,15 @@ def scenario_sub(rank: int, world: int, ck: str) -> dict[str, Any]:
     path = f"{ck}/sub"
     if rank in (1, 2):
         g = dist.get_rank(sub)
-        state = {"w": ucp.ShardedTensor(W[g * 4 : (g + 1) * 4].clone(), (8, 6), (g * 4, 0)), "r": R.clone(),
-                 "step": 3}
+        state = {"w": ucp.ShardedTensor(W[g * 4 : (g + 1) * 4].clone(), (8, 6), (g * 4, 0)), "r": R.clone(), "step": 3}
         m = ucp.save(state, path, process_group=sub, mesh={"dp": 2})
         res["topology"] = [m.topology.world_size, m.topology.mesh]
         res["files"] = {f: i.rank for f, i in m.files.items()}
         res["full"] = same_bytes(ucp.load(path, process_group=sub)["w"], W)
-        into = {"w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (g * 4, 0)), "r": torch.zeros(3, 3, dtype=torch.float16)}
+        into = {
+            "w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (g * 4, 0)),
+            "r": torch.zeros(3, 3, dtype=torch.float16),
+        }
         ucp.load(path, into=into, process_group=sub)
         res["into"] = same_bytes(into["w"].local, W[g * 4 : (g + 1) * 4].contiguous()) and same_bytes(into["r"], R)
         res["manifest_same_as_disk"] = m.to_json() == Path(f"{path}/manifest.json").read_bytes()
@@ -270,14 +314,18 @@ def scenario_sub(rank: int, world: int, ck: str) -> dict[str, Any]:
     dist.barrier()
     # overlap between ranks 1 and 2 only
     rows = [(0, 2), (2, 5), (4, 8)][rank]
-    res["overlap3"] = _attempt(lambda: ucp.save(
-        {"w": ucp.ShardedTensor(W[rows[0] : rows[1]].clone(), (8, 6), (rows[0], 0))}, f"{ck}/overlap3"))
+    res["overlap3"] = _attempt(
+        lambda: ucp.save({"w": ucp.ShardedTensor(W[rows[0] : rows[1]].clone(), (8, 6), (rows[0], 0))}, f"{ck}/overlap3")
+    )
     # rank 2 holds no tensor at all
     state = {"w": ucp.ShardedTensor(W[rank * 4 : (rank + 1) * 4].clone(), (8, 6), (rank * 4, 0))} if rank < 2 else {}
     state["step"] = 9
     m = ucp.save(state, f"{ck}/none-on-2")
-    res["none_on_2"] = {"files": sorted(m.files), "w": same_bytes(ucp.load(f"{ck}/none-on-2")["w"], W),
-                        "on_disk": sorted(os.listdir(f"{ck}/none-on-2"))}
+    res["none_on_2"] = {
+        "files": sorted(m.files),
+        "w": same_bytes(ucp.load(f"{ck}/none-on-2")["w"], W),
+        "on_disk": sorted(os.listdir(f"{ck}/none-on-2")),
+    }
     return res
 
 
@@ -286,7 +334,9 @@ def scenario_front(rank: int, world: int, ck: str) -> dict[str, Any]:
     res: dict[str, Any] = {}
     state = {"w": ucp.ShardedTensor(W[rank * 4 : (rank + 1) * 4].clone(), (8, 6), (rank * 4, 0))}
     t0 = time.monotonic()
-    res["save"] = _attempt(lambda: ucp.save(state, f"{ck}/front", metadata={"loss": float("nan") if rank == 1 else 1.0}))
+    res["save"] = _attempt(
+        lambda: ucp.save(state, f"{ck}/front", metadata={"loss": float("nan") if rank == 1 else 1.0})
+    )
     res["seconds"] = time.monotonic() - t0
     res["leftovers"] = _leftovers(ck, "front")
     return res
@@ -294,7 +344,7 @@ def scenario_front(rank: int, world: int, ck: str) -> dict[str, Any]:
 
 def scenario_death(rank: int, world: int, ck: str) -> dict[str, Any]:
     """Rank 1's process dies while writing its file; rank 0 is alive and owns the temporary directory."""
-    from ucp import saving
+    from ucp.saving import sync_save as saving
 
     real_write = saving.write_rank_file
 
@@ -320,8 +370,9 @@ def worker_main() -> None:
 
     scenario, rank, world, ck = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     timeout = datetime.timedelta(seconds=GLOO_TIMEOUT.get(scenario, 120))
-    dist.init_process_group("gloo", init_method=f"file://{ck}/.init-{scenario}", rank=rank, world_size=world,
-                            timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{ck}/.init-{scenario}", rank=rank, world_size=world, timeout=timeout
+    )
     res = SCENARIOS[scenario](rank, world, ck)
     out = Path(ck) / f"result-{scenario}-{rank}.json"
     tmp = out.with_suffix(".part")
@@ -343,9 +394,16 @@ def worker_main() -> None:
 
 def run_world(scenario: str, world: int, ck: Path, allowed_rc: dict[int, int] | None = None) -> list[dict]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), str(ck)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, scenario, str(r), str(world), str(ck)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
     outs = []
     for p in procs:
         try:
@@ -410,18 +468,18 @@ def test_step_and_metadata_come_from_rank_0(main2):
 
 
 def test_differing_plain_tensor_is_silently_taken_from_its_writer_rank(main2):
-    """Documented (ucp/plan.py, ucp.save): plain tensors are ASSUMED equal on every rank and, unless
+    """Documented (ucp/saving/plan.py, ucp.save): plain tensors are ASSUMED equal on every rank and, unless
     ``check_replicas``, not checked; the copy kept is that of the rank the deterministic assignment
     picked, not always rank 0."""
     res, ck = main2
-    writer = int(res[0]["d_writer"][len("rank-"):-len(".safetensors")])
+    writer = int(res[0]["d_writer"][len("rank-") : -len(".safetensors")])
     assert res[0]["d_pieces"] == 1
     assert res[0]["d_value"] == res[1]["d_value"] == [float(writer)] * 4
 
 
 def test_check_replicas_fails_a_save_whose_replicas_differ(main2):
     res, ck = main2
-    writer = int(res[0]["d_writer"][len("rank-"):-len(".safetensors")])
+    writer = int(res[0]["d_writer"][len("rank-") : -len(".safetensors")])
     for r in res:
         case = r["replicas_differ"]
         assert not case["ok"] and case["error"]["type"] == "CommitError", case
@@ -430,12 +488,16 @@ def test_check_replicas_fails_a_save_whose_replicas_differ(main2):
         assert not case["exists"] and case["leftovers"] == []
         assert r["replicas_equal"]["ok"], r["replicas_equal"]
         shard = r["shard_replica_differs"]
-        assert not shard["ok"] and "tensor 's'" in shard["error"]["msg"] and "rank 1's copy of box" in shard["error"]["msg"]
+        assert (
+            not shard["ok"]
+            and "tensor 's'" in shard["error"]["msg"]
+            and "rank 1's copy of box" in shard["error"]["msg"]
+        )
     assert same_bytes(ucp.load(ck / "replicas-ok")["s"], W)
 
 
 def test_differing_plain_values_are_taken_from_the_lowest_rank(main2):
-    """Documented in ucp.tree.merge_trees: no error, rank 0's value wins, rank-specific keys are unioned."""
+    """Documented in ucp.format.tree.merge_trees: no error, rank 0's value wins, rank-specific keys are unioned."""
     res, _ = main2
     assert res[0]["lr"] == res[1]["lr"] == 0.1
     assert res[0]["full"]["plain"]
@@ -459,7 +521,7 @@ def test_load_into_one_row_reads_just_that_row(main2):
     for rank, r in enumerate(res):
         case = r["into_row"]
         assert case["ok"]
-        (file, offset, _length), = [s for s in case["spans"] if s[0] == f"rank-0000{rank}.safetensors"]
+        ((file, offset, _length),) = [s for s in case["spans"] if s[0] == f"rank-0000{rank}.safetensors"]
         start, end = offset + 5 * 4096, offset + 6 * 4096  # row 5 of the rank's 16 rows of 4 KiB
         lo, hi = start - start % 4096, -(-end // 4096) * 4096  # staged reads are 4 KiB aligned
         data_reads = [tuple(x) for x in case["reads"] if x[1] >= 4096]
@@ -502,9 +564,15 @@ def test_rank_with_no_tensors_writes_no_file(sub3):
 # -- saves that must fail on every rank, naming the cause ---------------------------------------------
 
 
-@pytest.mark.parametrize("case,why", [
-    ("overlap", "overlap"), ("gap", "cover 7 of 8"), ("both_replica0", "overlap"), ("no_replica0", "cover 0 of 8"),
-])
+@pytest.mark.parametrize(
+    "case,why",
+    [
+        ("overlap", "overlap"),
+        ("gap", "cover 7 of 8"),
+        ("both_replica0", "overlap"),
+        ("no_replica0", "cover 0 of 8"),
+    ],
+)
 def test_shards_that_do_not_tile_fail_on_every_rank_naming_the_tensor(main2, case, why):
     res, _ = main2
     for r in res:
@@ -538,8 +606,11 @@ def test_a_rank_raising_while_writing_fails_all_and_keeps_the_old(main2, failing
         if rank == failing:  # its own error, unchanged
             assert c["error"]["type"] == "OSError" and "injected" in c["error"]["msg"]
         else:
-            assert c["error"]["checkpoint_error"] and f"rank {failing}" in c["error"]["msg"] \
+            assert (
+                c["error"]["checkpoint_error"]
+                and f"rank {failing}" in c["error"]["msg"]
                 and "injected" in c["error"]["msg"]
+            )
         assert c["leftovers"] == [] and c["old_intact"]
 
 

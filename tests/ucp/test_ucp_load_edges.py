@@ -7,12 +7,12 @@ import threading
 
 import pytest
 import torch
+from ucp_helpers import random_tensor, same_bytes, save_ranks
 
 import ucp
 from reshard import Box, FlatRange, Layout, Mesh, PatternError, PlanError, Rule, SourcePiece, parse_pattern, plan
 from reshard.errors import LayoutError
 from reshard.resolve import LocalBuffer, Slot
-from ucp_helpers import random_tensor, same_bytes, save_ranks
 
 W = random_tensor(torch.float32, (8, 6), seed=11)  # 2 row shards
 F = random_tensor(torch.float32, (5, 7), seed=12)  # 2 uneven flat shards
@@ -67,8 +67,10 @@ def test_zero_d_and_empty_targets(ck):
 def test_shards_with_zero_length_parts(ck, verify):
     loc = torch.zeros(8, 6)
     flat = torch.zeros(35)
-    into = {"w": ucp.Shards([ucp.ShardedTensor(loc[:0], (8, 6), (8, 0)), ucp.ShardedTensor(loc, (8, 6), (0, 0))]),
-            "f": ucp.Shards([ucp.FlatShard(flat[:0], (5, 7), 35), ucp.FlatShard(flat, (5, 7), 0)])}
+    into = {
+        "w": ucp.Shards([ucp.ShardedTensor(loc[:0], (8, 6), (8, 0)), ucp.ShardedTensor(loc, (8, 6), (0, 0))]),
+        "f": ucp.Shards([ucp.FlatShard(flat[:0], (5, 7), 35), ucp.FlatShard(flat, (5, 7), 0)]),
+    }
     ucp.load(ck, into=into, verify=verify)
     assert same_bytes(loc, W) and same_bytes(flat, F.reshape(-1))
 
@@ -78,8 +80,10 @@ def test_one_piece_feeds_several_targets(ck, verify):
     """Overlapping parts of one Shards, each fed from the same stored pieces (a partial span when not verifying)."""
     loc = torch.zeros(10, 6, dtype=torch.float64)
     flat = torch.zeros(30)
-    into = {"w": ucp.Shards([ucp.ShardedTensor(loc[:3], (8, 6), (1, 0)), ucp.ShardedTensor(loc[3:], (8, 6), (1, 0))]),
-            "f": ucp.Shards([ucp.FlatShard(flat[:10], (5, 7), 3), ucp.FlatShard(flat[10:], (5, 7), 14)])}
+    into = {
+        "w": ucp.Shards([ucp.ShardedTensor(loc[:3], (8, 6), (1, 0)), ucp.ShardedTensor(loc[3:], (8, 6), (1, 0))]),
+        "f": ucp.Shards([ucp.FlatShard(flat[:10], (5, 7), 3), ucp.FlatShard(flat[10:], (5, 7), 14)]),
+    }
     ucp.load(ck, into=into, verify=verify)
     assert same_bytes(loc[:3], W[1:4].double()) and same_bytes(loc[3:], W[1:8].double())
     assert same_bytes(flat[:10], F.reshape(-1)[3:13]) and same_bytes(flat[10:], F.reshape(-1)[14:34])
@@ -117,8 +121,9 @@ def test_concurrent_loads_from_threads(ck):
                 t, f = torch.zeros(8, 6), ucp.FlatShard(torch.zeros(20), (5, 7), 7)
                 ucp.load(ck, into={"w": t, "f": f}, verify=bool(i % 2))
                 out = ucp.load(ck)
-                results.append(same_bytes(t, W) and same_bytes(f.local, F.reshape(-1)[7:27])
-                               and same_bytes(out["w"], W))
+                results.append(
+                    same_bytes(t, W) and same_bytes(f.local, F.reshape(-1)[7:27]) and same_bytes(out["w"], W)
+                )
         except Exception as exc:  # reported below
             results.append(exc)
 
@@ -130,13 +135,16 @@ def test_concurrent_loads_from_threads(ck):
     assert results == [True] * 12
 
 
-@pytest.mark.parametrize("text, where", [
-    ("(tp r", "')' closing the group"),
-    ("(tp r))", "expected a dimension, found ')'"),
-    ("((tp r)", "at least one mesh axis"),
-    ("(tp [q k v)", "a part name or ']'"),
-    ("(tp r | unit=2*)", "a number after '*'"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("(tp r", "')' closing the group"),
+        ("(tp r))", "expected a dimension, found ')'"),
+        ("((tp r)", "at least one mesh axis"),
+        ("(tp [q k v)", "a part name or ']'"),
+        ("(tp r | unit=2*)", "a number after '*'"),
+    ],
+)
 def test_pattern_syntax_errors_show_the_pattern(text, where):
     with pytest.raises(PatternError, match=__import__("re").escape(where)) as info:
         parse_pattern(text)
@@ -147,12 +155,20 @@ def _layout(dims: str, tp: int, name: str = "w") -> Layout:
     return Layout(mesh=Mesh(tp=tp), rules=[Rule(name=name, dims=dims)])
 
 
-@pytest.mark.parametrize("dims, shape, tp, match", [
-    ("(tp r) c", (10, 3), 4, r"tensor 'w' \[10, 3\].*dim 0 has size 10, not divisible by tp=4"),
-    ("(tp [q:32*8 k:3*8 v:3*8] | unit=8) h", (304, 4), 2, r"tensor 'w'.*part 'k' has 3 units of 8, not divisible by tp=2"),
-    ("(tp [q:32 k:8 v:8] | unit=8) h", (50, 4), 2, r"tensor 'w'.*parts \[q:32 k:8 v:8\] do not add up"),
-    ("(tp r | unit=4) c", (10, 3), 2, r"tensor 'w'.*not a multiple of unit=4"),
-])
+@pytest.mark.parametrize(
+    "dims, shape, tp, match",
+    [
+        ("(tp r) c", (10, 3), 4, r"tensor 'w' \[10, 3\].*dim 0 has size 10, not divisible by tp=4"),
+        (
+            "(tp [q:32*8 k:3*8 v:3*8] | unit=8) h",
+            (304, 4),
+            2,
+            r"tensor 'w'.*part 'k' has 3 units of 8, not divisible by tp=2",
+        ),
+        ("(tp [q:32 k:8 v:8] | unit=8) h", (50, 4), 2, r"tensor 'w'.*parts \[q:32 k:8 v:8\] do not add up"),
+        ("(tp r | unit=4) c", (10, 3), 2, r"tensor 'w'.*not a multiple of unit=4"),
+    ],
+)
 def test_pattern_misfit_errors_name_the_tensor(dims, shape, tp, match):
     with pytest.raises(PatternError, match=match):
         _layout(dims, tp).resolve({"w": shape}, 0)

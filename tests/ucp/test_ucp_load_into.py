@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ucp_helpers import random_tensor, same_bytes, save_ranks
 
 import ucp
-import ucp.partial as partial_mod
-from ucp.storage import LocalStorage
-from ucp_helpers import random_tensor, same_bytes, save_ranks
+import ucp.loading.partial as partial_mod
+from ucp.store.storage import LocalStorage
 
 W = random_tensor(torch.float32, (8, 6), seed=1)  # saved as 2 row shards
 V = random_tensor(torch.bfloat16, (6, 8), seed=2)  # saved as 2 column shards
@@ -30,9 +30,13 @@ def rank_state(rank: int, world: int = 2) -> dict:
         "w": ucp.ShardedTensor(W[rank * rows : (rank + 1) * rows], (8, 6), (rank * rows, 0)),
         "v": ucp.ShardedTensor(V[:, rank * cols : (rank + 1) * cols], (6, 8), (0, rank * cols)),
         "f": ucp.FlatShard(F.reshape(-1)[cut[rank] : cut[rank + 1]], (5, 7), cut[rank]),
-        "opt": {0: {"z": ucp.FlatShard(Z.reshape(-1)[zcut[rank] : zcut[rank + 1]], (3, 4, 5), zcut[rank]),
-                    "z2": ucp.FlatShard(Z.reshape(-1), (3, 4, 5), 0, replica_id=rank)},
-                "step": 10},
+        "opt": {
+            0: {
+                "z": ucp.FlatShard(Z.reshape(-1)[zcut[rank] : zcut[rank + 1]], (3, 4, 5), zcut[rank]),
+                "z2": ucp.FlatShard(Z.reshape(-1), (3, 4, 5), 0, replica_id=rank),
+            },
+            "step": 10,
+        },
         "r": R.clone(),
         "lr": 0.5,
     }
@@ -63,7 +67,11 @@ def test_whole_load_assembles_full_tensors(ck):
 
 
 def test_into_full_tensors_with_cast(ck):
-    into = {"w": torch.zeros(8, 6, dtype=torch.bfloat16), "v": torch.zeros(6, 8), "f": torch.zeros(5, 7, dtype=torch.int64)}
+    into = {
+        "w": torch.zeros(8, 6, dtype=torch.bfloat16),
+        "v": torch.zeros(6, 8),
+        "f": torch.zeros(5, 7, dtype=torch.int64),
+    }
     out = ucp.load(ck, into=into)
     assert out is into
     assert same_bytes(into["w"], W.to(torch.bfloat16))
@@ -76,7 +84,7 @@ def test_into_full_tensors_with_cast(ck):
 def test_into_other_shardings(ck, world, verify):
     for rank in range(world):
         # w (saved as rows) -> column shards; v (saved as columns) -> row shards (uneven for world 3/4)
-        wc = [0, 2, 4, 6][: world] + [6]
+        wc = [0, 2, 4, 6][:world] + [6]
         wc = sorted(set([round(i * 6 / world) for i in range(world)] + [6]))
         w_lo, w_hi = wc[rank], wc[rank + 1]
         vr = sorted(set([round(i * 6 / world) for i in range(world)] + [6]))
@@ -87,7 +95,9 @@ def test_into_other_shardings(ck, world, verify):
             "w": ucp.ShardedTensor(torch.zeros(8, w_hi - w_lo), (8, 6), (0, w_lo)),
             "v": ucp.ShardedTensor(torch.zeros(v_hi - v_lo, 8, dtype=torch.bfloat16), (6, 8), (v_lo, 0)),
             "f": ucp.FlatShard(torch.zeros(f_hi - f_lo, dtype=torch.int32), (5, 7), f_lo),
-            "opt": {0: {"z": ucp.ShardedTensor(torch.zeros(3, 4, 1, dtype=torch.float16), (3, 4, 5), (0, 0, rank % 5))}},
+            "opt": {
+                0: {"z": ucp.ShardedTensor(torch.zeros(3, 4, 1, dtype=torch.float16), (3, 4, 5), (0, 0, rank % 5))}
+            },
             "lr": None,
         }
         ucp.load(ck, into=into, verify=verify)
@@ -121,8 +131,10 @@ def test_same_layout_reads_directly_into_targets(ck, monkeypatch):
 
 def test_partial_reads_fetch_only_needed_bytes(tmp_path, monkeypatch):
     big = random_tensor(torch.float32, (512, 1024), seed=9)  # 2 MiB as 2 row shards of 1 MiB
-    save_ranks(tmp_path / "ck", [{"w": ucp.ShardedTensor(big[r * 256 : (r + 1) * 256], (512, 1024), (r * 256, 0))}
-                                 for r in range(2)])
+    save_ranks(
+        tmp_path / "ck",
+        [{"w": ucp.ShardedTensor(big[r * 256 : (r + 1) * 256], (512, 1024), (r * 256, 0))} for r in range(2)],
+    )
     seen = []
     orig = LocalStorage.read_ranges
 
@@ -145,7 +157,11 @@ def test_partial_reads_fetch_only_needed_bytes(tmp_path, monkeypatch):
 
 
 def test_into_structure_and_values(ck):
-    into = {"opt": {0: {"z": torch.zeros(3, 4, 5, dtype=torch.float16)}, "step": 0}, "lr": 1.0, "r": torch.zeros(4, dtype=torch.float64)}
+    into = {
+        "opt": {0: {"z": torch.zeros(3, 4, 5, dtype=torch.float16)}, "step": 0},
+        "lr": 1.0,
+        "r": torch.zeros(4, dtype=torch.float64),
+    }
     ucp.load(ck, into=into)
     assert into["opt"]["step"] == 10 and into["lr"] == 0.5
     assert same_bytes(into["opt"][0]["z"], Z)
@@ -155,15 +171,18 @@ def test_into_structure_and_values(ck):
     assert same_bytes(into2["w"], W) and same_bytes(into2["opt"][0]["z2"], Z)
 
 
-@pytest.mark.parametrize("into, match", [
-    ({"missing": torch.zeros(1)}, r"\['missing'\] is not in the checkpoint"),
-    ({"w": torch.zeros(8, 5)}, r"'w'.*shape is \[8, 6\], the target's \[8, 5\]"),
-    ({"w": ucp.ShardedTensor(torch.zeros(2, 2), (4, 4), (0, 0))}, "shape"),
-    ({"lr": torch.zeros(1)}, "holds the value 0.5 here, not a tensor"),
-    ({"w": {"x": 1}}, "holds a tensor here, not a dict"),
-    ({"opt": {"0": {}}}, r"\['opt'\]\['0'\] is not in the checkpoint"),  # int key 0 is not str "0"
-    ({"opt": [1]}, "not a list"),
-])
+@pytest.mark.parametrize(
+    "into, match",
+    [
+        ({"missing": torch.zeros(1)}, r"\['missing'\] is not in the checkpoint"),
+        ({"w": torch.zeros(8, 5)}, r"'w'.*shape is \[8, 6\], the target's \[8, 5\]"),
+        ({"w": ucp.ShardedTensor(torch.zeros(2, 2), (4, 4), (0, 0))}, "shape"),
+        ({"lr": torch.zeros(1)}, "holds the value 0.5 here, not a tensor"),
+        ({"w": {"x": 1}}, "holds a tensor here, not a dict"),
+        ({"opt": {"0": {}}}, r"\['opt'\]\['0'\] is not in the checkpoint"),  # int key 0 is not str "0"
+        ({"opt": [1]}, "not a list"),
+    ],
+)
 def test_into_mismatch_errors(ck, into, match):
     with pytest.raises(ucp.LayoutMismatchError, match=match):
         ucp.load(ck, into=into)
@@ -189,9 +208,13 @@ def test_optimizer_state_dict_into_existing_optimizer(tmp_path):
 def test_many_small_batches(ck, monkeypatch, verify):
     """Tiny batches: every read goes through the read-ahead rotation of staging buffers."""
     monkeypatch.setattr(partial_mod, "BATCH_BYTES", 1)
-    into = {"w": ucp.ShardedTensor(torch.zeros(8, 3), (8, 6), (0, 3)), "v": torch.zeros(6, 8, dtype=torch.bfloat16),
-            "f": ucp.FlatShard(torch.zeros(20, dtype=torch.int32), (5, 7), 10), "r": torch.zeros(4, dtype=torch.float64),
-            "opt": {0: {"z": torch.zeros(3, 4, 5, dtype=torch.float16), "z2": torch.zeros(3, 4, 5)}}}
+    into = {
+        "w": ucp.ShardedTensor(torch.zeros(8, 3), (8, 6), (0, 3)),
+        "v": torch.zeros(6, 8, dtype=torch.bfloat16),
+        "f": ucp.FlatShard(torch.zeros(20, dtype=torch.int32), (5, 7), 10),
+        "r": torch.zeros(4, dtype=torch.float64),
+        "opt": {0: {"z": torch.zeros(3, 4, 5, dtype=torch.float16), "z2": torch.zeros(3, 4, 5)}},
+    }
     ucp.load(ck, into=into, verify=verify)
     assert same_bytes(into["w"].local, W[:, 3:].contiguous()) and same_bytes(into["v"], V)
     assert same_bytes(into["f"].local, F.reshape(-1)[10:30].contiguous()) and same_bytes(into["r"], R)

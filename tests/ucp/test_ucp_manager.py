@@ -11,16 +11,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from ucp_helpers import assert_same_state, random_tensor  # noqa: E402
 
 import ucp  # noqa: E402
-from ucp.async_saving import SaveHandle  # noqa: E402
 from ucp.manager import CheckpointManager, list_checkpoints, read_latest  # noqa: E402
-from ucp_helpers import assert_same_state, random_tensor  # noqa: E402
+from ucp.saving.async_save import SaveHandle  # noqa: E402
 
 
 def state_at(step: int) -> dict:
-    return {"model": {"w": random_tensor(torch.float32, (32, 16), step), "b": torch.full((4,), float(step))},
-            "step": step}
+    return {
+        "model": {"w": random_tensor(torch.float32, (32, 16), step), "b": torch.full((4,), float(step))},
+        "step": step,
+    }
 
 
 def statuses(root) -> dict[str, str]:
@@ -110,14 +112,21 @@ def test_leftovers_are_listed_never_loaded_and_cleaned_by_the_next_save(tmp_path
     fd = os.open(busy, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     try:
-        assert statuses(tmp_path) == {"step-00000001": "complete", ".step-00000001.old-0123456789ab": "old",
-                                      ".step-00000002.tmp-0123456789ab": "temp",
-                                      ".step-00000003.tmp-aaaaaaaaaaaa": "saving"}
+        assert statuses(tmp_path) == {
+            "step-00000001": "complete",
+            ".step-00000001.old-0123456789ab": "old",
+            ".step-00000002.tmp-0123456789ab": "temp",
+            ".step-00000003.tmp-aaaaaaaaaaaa": "saving",
+        }
         assert m.latest() == 1
         assert_same_state(state_at(1), m.load())
         m.save(state_at(4), 4)
-        assert sorted(os.listdir(tmp_path)) == [".step-00000003.tmp-aaaaaaaaaaaa", "latest", "step-00000001",
-                                                "step-00000004"]
+        assert sorted(os.listdir(tmp_path)) == [
+            ".step-00000003.tmp-aaaaaaaaaaaa",
+            "latest",
+            "step-00000001",
+            "step-00000004",
+        ]
     finally:
         os.close(fd)
     m.save(state_at(5), 5)
@@ -130,8 +139,11 @@ def test_a_step_directory_without_manifest_is_incomplete(tmp_path):
     (tmp_path / "step-00000002").mkdir()
     (tmp_path / "step-00000003").mkdir()
     (tmp_path / "step-00000003" / "manifest.json").write_text("{not json")
-    assert statuses(tmp_path) == {"step-00000001": "complete", "step-00000002": "incomplete",
-                                  "step-00000003": "corrupt"}
+    assert statuses(tmp_path) == {
+        "step-00000001": "complete",
+        "step-00000002": "incomplete",
+        "step-00000003": "corrupt",
+    }
     assert m.latest() == 1
     assert_same_state(state_at(1), m.load())
 

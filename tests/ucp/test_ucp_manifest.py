@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.manifest import parse_manifest
+from ucp.format.manifest import parse_manifest
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,13 @@ def valid(tmp_path_factory) -> dict:
     raw["files"]["rank-00001.safetensors"] = {"rank": 0, "size": 4096 + 48}
     w["pieces"] = [
         {**p, "length": 48, "box": {"offsets": [0, 0], "shape": [2, 6]}},
-        {"file": "rank-00001.safetensors", "offset": 4096, "length": 48, "flat": {"start": 12, "stop": 24}, "crc32c": 7},
+        {
+            "file": "rank-00001.safetensors",
+            "offset": 4096,
+            "length": 48,
+            "flat": {"start": 12, "stop": 24},
+            "crc32c": 7,
+        },
     ]
     parse_manifest(json.dumps(raw))
     return raw
@@ -48,7 +54,9 @@ def test_valid_manifest_round_trips(valid):
     assert m.tensors["w"].pieces[1].flat.start == 12
 
 
-@pytest.mark.parametrize("data", [b"", b"{", b"[]", b"null", b"\xff\xfe", b'{"format_version": 1', "[" * 5000 + "]" * 5000])
+@pytest.mark.parametrize(
+    "data", [b"", b"{", b"[]", b"null", b"\xff\xfe", b'{"format_version": 1', "[" * 5000 + "]" * 5000]
+)
 def test_invalid_json(data):
     with pytest.raises(ucp.ManifestError):
         parse_manifest(data)
@@ -74,6 +82,7 @@ def test_version_checked_before_schema():
 def _set_piece(i: int, **kw):
     def fn(r):
         r["tensors"]["w"]["pieces"][i].update(kw)
+
     return fn
 
 

@@ -11,11 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucp
-from ucp.manifest import parse_manifest
+from ucp.format.manifest import parse_manifest
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
     st.sampled_from(["F32", "BF16", "box", "flat", "tensor", "dict", "items", "../x", "rank-00000.safetensors"]),
 )
 json_values = st.recursive(
@@ -32,10 +35,16 @@ def _valid() -> dict:
     from ucp_helpers import save_ranks
 
     w = torch.arange(24.0).reshape(4, 6)
-    states = [{"w": ucp.ShardedTensor(w[r * 2 : (r + 1) * 2], (4, 6), (r * 2, 0)),
-               "f": ucp.FlatShard(w.reshape(-1)[r * 10 : 10 + r * 14], (4, 6), r * 10),
-               "s": torch.tensor(1.0), "o": {0: {"x": torch.ones(2)}, "t": (1, float("nan"))}, "k": [1]}
-              for r in range(2)]
+    states = [
+        {
+            "w": ucp.ShardedTensor(w[r * 2 : (r + 1) * 2], (4, 6), (r * 2, 0)),
+            "f": ucp.FlatShard(w.reshape(-1)[r * 10 : 10 + r * 14], (4, 6), r * 10),
+            "s": torch.tensor(1.0),
+            "o": {0: {"x": torch.ones(2)}, "t": (1, float("nan"))},
+            "k": [1],
+        }
+        for r in range(2)
+    ]
     with tempfile.TemporaryDirectory() as d:
         save_ranks(f"{d}/ck", states, step=3, metadata={"a": 1})
         with open(f"{d}/ck/manifest.json") as f:

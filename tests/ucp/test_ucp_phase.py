@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import ucp
-from ucp.plan import DATA_ALIGNMENT, DIRECT_MIN_BYTES
+from ucp.saving.plan import DATA_ALIGNMENT, DIRECT_MIN_BYTES
 
 
 def _header(path: Path) -> dict:

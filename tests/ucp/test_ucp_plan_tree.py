@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ucp
-from ucp.plan import DATA_ALIGNMENT, PlanCache, assign_replicated, leaf_layout, make_plan
-from ucp.tree import check_tree, decode_state, encode_state, merge_trees
+from ucp.format.tree import check_tree, decode_state, encode_state, merge_trees
+from ucp.saving.plan import DATA_ALIGNMENT, PlanCache, assign_replicated, leaf_layout, make_plan
 
 
 def layouts(state):
@@ -18,8 +18,15 @@ def layouts(state):
 
 
 def test_names_are_key_paths_and_unique():
-    enc = encode_state({"a": {"b": torch.ones(1)}, "a.b": torch.ones(1), "l": [torch.ones(1)], 3: {0: torch.ones(1)},
-                        "__metadata__": torch.ones(1)})
+    enc = encode_state(
+        {
+            "a": {"b": torch.ones(1)},
+            "a.b": torch.ones(1),
+            "l": [torch.ones(1)],
+            3: {0: torch.ones(1)},
+            "__metadata__": torch.ones(1),
+        }
+    )
     names = [leaf.name for leaf in enc.leaves]
     assert names == ["a.b", "a.b~1", "l.0", "3.0", "__metadata__~1"]
 
@@ -52,19 +59,28 @@ def test_replicated_tensors_spread_deterministically():
 
 
 def test_file_layout():
-    state = {"a": torch.zeros(3, dtype=torch.int8), "b": torch.zeros(5, dtype=torch.float64),
-             "c": ucp.FlatShard(torch.zeros(7, dtype=torch.bfloat16), (4, 4), 2), "d": torch.zeros(0)}
+    state = {
+        "a": torch.zeros(3, dtype=torch.int8),
+        "b": torch.zeros(5, dtype=torch.float64),
+        "c": ucp.FlatShard(torch.zeros(7, dtype=torch.bfloat16), (4, 4), 2),
+        "d": torch.zeros(0),
+    }
     plan = make_plan(layouts(state), 0, 1)
     assert plan.data_start % DATA_ALIGNMENT == 0 and len(plan.header) == plan.data_start
     (n,) = struct.unpack("<Q", plan.header[:8])
     header = json.loads(plan.header[8 : 8 + n])
-    assert plan.header[8 + len(json.dumps(header, separators=(",", ":"))):].strip(b" ") == b""
+    assert plan.header[8 + len(json.dumps(header, separators=(",", ":"))) :].strip(b" ") == b""
     assert [p.name for p in plan.pieces] == ["b", "d", "c", "a"]  # by itemsize desc, then name
     assert header["c"] == {"dtype": "BF16", "shape": [7], "data_offsets": [40, 54]}
     assert plan.file_size == plan.data_start + 40 + 14 + 3
     for p in plan.pieces:
-        assert p.offset % torch.empty(0, dtype={"F64": torch.float64, "F32": torch.float32,
-                                               "BF16": torch.bfloat16, "I8": torch.int8}[p.dtype]).itemsize == 0
+        assert (
+            p.offset
+            % torch.empty(
+                0, dtype={"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8}[p.dtype]
+            ).itemsize
+            == 0
+        )
 
 
 def test_non_writing_rank_has_no_file():

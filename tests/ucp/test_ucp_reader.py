@@ -9,17 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from ucp_helpers import random_tensor
 
 import ucp
-from ucp_helpers import random_tensor
 
 FILE = "rank-00000.safetensors"
 
 
 @pytest.fixture
 def ck(tmp_path: Path) -> Path:
-    sd = {"a": random_tensor(torch.float32, (64, 64), seed=1), "b": random_tensor(torch.int16, (100,), seed=2),
-          "c": {"d": random_tensor(torch.bfloat16, (7, 3), seed=3)}}
+    sd = {
+        "a": random_tensor(torch.float32, (64, 64), seed=1),
+        "b": random_tensor(torch.int16, (100,), seed=2),
+        "c": {"d": random_tensor(torch.bfloat16, (7, 3), seed=3)},
+    }
     ucp.save(sd, tmp_path / "ck")
     return tmp_path / "ck"
 
@@ -47,10 +50,22 @@ def rewrite_header(path: Path, edit) -> None:
 def all_loads(path: Path):
     """Every reader: whole load, load into a structure (partial path), verify."""
     yield lambda: ucp.load(path)
-    yield lambda: ucp.load(path, into={"a": torch.empty(64, 64), "b": torch.empty(100, dtype=torch.int16),
-                                       "c": {"d": torch.empty(7, 3, dtype=torch.bfloat16)}})
-    yield lambda: ucp.load(path, into={"a": ucp.ShardedTensor(torch.empty(8, 64), (64, 64), (8, 0)),
-                                       "b": torch.empty(100), "c": {"d": torch.empty(7, 3)}})
+    yield lambda: ucp.load(
+        path,
+        into={
+            "a": torch.empty(64, 64),
+            "b": torch.empty(100, dtype=torch.int16),
+            "c": {"d": torch.empty(7, 3, dtype=torch.bfloat16)},
+        },
+    )
+    yield lambda: ucp.load(
+        path,
+        into={
+            "a": ucp.ShardedTensor(torch.empty(8, 64), (64, 64), (8, 0)),
+            "b": torch.empty(100),
+            "c": {"d": torch.empty(7, 3)},
+        },
+    )
 
 
 def test_flipped_byte_names_tensor_file_offset(ck):
@@ -122,13 +137,16 @@ def test_unknown_format_version_on_disk(ck):
         ucp.load(ck)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda h: h["a"].update(dtype="I32"), "'a'.*header says"),
-    (lambda h: h["b"].update(shape=[50, 2]), "'b'.*header says"),
-    (lambda h: h["a"].update(data_offsets=[0, 16]), "'a'.*header says"),
-    (lambda h: h.update(extra={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}), "header only: \\['extra'\\]"),
-    (lambda h: h.pop("c.d"), "manifest only: \\['c.d'\\]"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda h: h["a"].update(dtype="I32"), "'a'.*header says"),
+        (lambda h: h["b"].update(shape=[50, 2]), "'b'.*header says"),
+        (lambda h: h["a"].update(data_offsets=[0, 16]), "'a'.*header says"),
+        (lambda h: h.update(extra={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}), "header only: \\['extra'\\]"),
+        (lambda h: h.pop("c.d"), "manifest only: \\['c.d'\\]"),
+    ],
+)
 def test_header_inconsistent_with_manifest(ck, edit, match):
     rewrite_header(ck / FILE, edit)
     for fn in all_loads(ck):

@@ -1,4 +1,4 @@
-"""``ucp.regions`` with numpy item buffers (the torch-free path of ``ucp reshape``), against torch."""
+"""``ucp.format.regions`` with numpy item buffers (the torch-free path of ``ucp reshape``), against torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from reshard.box import Box, FlatRange
-from ucp.regions import copy_region
+from ucp.format.regions import copy_region
 
 
 def _items(t: torch.Tensor) -> np.ndarray:
@@ -55,9 +55,9 @@ def test_a_box_outside_the_source_buffer_is_refused() -> None:
 def test_numpy_targets_of_another_item_size_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import ucp
     from ucp.errors import CheckpointError
-    from ucp.partial import Target, read_targets
-    from ucp.reader import read_manifest
-    from ucp.storage import open_storage
+    from ucp.loading.partial import Target, read_targets
+    from ucp.store.reader import read_manifest
+    from ucp.store.storage import open_storage
 
     ucp.save({"w": torch.arange(12, dtype=torch.float32)}, tmp_path / "ck")
     storage, name = open_storage(tmp_path / "ck")

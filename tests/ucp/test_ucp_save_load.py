@@ -9,16 +9,30 @@ import struct
 import pytest
 import torch
 from safetensors import safe_open
-
-import ucp
-from ucp.plan import PLAN_CACHE
 from ucp_helpers import assert_same_state, random_tensor, same_bytes
 
+import ucp
+from ucp.saving.plan import PLAN_CACHE
+
 DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
 ] + ([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])
 
 
@@ -67,8 +81,10 @@ def test_shapes_views_and_layout(tmp_path):
     assert (8 + n) % 4096 == 0
     manifest = ucp.read_manifest(tmp_path / "ck")
     pieces = sorted((e.pieces[0].offset, e.dtype) for e in manifest.tensors.values())
-    sizes = [torch.empty(0, dtype=getattr(torch, {"F32": "float32", "I64": "int64", "C64": "complex64"}[d])).itemsize
-             for _, d in pieces]
+    sizes = [
+        torch.empty(0, dtype=getattr(torch, {"F32": "float32", "I64": "int64", "C64": "complex64"}[d])).itemsize
+        for _, d in pieces
+    ]
     assert sizes == sorted(sizes, reverse=True)
     for (off, _), size in zip(pieces, sizes):
         assert off % size == 0
@@ -82,8 +98,20 @@ def test_nested_structure_and_plain_values(tmp_path):
     sd = {
         "model": model.state_dict(),
         "optim": opt.state_dict(),
-        "plain": {"i": 1, "f": 0.5, "s": "text", "b": True, "n": None, "nan": float("nan"), "inf": float("-inf"),
-                  "big": 2**80, "list": [1, [2, {"x": 3}]], "tuple": (1, "a", (2.0,)), "empty": {}, "el": []},
+        "plain": {
+            "i": 1,
+            "f": 0.5,
+            "s": "text",
+            "b": True,
+            "n": None,
+            "nan": float("nan"),
+            "inf": float("-inf"),
+            "big": 2**80,
+            "list": [1, [2, {"x": 3}]],
+            "tuple": (1, "a", (2.0,)),
+            "empty": {},
+            "el": [],
+        },
         "int_keys": {0: "zero", 1: {2: torch.ones(1)}, "mixed": 5},
         "weird.key": {"a.b": torch.zeros(2)},
         "weird": {"key": {"a": {"b": torch.ones(2)}}},
@@ -175,7 +203,7 @@ def test_aio_config_as_deepspeed_dict(tmp_path):
 
 
 def test_large_tensor_spanning_many_segments(tmp_path, monkeypatch):
-    import ucp.reader as reader
+    import ucp.store.reader as reader
 
     monkeypatch.setattr(reader, "SEGMENT", 1 << 16)
     sd = {"a": random_tensor(torch.float32, (300, 1000), seed=3), "b": random_tensor(torch.int8, (70001,), seed=4)}

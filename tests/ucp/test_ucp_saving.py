@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
+from ucp_helpers import same_bytes, save_ranks
 
 import ucp
 from aio import AioError, FileWriter
-from ucp_helpers import same_bytes, save_ranks
 
 FULL = torch.arange(32.0).reshape(8, 4)
 
@@ -22,8 +22,10 @@ def rows(rank: int, world: int = 2, **kw) -> ucp.ShardedTensor:
 
 
 def test_rank_files_are_plain_safetensors_of_the_local_pieces(tmp_path):
-    save_ranks(tmp_path / "ck", [{"w": rows(r), "f": ucp.FlatShard(FULL.reshape(-1)[r * 16 : (r + 1) * 16], (8, 4), r * 16)}
-                                 for r in range(2)])
+    save_ranks(
+        tmp_path / "ck",
+        [{"w": rows(r), "f": ucp.FlatShard(FULL.reshape(-1)[r * 16 : (r + 1) * 16], (8, 4), r * 16)} for r in range(2)],
+    )
     for r in range(2):
         with safe_open(tmp_path / "ck" / f"rank-0000{r}.safetensors", "pt") as f:
             assert same_bytes(f.get_tensor("w"), FULL[r * 4 : (r + 1) * 4].contiguous())
@@ -76,8 +78,10 @@ def test_many_ranks_with_uneven_flat_shards(tmp_path):
     world = 8
     z = torch.randn(7, 13)
     cuts = [0, 1, 1, 20, 33, 50, 77, 90, 91]  # empty shards too
-    states = [{"z": ucp.FlatShard(z.reshape(-1)[cuts[r] : cuts[r + 1]], (7, 13), cuts[r]), "rep": torch.ones(r % 1 + 2)}
-              for r in range(world)]
+    states = [
+        {"z": ucp.FlatShard(z.reshape(-1)[cuts[r] : cuts[r + 1]], (7, 13), cuts[r]), "rep": torch.ones(r % 1 + 2)}
+        for r in range(world)
+    ]
     save_ranks(tmp_path / "ck", states)
     m = ucp.read_manifest(tmp_path / "ck")
     assert len(m.tensors["z"].pieces) == 8 and len(m.tensors["rep"].pieces) == 1

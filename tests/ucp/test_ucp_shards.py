@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from ucp_helpers import random_tensor, run_ranks, same_bytes, save_ranks
 
 import ucp
 from ucp import AsyncSaver
-from ucp_helpers import random_tensor, run_ranks, same_bytes, save_ranks
 
 H, C = 4, 6  # rows of each of q, k, v; columns
 QKV = random_tensor(torch.float32, (3 * H, C), seed=11)  # global fused [q; k; v]
@@ -26,16 +26,22 @@ def qkv_shards(rank: int, world: int, local: torch.Tensor | None = None) -> ucp.
     h = H // world
     if local is None:
         local = torch.cat([QKV[j * H + rank * h : j * H + (rank + 1) * h] for j in range(3)])
-    return ucp.Shards([ucp.ShardedTensor(local[j * h : (j + 1) * h], (3 * H, C), (j * H + rank * h, 0))
-                       for j in range(3)])
+    return ucp.Shards(
+        [ucp.ShardedTensor(local[j * h : (j + 1) * h], (3 * H, C), (j * H + rank * h, 0)) for j in range(3)]
+    )
 
 
 def flat_shards(rank: int) -> ucp.Shards:
     """Rank 0 holds flat ranges [0, 3) and [10, 14) plus the box of row 4; rank 1 the rest (rows 0-3 minus those)."""
     flat = FL.reshape(-1)
     if rank == 0:
-        return ucp.Shards([ucp.FlatShard(flat[0:3].clone(), (5, 4), 0), ucp.FlatShard(flat[10:14].clone(), (5, 4), 10),
-                           ucp.ShardedTensor(FL[4:5].clone(), (5, 4), (4, 0))])
+        return ucp.Shards(
+            [
+                ucp.FlatShard(flat[0:3].clone(), (5, 4), 0),
+                ucp.FlatShard(flat[10:14].clone(), (5, 4), 10),
+                ucp.ShardedTensor(FL[4:5].clone(), (5, 4), (4, 0)),
+            ]
+        )
     return ucp.Shards([ucp.FlatShard(flat[3:10].clone(), (5, 4), 3), ucp.FlatShard(flat[14:16].clone(), (5, 4), 14)])
 
 
@@ -77,8 +83,12 @@ def test_manifest_and_safetensors_entries(ck):
 
 
 def test_load_into_one_full_tensor(ck):
-    into = {"qkv": torch.zeros(3 * H, C), "fl": torch.zeros(5, 4, dtype=torch.bfloat16),
-            "rep": torch.zeros(3, dtype=torch.long), "step": 0}
+    into = {
+        "qkv": torch.zeros(3 * H, C),
+        "fl": torch.zeros(5, 4, dtype=torch.bfloat16),
+        "rep": torch.zeros(3, dtype=torch.long),
+        "step": 0,
+    }
     ucp.load(ck, into=into)
     assert same_bytes(into["qkv"], QKV) and same_bytes(into["fl"], FL) and into["step"] == 7
 
@@ -96,8 +106,18 @@ def test_load_into_other_shards_layout(ck):
     # a Shards of flat ranges and a box
     flat = torch.zeros(6, dtype=torch.bfloat16)
     box = torch.zeros(2, 4, dtype=torch.bfloat16)
-    ucp.load(ck, into={"fl": ucp.Shards([ucp.FlatShard(flat[:3], (5, 4), 1), ucp.FlatShard(flat[3:], (5, 4), 17),
-                                         ucp.ShardedTensor(box, (5, 4), (2, 0))])})
+    ucp.load(
+        ck,
+        into={
+            "fl": ucp.Shards(
+                [
+                    ucp.FlatShard(flat[:3], (5, 4), 1),
+                    ucp.FlatShard(flat[3:], (5, 4), 17),
+                    ucp.ShardedTensor(box, (5, 4), (2, 0)),
+                ]
+            )
+        },
+    )
     f = FL.reshape(-1)
     assert same_bytes(flat, torch.cat([f[1:4], f[17:20]])) and same_bytes(box, FL[2:4])
 
@@ -107,8 +127,10 @@ def test_replicas_and_async_save(tmp_path):
 
     def state(rank: int) -> dict:
         local = QKV.clone()
-        parts = [ucp.ShardedTensor(local[j * H : (j + 1) * H], (3 * H, C), (j * H, 0),
-                                   replica_id=int(rank != (j == 1))) for j in range(3)]
+        parts = [
+            ucp.ShardedTensor(local[j * H : (j + 1) * H], (3 * H, C), (j * H, 0), replica_id=int(rank != (j == 1)))
+            for j in range(3)
+        ]
         return {"qkv": ucp.Shards(parts)}
 
     def fn(group):
@@ -118,14 +140,18 @@ def test_replicas_and_async_save(tmp_path):
     run_ranks(2, fn)
     m = ucp.read_manifest(tmp_path / "ck")
     assert [(p.file, p.entry) for p in m.tensors["qkv"].pieces] == [
-        ("rank-00000.safetensors", None), ("rank-00000.safetensors", "qkv#1"), ("rank-00001.safetensors", None)]
+        ("rank-00000.safetensors", None),
+        ("rank-00000.safetensors", "qkv#1"),
+        ("rank-00001.safetensors", None),
+    ]
     assert same_bytes(ucp.load(tmp_path / "ck")["qkv"], QKV) and ucp.verify(tmp_path / "ck").ok
 
 
 def test_bad_shards_are_refused():
     with pytest.raises(ValueError, match="global_shape"):
-        ucp.Shards([ucp.ShardedTensor(torch.zeros(2, 3), (4, 3), (0, 0)),
-                    ucp.ShardedTensor(torch.zeros(2, 3), (6, 3), (2, 0))])
+        ucp.Shards(
+            [ucp.ShardedTensor(torch.zeros(2, 3), (4, 3), (0, 0)), ucp.ShardedTensor(torch.zeros(2, 3), (6, 3), (2, 0))]
+        )
     with pytest.raises(ValueError, match="dtype"):
         ucp.Shards([ucp.FlatShard(torch.zeros(2), (4,), 0), ucp.FlatShard(torch.zeros(2, dtype=torch.int32), (4,), 2)])
     with pytest.raises(ValueError):
@@ -168,8 +194,13 @@ def test_header_must_use_the_manifest_entries(ck, tmp_path):
 
 
 def test_generated_names_never_hold_the_entry_separator(tmp_path):
-    ucp.save({"a#1": torch.ones(2), "a": ucp.Shards([ucp.FlatShard(torch.zeros(1), (2,), 0),
-                                                     ucp.FlatShard(torch.ones(1), (2,), 1)])}, tmp_path / "ck")
+    ucp.save(
+        {
+            "a#1": torch.ones(2),
+            "a": ucp.Shards([ucp.FlatShard(torch.zeros(1), (2,), 0), ucp.FlatShard(torch.ones(1), (2,), 1)]),
+        },
+        tmp_path / "ck",
+    )
     m = ucp.read_manifest(tmp_path / "ck")
     assert sorted(m.tensors) == ["a", "a_1"]
     out = ucp.load(tmp_path / "ck")
@@ -188,14 +219,25 @@ def test_check_replicas_compares_flat_shard_replicas(tmp_path):
             mine = flat.clone()
             if rank == 1 and drift:
                 mine.view(torch.int32)[17] ^= 1  # one bit of one element
-            out.append({"w": ucp.Shards([ucp.FlatShard(mine[:12].clone(), (6, 5), 0, replica_id=rank),
-                                         ucp.FlatShard(mine[12:].clone(), (6, 5), 12, replica_id=1 - rank)])})
+            out.append(
+                {
+                    "w": ucp.Shards(
+                        [
+                            ucp.FlatShard(mine[:12].clone(), (6, 5), 0, replica_id=rank),
+                            ucp.FlatShard(mine[12:].clone(), (6, 5), 12, replica_id=1 - rank),
+                        ]
+                    )
+                }
+            )
         return out
 
     save_ranks(tmp_path / "equal", states(0.0), check_replicas=True)
     assert same_bytes(ucp.load(tmp_path / "equal")["w"], w)
-    with pytest.raises(ucp.CommitError, match=r"tensor 'w': rank 0's copy of elements .*\"start\":12,\"stop\":30.* "
-                                              r"rank 1 wrote"):
+    with pytest.raises(
+        ucp.CommitError,
+        match=r"tensor 'w': rank 0's copy of elements .*\"start\":12,\"stop\":30.* "
+        r"rank 1 wrote",
+    ):
         save_ranks(tmp_path / "drift", states(1.0), check_replicas=True)
     assert not (tmp_path / "drift").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".drift")] == []
@@ -213,16 +255,26 @@ def test_check_replicas_through_the_async_saver_and_manager(tmp_path, snapshot):
         mine = w.clone()
         if rank == 1 and drift:
             mine.view(torch.int32)[0, 3] ^= 1  # one bit of one element
-        return {"w": ucp.Shards([ucp.ShardedTensor(mine[:2].clone(), (4, 8), (0, 0), replica_id=rank),
-                                 ucp.ShardedTensor(mine[2:].clone(), (4, 8), (2, 0), replica_id=1 - rank)])}
+        return {
+            "w": ucp.Shards(
+                [
+                    ucp.ShardedTensor(mine[:2].clone(), (4, 8), (0, 0), replica_id=rank),
+                    ucp.ShardedTensor(mine[2:].clone(), (4, 8), (2, 0), replica_id=1 - rank),
+                ]
+            )
+        }
 
     def fn(group):
         with AsyncSaver(snapshot=snapshot) as saver:
             saver.save(state(group.rank, 0.0), tmp_path / "ok", process_group=group, check_replicas=True).result(60)
             bad = saver.save(state(group.rank, 2.0), tmp_path / "bad", process_group=group, check_replicas=True)
             # rank 0 (the committer) names the tensor; the others learn that it did not commit, and why
-            with pytest.raises(ucp.CommitError, match=r"tensor 'w': rank 1's copy of box" if group.rank == 0 else
-                               r"rank 0 did not commit .*: .*tensor 'w': rank 1's copy of box"):
+            with pytest.raises(
+                ucp.CommitError,
+                match=r"tensor 'w': rank 1's copy of box"
+                if group.rank == 0
+                else r"rank 0 did not commit .*: .*tensor 'w': rank 1's copy of box",
+            ):
                 bad.result(timeout=60)
 
     run_ranks(2, fn)
@@ -237,8 +289,9 @@ def test_the_manager_passes_check_replicas_on(tmp_path, monkeypatch, async_save)
     seen = []
     real_sync, real_async = ucp.manager._save, AsyncSaver.save
     monkeypatch.setattr(ucp.manager, "_save", lambda *a, **k: (seen.append(k["check_replicas"]), real_sync(*a, **k))[1])
-    monkeypatch.setattr(AsyncSaver, "save",
-                        lambda self, *a, **k: (seen.append(k["check_replicas"]), real_async(self, *a, **k))[1])
+    monkeypatch.setattr(
+        AsyncSaver, "save", lambda self, *a, **k: (seen.append(k["check_replicas"]), real_async(self, *a, **k))[1]
+    )
     with ucp.CheckpointManager(tmp_path, async_save=async_save) as manager:
         manager.save({"x": torch.ones(3)}, 1, check_replicas=True)
         manager.save({"x": torch.ones(3)}, 2)

@@ -10,30 +10,35 @@ import threading
 
 import pytest
 import torch
+from ucp_helpers import assert_same_state, random_tensor
 
 import ucp
-from ucp.async_saving import AsyncSaver, snapshot_into
-from ucp.background import Progress
-from ucp.plan import plan_save
-from ucp.snapshot import ChangeWatch
-from ucp.staging import HostArena
-from ucp.tree import encode_state
-from ucp_helpers import assert_same_state, random_tensor
+from ucp.format.tree import encode_state
+from ucp.saving.async_save import AsyncSaver, snapshot_into
+from ucp.saving.background import Progress
+from ucp.saving.plan import plan_save
+from ucp.saving.snapshot import ChangeWatch
+from ucp.saving.staging import HostArena
 
 MODES = ["thread", "process"]
 
 
 def state(seed: int) -> dict:
-    return {"model": {"w": random_tensor(torch.float32, (512, 256), seed),
-                      "t": random_tensor(torch.float64, (32, 16), seed + 1).t(),  # non-contiguous: copied at once
-                      "b": random_tensor(torch.bfloat16, (300,), seed + 2)},
-            "step": seed}
+    return {
+        "model": {
+            "w": random_tensor(torch.float32, (512, 256), seed),
+            "t": random_tensor(torch.float64, (32, 16), seed + 1).t(),  # non-contiguous: copied at once
+            "b": random_tensor(torch.bfloat16, (300,), seed + 2),
+        },
+        "step": seed,
+    }
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_change_before_the_background_copy_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path, mode,
-                                                                                            monkeypatch):
-    module = sys.modules["ucp.async_saving"]
+def test_a_change_before_the_background_copy_fails_the_save_and_keeps_the_previous_checkpoint(
+    tmp_path, mode, monkeypatch
+):
+    module = sys.modules["ucp.saving.async_save"]
     real, release = module.snapshot_into, threading.Event()
 
     def held_back(*args, **kw):  # the copy starts only when the test says so
@@ -58,7 +63,7 @@ def test_a_change_before_the_background_copy_fails_the_save_and_keeps_the_previo
 
 
 def test_a_change_before_a_tensor_snapshot_is_written_fails_the_save(tmp_path, monkeypatch):
-    background = sys.modules["ucp.background"]
+    background = sys.modules["ucp.saving.background"]
     real, release = background.write_rank_file, threading.Event()
 
     def held_back(*args, **kw):  # the writer reads the tensors only when the test says so

@@ -8,9 +8,9 @@ import os
 import fsspec
 import pytest
 import torch
+from ucp_helpers import assert_same_state, random_tensor, same_bytes, save_ranks
 
 import ucp
-from ucp_helpers import assert_same_state, random_tensor, same_bytes, save_ranks
 
 SD = {
     "w": random_tensor(torch.float32, (33, 17), seed=1),
@@ -36,7 +36,10 @@ def test_memory_round_trip_and_overwrite(mem_url):
     assert_same_state(ucp.load(url), SD)
     fs = fsspec.filesystem("memory")
     root = mem_url.removeprefix("memory://")
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/ck", detail=False)) == ["manifest.json", "rank-00000.safetensors"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/ck", detail=False)) == [
+        "manifest.json",
+        "rank-00000.safetensors",
+    ]
     new = {"x": torch.arange(7)}
     ucp.save(new, url)
     assert_same_state(ucp.load(url), new)

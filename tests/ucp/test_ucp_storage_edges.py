@@ -16,15 +16,18 @@ import fsspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
-
-import ucp  # noqa: E402
-import ucp.saving  # noqa: E402
-from ucp.manager import CheckpointManager, list_checkpoints, read_latest  # noqa: E402
-from ucp.storage import FsspecStorage, LocalStorage, rename_exchange  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, save_ranks  # noqa: E402
 
-OLD = {"w": random_tensor(torch.float32, (7, 5), seed=11), "h": random_tensor(torch.bfloat16, (9,), seed=12),
-       "meta": {"lr": 0.5, "tag": "old"}}
+import ucp  # noqa: E402
+import ucp.saving.sync_save  # noqa: E402
+from ucp.manager import CheckpointManager, list_checkpoints, read_latest  # noqa: E402
+from ucp.store.storage import FsspecStorage, LocalStorage, rename_exchange  # noqa: E402
+
+OLD = {
+    "w": random_tensor(torch.float32, (7, 5), seed=11),
+    "h": random_tensor(torch.bfloat16, (9,), seed=12),
+    "meta": {"lr": 0.5, "tag": "old"},
+}
 NEW = {"x": random_tensor(torch.int16, (13,), seed=13), "meta": {"tag": "new"}}
 
 
@@ -58,8 +61,10 @@ def _chattr(flag: str, path: Path) -> bool:
 # -- URLs and odd paths: save, load, verify, async_save ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["memory", "memory-unicode-trailing-slash", "file-abs-spaces", "file-relative",
-                                  "local-unicode-trailing-slash"])
+@pytest.mark.parametrize(
+    "kind",
+    ["memory", "memory-unicode-trailing-slash", "file-abs-spaces", "file-relative", "local-unicode-trailing-slash"],
+)
 def test_url_round_trip_verify_async_overwrite(tmp_path, monkeypatch, mem_root, kind):
     """Every spelling of a location saves, loads bit-exact, verifies, and is overwritten cleanly by async_save."""
     if kind == "memory":
@@ -90,7 +95,7 @@ def test_url_round_trip_verify_async_overwrite(tmp_path, monkeypatch, mem_root, 
 def test_fsspec_overwrite_with_fewer_files_leaves_only_the_new(mem_root):
     url = f"memory://{mem_root}/ck"
     full = random_tensor(torch.float32, (8, 3), seed=5)
-    save_ranks(url, [{"w": ucp.ShardedTensor(full[r * 4:(r + 1) * 4], (8, 3), (r * 4, 0))} for r in range(2)])
+    save_ranks(url, [{"w": ucp.ShardedTensor(full[r * 4 : (r + 1) * 4], (8, 3), (r * 4, 0))} for r in range(2)])
     assert mem_names(f"{mem_root}/ck") == ["manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
     ucp.save(NEW, url)
     assert mem_names(f"{mem_root}/ck") == ["manifest.json", "rank-00000.safetensors"]
@@ -321,8 +326,15 @@ def test_manager_leaves_foreign_entries_alone(tmp_path):
     m = CheckpointManager(tmp_path, keep_last=1)
     for step in (2, 3, 4):
         m.save(state_at(step), step)
-    assert sorted(os.listdir(tmp_path)) == [".step-00000007.tmp-not-hex", "latest", "notes.txt", "step-00000001",
-                                            "step-00000004", "step-00000099.bak", "step-abc"]
+    assert sorted(os.listdir(tmp_path)) == [
+        ".step-00000007.tmp-not-hex",
+        "latest",
+        "notes.txt",
+        "step-00000001",
+        "step-00000004",
+        "step-00000099.bak",
+        "step-abc",
+    ]
     assert (tmp_path / "step-00000001" / "data.txt").read_text() == "keep"
     assert {i.name: i.status for i in m.list()} == {"step-00000001": "incomplete", "step-00000004": "complete"}
     with pytest.raises(ucp.CheckpointError, match="step-00000001 exists and is not a checkpoint"):
@@ -332,7 +344,7 @@ def test_manager_leaves_foreign_entries_alone(tmp_path):
 
 def test_second_manager_does_not_delete_a_synchronous_save_in_flight(tmp_path, monkeypatch):
     a, b = CheckpointManager(tmp_path), CheckpointManager(tmp_path)
-    orig = ucp.saving.write_rank_file
+    orig = ucp.saving.sync_save.write_rank_file
     calls = {"n": 0}
 
     def write_then_other_manager_saves(storage, rel, plan, views):
@@ -342,7 +354,7 @@ def test_second_manager_does_not_delete_a_synchronous_save_in_flight(tmp_path, m
             b.save(state_at(2), 2)
         return records
 
-    monkeypatch.setattr(ucp.saving, "write_rank_file", write_then_other_manager_saves)
+    monkeypatch.setattr(ucp.saving.sync_save, "write_rank_file", write_then_other_manager_saves)
     a.save(state_at(1), 1)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002"]
     assert_same_state(a.load(1), state_at(1))

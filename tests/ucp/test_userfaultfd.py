@@ -1,4 +1,4 @@
-"""The userfaultfd / process_vm_readv binding (ucp/userfaultfd.py) on this process's own memory."""
+"""The userfaultfd / process_vm_readv binding (ucp/saving/cow/userfaultfd.py) on this process's own memory."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from ucp.userfaultfd import PAGE, WriteProtector, read_process_memory, unavailable
+from ucp.saving.cow.userfaultfd import PAGE, WriteProtector, read_process_memory, unavailable
 
 needs_uffd = pytest.mark.skipif(unavailable() is not None, reason=f"userfaultfd unavailable: {unavailable()}")
 

@@ -14,10 +14,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ucp_helpers import random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
-from ucp.plan import PLAN_CACHE  # noqa: E402
-from ucp_helpers import random_tensor, same_bytes  # noqa: E402
+from ucp.saving.plan import PLAN_CACHE  # noqa: E402
 
 W = random_tensor(torch.float32, (8, 6), seed=11)  # 2 ranks: row shards
 V = random_tensor(torch.bfloat16, (6, 8), seed=12)  # 2 ranks: column shards
@@ -42,8 +42,10 @@ def state_2(rank: int) -> dict:
             "r": R.clone(),
             "s": ucp.ShardedTensor(S.clone(), (10,), (0,), replica_id=rank),
         },
-        "optim": {"state": {0: {"f": ucp.FlatShard(F.reshape(-1)[cut[rank] : cut[rank + 1]], (5, 7), cut[rank])}},
-                  "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "optim": {
+            "state": {0: {"f": ucp.FlatShard(F.reshape(-1)[cut[rank] : cut[rank + 1]], (5, 7), cut[rank])}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
         f"rank{rank}": {"seed": rank},
         "step": 100,
     }

@@ -115,15 +115,22 @@ def run_ranks(world_size: int, fn: Callable[[Group], Any]) -> list[Any]:
 
 def save_ranks(path: Path | str, states: list[dict[str, Any]], **kw: Any) -> list[Any]:
     """Save one state dict per simulated rank to ``path`` (through the real save code)."""
-    from ucp.saving import save_with
-    from ucp.storage import open_storage
+    from ucp.saving.sync_save import save_with
+    from ucp.store.storage import open_storage
 
     def fn(group: Group) -> Any:
         storage, name = open_storage(path)
         with storage:
-            return save_with(storage, name, states[group.rank], group, step=kw.get("step"),
-                             metadata=kw.get("metadata", {}), mesh=kw.get("mesh"),
-                             check_replicas=kw.get("check_replicas", False))
+            return save_with(
+                storage,
+                name,
+                states[group.rank],
+                group,
+                step=kw.get("step"),
+                metadata=kw.get("metadata", {}),
+                mesh=kw.get("mesh"),
+                check_replicas=kw.get("check_replicas", False),
+            )
 
     return run_ranks(len(states), fn)
 
@@ -152,13 +159,13 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# -- memory: the data buffers (ucp.reader.FileBuffer) a reshape or partial read holds at once -----------
+# -- memory: the data buffers (ucp.store.reader.FileBuffer) a reshape or partial read holds at once -----------
 
 
 class TrackedFileBuffers:
     """Counts the bytes of the mappings behind ``FileBuffer`` objects (fresh or pooled) alive at once (``peak``).
 
-    Every FileBuffer's memory comes from ``ucp.reader._anonymous``; a :class:`ucp.reader.MemoryPool`
+    Every FileBuffer's memory comes from ``ucp.store.reader._anonymous``; a :class:`ucp.store.reader.MemoryPool`
     keeps its mappings until it is dropped, so pooled memory counts as held from its first use.
     ``modules`` is kept for the callers' readability (which modules' buffers are meant).
     """
@@ -166,11 +173,11 @@ class TrackedFileBuffers:
     def __init__(self, monkeypatch: Any, *modules: Any) -> None:
         import weakref
 
-        import ucp.reader
+        import ucp.store.reader
 
         self.live = self.peak = 0
         lock = threading.Lock()
-        real, tracker = ucp.reader._anonymous, self
+        real, tracker = ucp.store.reader._anonymous, self
 
         def tracked(nbytes: int) -> Any:
             m = real(nbytes)
@@ -186,4 +193,4 @@ class TrackedFileBuffers:
             weakref.finalize(m, freed)
             return m
 
-        monkeypatch.setattr(ucp.reader, "_anonymous", tracked)
+        monkeypatch.setattr(ucp.store.reader, "_anonymous", tracked)

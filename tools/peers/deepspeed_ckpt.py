@@ -73,26 +73,39 @@ def deepspeed_missing() -> str | None:
     """Why the DeepSpeed peer cannot run here, or None when it can (for pytest skips)."""
     for mod in ("deepspeed", "huggingface_hub", "safetensors"):
         if importlib.util.find_spec(mod) is None:
-            return (f"python package {mod!r} is not installed (DeepSpeed peer: "
-                    "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 huggingface_hub)")
+            return (
+                f"python package {mod!r} is not installed (DeepSpeed peer: "
+                "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8 huggingface_hub)"
+            )
     return None
 
 
 def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for DeepSpeed helper processes: CPU accelerator, 1 thread each, repo on path."""
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.update(extra or {})
     return env
 
 
-def _run(cmd: Sequence[str], timeout: float, log: Path | None = None,
-         env: dict[str, str] | None = None) -> str:
+def _run(cmd: Sequence[str], timeout: float, log: Path | None = None, env: dict[str, str] | None = None) -> str:
     """Run `cmd` in its own session; on timeout kill the whole group (torchrun's workers too)."""
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env or peer_env(), cwd=REPO_ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or peer_env(),
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -100,8 +113,10 @@ def _run(cmd: Sequence[str], timeout: float, log: Path | None = None,
         out, _ = proc.communicate()
         if log:
             log.write_text(out)
-        raise PeerError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{_tail(out)}"
-                        + (f"\n(full output: {log})" if log else "")) from None
+        raise PeerError(
+            f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{_tail(out)}"
+            + (f"\n(full output: {log})" if log else "")
+        ) from None
     except BaseException:  # e.g. Ctrl-C in the test run: leave no orphaned ranks behind
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -109,8 +124,9 @@ def _run(cmd: Sequence[str], timeout: float, log: Path | None = None,
     if log:
         log.write_text(out)
     if proc.returncode != 0:
-        raise PeerError(f"exit status {proc.returncode}: {' '.join(cmd)}\n{_tail(out)}"
-                        + (f"\n(full output: {log})" if log else ""))
+        raise PeerError(
+            f"exit status {proc.returncode}: {' '.join(cmd)}\n{_tail(out)}" + (f"\n(full output: {log})" if log else "")
+        )
     return out
 
 
@@ -119,7 +135,7 @@ def _tail(text: str, lines: int = 25) -> str:
     followed by the last `lines` lines, without torch's deprecation noise."""
     keep = [ln for ln in text.splitlines() if "FutureWarning" not in ln and "return func(" not in ln]
     first = next((i for i, ln in enumerate(keep) if re.search(r"error|Traceback|terminate", ln, re.I)), None)
-    head = keep[max(0, first - 2): first + 12] if first is not None and first < len(keep) - lines else []
+    head = keep[max(0, first - 2) : first + 12] if first is not None and first < len(keep) - lines else []
     return "\n".join([*head, *(["..."] if head else []), *keep[-lines:]])
 
 
@@ -127,15 +143,48 @@ def _config(model_config: GPTConfig | str) -> GPTConfig:
     return PRESETS[model_config] if isinstance(model_config, str) else model_config
 
 
-def _train_cmd(out_dir: Path, world_size: int, zero_stage: int, dtype: str, steps: int,
-               cfg: GPTConfig, seed: int, lr: float, micro_batch: int, grad_accum: int,
-               extra_args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={world_size}", str(TRAIN_SCRIPT),
-            "--out-dir", str(out_dir), "--loss-file", str(out_dir / "loss.json"),
-            "--zero-stage", str(zero_stage), "--dtype", dtype, "--steps", str(steps),
-            "--model-json", cfg.model_dump_json(), "--seed", str(seed), "--lr", repr(lr),
-            "--micro-batch", str(micro_batch), "--grad-accum", str(grad_accum), *extra_args]
+def _train_cmd(
+    out_dir: Path,
+    world_size: int,
+    zero_stage: int,
+    dtype: str,
+    steps: int,
+    cfg: GPTConfig,
+    seed: int,
+    lr: float,
+    micro_batch: int,
+    grad_accum: int,
+    extra_args: Sequence[str],
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world_size}",
+        str(TRAIN_SCRIPT),
+        "--out-dir",
+        str(out_dir),
+        "--loss-file",
+        str(out_dir / "loss.json"),
+        "--zero-stage",
+        str(zero_stage),
+        "--dtype",
+        dtype,
+        "--steps",
+        str(steps),
+        "--model-json",
+        cfg.model_dump_json(),
+        "--seed",
+        str(seed),
+        "--lr",
+        repr(lr),
+        "--micro-batch",
+        str(micro_batch),
+        "--grad-accum",
+        str(grad_accum),
+        *extra_args,
+    ]
 
 
 def _source_digest() -> str:
@@ -148,8 +197,7 @@ def _source_digest() -> str:
 
 def _cache_key(params: dict) -> str:
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
-    return (f"ds-z{params['zero_stage']}-{params['dtype']}-w{params['world_size']}"
-            f"-s{params['steps']}-{digest}")
+    return f"ds-z{params['zero_stage']}-{params['dtype']}-w{params['world_size']}-s{params['steps']}-{digest}"
 
 
 @contextmanager
@@ -164,13 +212,24 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def make_checkpoint(out_dir: str | Path | None = None, world_size: int = 2, zero_stage: int = 2,
-                    dtype: Dtype = "fp32", steps: int = 3,
-                    model_config: GPTConfig | str = "tiny", *, seed: int = 1234,
-                    lr: float = 1e-3, micro_batch: int = 2, grad_accum: int = 1,
-                    seq: int | None = None, ds_config: dict | None = None,
-                    load_dir: str | Path | None = None, extra_args: Sequence[str] = (),
-                    timeout: float = 900) -> Path:
+def make_checkpoint(
+    out_dir: str | Path | None = None,
+    world_size: int = 2,
+    zero_stage: int = 2,
+    dtype: Dtype = "fp32",
+    steps: int = 3,
+    model_config: GPTConfig | str = "tiny",
+    *,
+    seed: int = 1234,
+    lr: float = 1e-3,
+    micro_batch: int = 2,
+    grad_accum: int = 1,
+    seq: int | None = None,
+    ds_config: dict | None = None,
+    load_dir: str | Path | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 900,
+) -> Path:
     """Train the reference GPT with DeepSpeed and return the checkpoint root directory.
 
     The root holds `latest` (naming the tag `global_step{steps}`), the tag folder, DeepSpeed's
@@ -196,9 +255,18 @@ def make_checkpoint(out_dir: str | Path | None = None, world_size: int = 2, zero
         extra_args = [*extra_args, "--ds-config-extra", json.dumps(ds_config, sort_keys=True)]
     if load_dir is not None:
         extra_args = [*extra_args, "--load-dir", str(Path(load_dir).resolve())]
-    cmd_args = dict(world_size=world_size, zero_stage=zero_stage, dtype=dtype, steps=steps,
-                    cfg=cfg, seed=seed, lr=lr, micro_batch=micro_batch, grad_accum=grad_accum,
-                    extra_args=list(extra_args))
+    cmd_args = dict(
+        world_size=world_size,
+        zero_stage=zero_stage,
+        dtype=dtype,
+        steps=steps,
+        cfg=cfg,
+        seed=seed,
+        lr=lr,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        extra_args=list(extra_args),
+    )
     if out_dir is not None:
         out = Path(out_dir)
         if (out / "latest").exists():
@@ -209,12 +277,22 @@ def make_checkpoint(out_dir: str | Path | None = None, world_size: int = 2, zero
 
     from tools.peers.deepspeed_train import HARNESS_VERSION  # light: no deepspeed import
 
-    params = dict(world_size=world_size, zero_stage=zero_stage, dtype=dtype, steps=steps,
-                  model=cfg.model_dump(), seed=seed, lr=lr, micro_batch=micro_batch,
-                  grad_accum=grad_accum, extra_args=list(extra_args), harness=HARNESS_VERSION,
-                  sources=_source_digest(),
-                  deepspeed=importlib.metadata.version("deepspeed"),
-                  torch=importlib.metadata.version("torch"))
+    params = dict(
+        world_size=world_size,
+        zero_stage=zero_stage,
+        dtype=dtype,
+        steps=steps,
+        model=cfg.model_dump(),
+        seed=seed,
+        lr=lr,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        extra_args=list(extra_args),
+        harness=HARNESS_VERSION,
+        sources=_source_digest(),
+        deepspeed=importlib.metadata.version("deepspeed"),
+        torch=importlib.metadata.version("torch"),
+    )
     cache = Path(os.environ.get("UCP_PEER_CACHE", DEFAULT_CACHE))
     final = cache / _cache_key(params)
     with _locked(cache / (final.name + ".lock")):
@@ -241,8 +319,7 @@ def read_latest(ckpt_dir: str | Path) -> str:
     return latest.read_text().strip()
 
 
-def reference_fp32(ckpt_dir: str | Path, tag: str | None = None,
-                   timeout: float = 600) -> dict[str, torch.Tensor]:
+def reference_fp32(ckpt_dir: str | Path, tag: str | None = None, timeout: float = 600) -> dict[str, torch.Tensor]:
     """DeepSpeed's consolidated fp32 weights (zero_to_fp32) for a checkpoint root.
 
     Computed once in a fresh process with `get_fp32_state_dict_from_zero_checkpoint` and passed
@@ -255,13 +332,13 @@ def reference_fp32(ckpt_dir: str | Path, tag: str | None = None,
     target = root / f"{tag}.zero_to_fp32.safetensors"
     with _locked(root / ".harness.lock"):
         if not target.is_file():
-            _run([sys.executable, str(Path(__file__)), "fp32", str(root), "--tag", tag,
-                  "--output", str(target)], timeout)
+            _run(
+                [sys.executable, str(Path(__file__)), "fp32", str(root), "--tag", tag, "--output", str(target)], timeout
+            )
     return load_file(target)
 
 
-def reference_universal(ckpt_dir: str | Path, tag: str | None = None,
-                        timeout: float = 600) -> Path:
+def reference_universal(ckpt_dir: str | Path, tag: str | None = None, timeout: float = 600) -> Path:
     """Run DeepSpeed's `ds_to_universal` on a checkpoint; return `<root>/<tag>_universal`.
 
     A fresh interpreter each time: its ProcessPoolExecutor can deadlock when forked from a
@@ -276,13 +353,25 @@ def reference_universal(ckpt_dir: str | Path, tag: str | None = None,
         if out.is_dir() and latest_u.is_file() and latest_u.read_text().strip() == out.name:
             return out
         shutil.rmtree(out, ignore_errors=True)
-        _run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-              "--input_folder", str(root / tag), "--output_folder", str(out),
-              "--inject_missing_state"], timeout, log=root / f"{tag}_universal.log")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(root / tag),
+                "--output_folder",
+                str(out),
+                "--inject_missing_state",
+            ],
+            timeout,
+            log=root / f"{tag}_universal.log",
+        )
     return out
 
 
 # --- helper-process entry points and CLI ------------------------------------------------------
+
 
 def _fp32_worker(root: str, tag: str, output: str) -> None:
     """In a fresh process: zero_to_fp32 -> safetensors (shared tensors cloned apart)."""
@@ -296,8 +385,15 @@ def _fp32_worker(root: str, tag: str, output: str) -> None:
     os.replace(tmp, output)
 
 
-def _matrix(stages: Sequence[int], worlds: Sequence[int], dtypes: Sequence[str], steps: int,
-            model: str, universal: bool, keep: Path | None = None) -> list[dict]:
+def _matrix(
+    stages: Sequence[int],
+    worlds: Sequence[int],
+    dtypes: Sequence[str],
+    steps: int,
+    model: str,
+    universal: bool,
+    keep: Path | None = None,
+) -> list[dict]:
     """Time generation (and DeepSpeed's conversions) for each combination, uncached."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="ucp-peer-matrix-") as scratch:
@@ -315,17 +411,24 @@ def _matrix(stages: Sequence[int], worlds: Sequence[int], dtypes: Sequence[str],
                         reference_universal(out)
                     t3 = time.perf_counter()
                     inner = json.loads((out / "loss.json").read_text())["seconds"]
-                    row = dict(stage=stage, world=world, dtype=dtype, make_s=round(t1 - t0, 1),
-                               ds_init_s=round(inner["init"], 1), fp32_s=round(t2 - t1, 1),
-                               universal_s=round(t3 - t2, 1) if universal else None)
+                    row = dict(
+                        stage=stage,
+                        world=world,
+                        dtype=dtype,
+                        make_s=round(t1 - t0, 1),
+                        ds_init_s=round(inner["init"], 1),
+                        fp32_s=round(t2 - t1, 1),
+                        universal_s=round(t3 - t2, 1) if universal else None,
+                    )
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make", help="train and save (cached unless --out-dir)")
     mk.add_argument("--out-dir", type=Path)
@@ -354,15 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     if a.cmd == "make":
-        print(make_checkpoint(a.out_dir, a.world_size, a.zero_stage, a.dtype, a.steps, a.model,
-                              seed=a.seed, seq=a.seq))
+        print(make_checkpoint(a.out_dir, a.world_size, a.zero_stage, a.dtype, a.steps, a.model, seed=a.seed, seq=a.seq))
     elif a.cmd == "fp32":
         tag = a.tag or read_latest(a.ckpt_dir)
         if a.output:
             _fp32_worker(a.ckpt_dir, tag, a.output)
         else:
-            print(f"{len(reference_fp32(a.ckpt_dir, tag))} tensors in "
-                  f"{Path(a.ckpt_dir) / (tag + '.zero_to_fp32.safetensors')}")
+            print(
+                f"{len(reference_fp32(a.ckpt_dir, tag))} tensors in "
+                f"{Path(a.ckpt_dir) / (tag + '.zero_to_fp32.safetensors')}"
+            )
     elif a.cmd == "universal":
         print(reference_universal(a.ckpt_dir, a.tag))
     else:

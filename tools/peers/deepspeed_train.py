@@ -36,8 +36,9 @@ HARNESS_VERSION = 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out-dir", type=Path, help="save_checkpoint() directory (omit to skip saving)")
     p.add_argument("--load-dir", type=Path, help="resume from this DeepSpeed checkpoint directory")
     p.add_argument("--load-tag", help="tag to resume from (default: the `latest` file)")
@@ -56,10 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq", type=int, help="sequence length (default: the model's max_seq)")
-    p.add_argument("--with-shm-op", action="store_true",
-                   help="let DeepSpeed JIT-build its shared-memory comm op (see skip_shm_op)")
-    p.add_argument("--ds-config-extra", default="{}",
-                   help="JSON merged into the DeepSpeed config (zero_optimization merged key-wise)")
+    p.add_argument(
+        "--with-shm-op", action="store_true", help="let DeepSpeed JIT-build its shared-memory comm op (see skip_shm_op)"
+    )
+    p.add_argument(
+        "--ds-config-extra",
+        default="{}",
+        help="JSON merged into the DeepSpeed config (zero_optimization merged key-wise)",
+    )
     return p.parse_args(argv)
 
 
@@ -76,8 +81,13 @@ def deepspeed_config(args: argparse.Namespace) -> dict:
         "gradient_accumulation_steps": args.grad_accum,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                       "weight_decay": args.weight_decay, "torch_adam": True},
+            "params": {
+                "lr": args.lr,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": args.weight_decay,
+                "torch_adam": True,
+            },
         },
         "zero_optimization": {"stage": args.zero_stage},
         "bf16": {"enabled": args.dtype == "bf16"},
@@ -124,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     data_seed = args.seed if args.data_seed is None else args.data_seed
 
     model = GPT(cfg, seed=args.seed)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=deepspeed_config(args))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=deepspeed_config(args)
+    )
     start = 0
     if args.load_dir is not None:
         path, _client = engine.load_checkpoint(str(args.load_dir), tag=args.load_tag)
@@ -138,9 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start, args.steps):
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(args.grad_accum):
-            tokens, targets = batch_for_step(step, args.micro_batch, seq, cfg.vocab_size, data_seed,
-                                             rank=rank, world_size=world, micro_step=micro,
-                                             grad_accum=args.grad_accum)
+            tokens, targets = batch_for_step(
+                step,
+                args.micro_batch,
+                seq,
+                cfg.vocab_size,
+                data_seed,
+                rank=rank,
+                world_size=world,
+                micro_step=micro,
+                grad_accum=args.grad_accum,
+            )
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
@@ -152,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     saved_tag = None
     if args.out_dir is not None:
         tag = args.tag or f"global_step{engine.global_steps}"
-        engine.save_checkpoint(str(args.out_dir), tag=tag,
-                               client_state={"data_seed": data_seed, "harness_version": HARNESS_VERSION})
+        engine.save_checkpoint(
+            str(args.out_dir), tag=tag, client_state={"data_seed": data_seed, "harness_version": HARNESS_VERSION}
+        )
         saved_tag = tag
     dist.barrier()
     t_save = time.perf_counter()
@@ -163,13 +183,23 @@ def main(argv: list[str] | None = None) -> int:
             "harness_version": HARNESS_VERSION,
             "deepspeed_version": deepspeed.__version__,
             "torch_version": torch.__version__,
-            "world_size": world, "zero_stage": args.zero_stage, "dtype": args.dtype,
-            "seed": args.seed, "data_seed": data_seed, "lr": args.lr,
-            "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
-            "micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "seq": seq,
-            "model": cfg.model_dump(), "num_params": cfg.num_params(),
-            "start_step": start, "end_step": engine.global_steps,
-            "losses": losses, "tag": saved_tag,
+            "world_size": world,
+            "zero_stage": args.zero_stage,
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "data_seed": data_seed,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip,
+            "micro_batch": args.micro_batch,
+            "grad_accum": args.grad_accum,
+            "seq": seq,
+            "model": cfg.model_dump(),
+            "num_params": cfg.num_params(),
+            "start_step": start,
+            "end_step": engine.global_steps,
+            "losses": losses,
+            "tag": saved_tag,
             "seconds": {"init": t_init - t0, "train": t_train - t_init, "save": t_save - t_train},
         }
         args.loss_file.parent.mkdir(parents=True, exist_ok=True)

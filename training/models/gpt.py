@@ -93,13 +93,22 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=1000, n_layer=3, n_head=4, d_model=128, d_ff=509, max_seq=64),
     # ~0.84M parameters with GQA (2 kv heads), SwiGLU (fused gate/up), tied embeddings, no
     # linear biases: exercises the fused-layout and aliasing variants.
-    "tiny-gqa": GPTConfig(vocab_size=1000, n_layer=4, n_head=4, n_kv_head=2, d_model=128,
-                          d_ff=343, max_seq=64, tied_embeddings=True, swiglu=True, bias=False),
+    "tiny-gqa": GPTConfig(
+        vocab_size=1000,
+        n_layer=4,
+        n_head=4,
+        n_kv_head=2,
+        d_model=128,
+        d_ff=343,
+        max_seq=64,
+        tied_embeddings=True,
+        swiglu=True,
+        bias=False,
+    ),
     # ~13.8M parameters.
     "small": GPTConfig(vocab_size=4096, n_layer=6, n_head=8, d_model=384, d_ff=1536, max_seq=256),
     # ~97.6M parameters (GPT-2-small body, 8k vocabulary, untied): for reshard benchmarks.
-    "gpt-100m": GPTConfig(vocab_size=8192, n_layer=12, n_head=12, d_model=768, d_ff=3072,
-                          max_seq=1024),
+    "gpt-100m": GPTConfig(vocab_size=8192, n_layer=12, n_head=12, d_model=768, d_ff=3072, max_seq=1024),
 }
 
 
@@ -112,12 +121,18 @@ def expected_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layer):
         p = f"layers.{i}."
         layer = {
-            "ln1.weight": (d,), "ln1.bias": (d,),
-            "attn.qkv.weight": (qkv_rows, d), "attn.qkv.bias": (qkv_rows,),
-            "attn.proj.weight": (d, cfg.n_head * hd), "attn.proj.bias": (d,),
-            "ln2.weight": (d,), "ln2.bias": (d,),
-            "mlp.fc1.weight": (fc1_rows, d), "mlp.fc1.bias": (fc1_rows,),
-            "mlp.fc2.weight": (d, cfg.d_ff), "mlp.fc2.bias": (d,),
+            "ln1.weight": (d,),
+            "ln1.bias": (d,),
+            "attn.qkv.weight": (qkv_rows, d),
+            "attn.qkv.bias": (qkv_rows,),
+            "attn.proj.weight": (d, cfg.n_head * hd),
+            "attn.proj.bias": (d,),
+            "ln2.weight": (d,),
+            "ln2.bias": (d,),
+            "mlp.fc1.weight": (fc1_rows, d),
+            "mlp.fc1.bias": (fc1_rows,),
+            "mlp.fc2.weight": (d, cfg.d_ff),
+            "mlp.fc2.bias": (d,),
         }
         for k, s in layer.items():
             if cfg.bias or not k.endswith(".bias") or k.startswith("ln"):
@@ -147,7 +162,7 @@ def _rope(x: torch.Tensor, base: float) -> torch.Tensor:
     ang = torch.outer(torch.arange(seq, dtype=torch.float32, device=x.device), inv)
     cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(x.dtype)
     sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
@@ -265,8 +280,9 @@ def _mix(*words: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-def rows_for_step(step: int, rows: range, seq: int, vocab: int, seed: int,
-                  noise: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_for_step(
+    step: int, rows: range, seq: int, vocab: int, seed: int, noise: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `rows` of the global batch for `step`: (tokens, targets), int64 [len(rows), seq].
 
     Each row is an arithmetic progression modulo `vocab` (random start and stride) with a
@@ -287,9 +303,17 @@ def rows_for_step(step: int, rows: range, seq: int, vocab: int, seed: int,
     return out[:, :-1].contiguous(), out[:, 1:].contiguous()
 
 
-def batch_for_step(step: int, micro_batch: int, seq: int, vocab: int, seed: int,
-                   rank: int = 0, world_size: int = 1, micro_step: int = 0,
-                   grad_accum: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for_step(
+    step: int,
+    micro_batch: int,
+    seq: int,
+    vocab: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    micro_step: int = 0,
+    grad_accum: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's micro-batch for optimizer step `step` (0-based).
 
     The global batch of a step has `micro_batch * world_size * grad_accum` rows; rank `rank`'s

@@ -21,12 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from reshard import RankView
-
+from training.comm import Comm
 from training.models.gpt import GPTConfig, _rope
 
-from ..comm import Comm
-from .tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
-                 vocab_parallel_cross_entropy)
+from .tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+)
 
 
 def _local(view: RankView, name: str, dim: int) -> int:
@@ -142,8 +146,9 @@ def fill_from_global(module: nn.Module, view: RankView, global_tensors: Mapping[
         p.copy_(local)
 
 
-def build_stage(cfg: GPTConfig, view: RankView, comm: Comm, layers: list[int], first: bool, last: bool,
-                seed: int) -> ParallelGPT:
+def build_stage(
+    cfg: GPTConfig, view: RankView, comm: Comm, layers: list[int], first: bool, last: bool, seed: int
+) -> ParallelGPT:
     """This rank's stage of the TP model, initialised from ``GPT(cfg, seed)`` (built here in full, then sliced)."""
     from training.models.gpt import GPT
 

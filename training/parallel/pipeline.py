@@ -22,16 +22,24 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..mesh import ParallelMesh
-from ..zero import ZeroOptimizer
+from training.mesh import ParallelMesh
+from training.zero import ZeroOptimizer
 
 
 class _Stage:
     """One stage's forward/backward of micro-batch m, and its point-to-point exchanges."""
 
-    def __init__(self, model: torch.nn.Module, opt: ZeroOptimizer, mesh: ParallelMesh,
-                 batches: Sequence[tuple[torch.Tensor, torch.Tensor]], act_shape: Sequence[int],
-                 act_dtype: torch.dtype, on_loss: Callable[[torch.Tensor], None], device: torch.device | str) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        opt: ZeroOptimizer,
+        mesh: ParallelMesh,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        act_shape: Sequence[int],
+        act_dtype: torch.dtype,
+        on_loss: Callable[[torch.Tensor], None],
+        device: torch.device | str,
+    ) -> None:
         self.model, self.opt, self.batches, self.on_loss = model, opt, batches, on_loss
         self.first, self.last = mesh.first_stage, mesh.last_stage
         self.prev = mesh.stage_rank(mesh.coord.pp - 1) if not self.first else -1
@@ -79,10 +87,16 @@ class _Stage:
         return None if self.first else x.grad
 
 
-def gpipe(model: torch.nn.Module, opt: ZeroOptimizer, mesh: ParallelMesh,
-          batches: Sequence[tuple[torch.Tensor, torch.Tensor]], act_shape: Sequence[int],
-          act_dtype: torch.dtype, on_loss: Callable[[torch.Tensor], None],
-          device: torch.device | str = "cpu") -> None:
+def gpipe(
+    model: torch.nn.Module,
+    opt: ZeroOptimizer,
+    mesh: ParallelMesh,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    act_shape: Sequence[int],
+    act_dtype: torch.dtype,
+    on_loss: Callable[[torch.Tensor], None],
+    device: torch.device | str = "cpu",
+) -> None:
     """All forwards, then all backwards (last micro-batch first)."""
     st = _Stage(model, opt, mesh, batches, act_shape, act_dtype, on_loss, device)
     for m in range(len(batches)):
@@ -97,10 +111,16 @@ def gpipe(model: torch.nn.Module, opt: ZeroOptimizer, mesh: ParallelMesh,
             st.exchange([(gx, st.prev)], [])
 
 
-def one_f_one_b(model: torch.nn.Module, opt: ZeroOptimizer, mesh: ParallelMesh,
-                batches: Sequence[tuple[torch.Tensor, torch.Tensor]], act_shape: Sequence[int],
-                act_dtype: torch.dtype, on_loss: Callable[[torch.Tensor], None],
-                device: torch.device | str = "cpu") -> None:
+def one_f_one_b(
+    model: torch.nn.Module,
+    opt: ZeroOptimizer,
+    mesh: ParallelMesh,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    act_shape: Sequence[int],
+    act_dtype: torch.dtype,
+    on_loss: Callable[[torch.Tensor], None],
+    device: torch.device | str = "cpu",
+) -> None:
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards (module doc)."""
     st = _Stage(model, opt, mesh, batches, act_shape, act_dtype, on_loss, device)
     M = len(batches)

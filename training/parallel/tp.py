@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Comm
+from training.comm import Comm
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -125,8 +125,9 @@ class _VocabParallelCE(torch.autograd.Function):
     """Per-token cross entropy over logits split by vocabulary over tp (fp32)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, vocab: int,
-                comm: Comm) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, vocab: int, comm: Comm
+    ) -> torch.Tensor:
         n_local = logits.shape[-1]
         cols = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab, float("-inf"))  # padding columns never win
@@ -154,8 +155,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int, vocab: int,
-                                 comm: Comm) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, start: int, vocab: int, comm: Comm
+) -> torch.Tensor:
     """Mean cross entropy of ``logits`` ``[..., local vocab]`` (this rank's columns from ``start``).
 
     Megatron's scheme: the max and the sum of exponentials are all-reduced over tp, and the target's

@@ -5,5 +5,4 @@ from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .optimizer import STATE_KEYS, ZeroOptimizer
 from .stage3 import ParamGatherer
 
-__all__ = ["GroupPlan", "Slice", "DynamicLossScaler", "LossScaleConfig", "STATE_KEYS", "ZeroOptimizer",
-           "ParamGatherer"]
+__all__ = ["GroupPlan", "Slice", "DynamicLossScaler", "LossScaleConfig", "STATE_KEYS", "ZeroOptimizer", "ParamGatherer"]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class LossScaleConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    initial: float = Field(2.0 ** 16, gt=0)
+    initial: float = Field(2.0**16, gt=0)
     growth_interval: int = Field(1000, ge=1)
     factor: float = Field(2.0, gt=1)
     min_scale: float = Field(1.0, gt=0)

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard import Layout, LocalBuffer, RankView
+from training.adam import AdamConfig, adam_update
+from training.comm import Comm
 
-from ..adam import AdamConfig, adam_update
-from ..comm import Comm
 from .groups import GroupPlan
 from .loss_scale import DynamicLossScaler
 from .stage3 import ParamGatherer
@@ -66,10 +66,23 @@ class ZeroOptimizer:
     stage). ``group_weight_decay[g]`` overrides the config's weight decay for layout group ``g``.
     """
 
-    def __init__(self, module: nn.Module, layout: Layout, view: RankView, *, dp: Comm, world: Comm,
-                 adam: AdamConfig, dtype: torch.dtype = torch.float32, clip: float | None = None,
-                 group_weight_decay: Sequence[float | None] | None = None, loss_scaler: DynamicLossScaler | None = None,
-                 tied: Iterable[str] = (), tied_comm: Comm | None = None, prefetch: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: Layout,
+        view: RankView,
+        *,
+        dp: Comm,
+        world: Comm,
+        adam: AdamConfig,
+        dtype: torch.dtype = torch.float32,
+        clip: float | None = None,
+        group_weight_decay: Sequence[float | None] | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        tied: Iterable[str] = (),
+        tied_comm: Comm | None = None,
+        prefetch: bool = True,
+    ) -> None:
         self.module, self.layout, self.view = module, layout, view
         self.stage = layout.zero.stage
         self.dp, self.world, self.adam, self.dtype, self.clip = dp, world, adam, dtype, clip
@@ -82,25 +95,35 @@ class ZeroOptimizer:
         self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         held = list(view.tensors)
         if list(self.params) != held:
-            raise ValueError(f"the module's parameters {_preview(self.params)} differ from what the layout puts "
-                             f"on rank {view.rank} {_preview(held)} (names and order must match)")
+            raise ValueError(
+                f"the module's parameters {_preview(self.params)} differ from what the layout puts "
+                f"on rank {view.rank} {_preview(held)} (names and order must match)"
+            )
         for n, p in self.params.items():
             if not p.requires_grad:
                 raise ValueError(f"parameter {n!r} does not require grad: frozen parameters are not supported")
             if tuple(p.shape) != view.tensors[n].shape:
-                raise ValueError(f"parameter {n!r}: the module holds {list(p.shape)}, the layout "
-                                 f"{list(view.tensors[n].shape)} on rank {view.rank}")
+                raise ValueError(
+                    f"parameter {n!r}: the module holds {list(p.shape)}, the layout "
+                    f"{list(view.tensors[n].shape)} on rank {view.rank}"
+                )
         zero = layout.zero
         groups: list[list[str]] = [[] for _ in zero.groups]
         for n in self.params:
             g = zero.group_of(n)
             if g is None:
-                raise ValueError(f"parameter {n!r} is in no ZeRO group of the layout {zero.groups}: "
-                                 "frozen parameters are not supported")
+                raise ValueError(
+                    f"parameter {n!r} is in no ZeRO group of the layout {zero.groups}: "
+                    "frozen parameters are not supported"
+                )
             groups[g].append(n)
         parts, index = (dp.size, dp.index) if self.stage else (1, 0)
-        self.plans = [GroupPlan(g, self.stage, tuple(ns), tuple(tuple(self.params[n].shape) for n in ns),
-                                parts, index, zero.alignment) for g, ns in enumerate(groups)]
+        self.plans = [
+            GroupPlan(
+                g, self.stage, tuple(ns), tuple(tuple(self.params[n].shape) for n in ns), parts, index, zero.alignment
+            )
+            for g, ns in enumerate(groups)
+        ]
         wd = list(group_weight_decay) if group_weight_decay is not None else [None] * len(self.plans)
         if len(wd) != len(self.plans):
             raise ValueError(f"group_weight_decay has {len(wd)} entries for {len(self.plans)} groups")
@@ -120,26 +143,36 @@ class ZeroOptimizer:
             for g, plan in enumerate(self.plans):
                 for i, n in enumerate(plan.names):
                     p = plan.param_part_size(i)
-                    part = self.param_part[g][plan.offsets[i]:plan.offsets[i] + p]
+                    part = self.param_part[g][plan.offsets[i] : plan.offsets[i] + p]
                     spec[self.params[n]] = (plan.shapes[i], part, p * plan.parts)
             self.gatherer = ParamGatherer(module, spec, dp, prefetch=prefetch)
         for n, p in self.params.items():
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     @classmethod
-    def for_module(cls, module: nn.Module, *, stage: int, adam: AdamConfig | None = None, dp: Comm | None = None,
-                   groups: Sequence[Sequence[str]] = (("*",),), group_weight_decay: Sequence[float | None] | None = None,
-                   alignment: int = 1, dtype: torch.dtype = torch.float32, clip: float | None = None,
-                   loss_scaler: DynamicLossScaler | None = None, broadcast: bool = True,
-                   prefetch: bool = True) -> "ZeroOptimizer":
+    def for_module(
+        cls,
+        module: nn.Module,
+        *,
+        stage: int,
+        adam: AdamConfig | None = None,
+        dp: Comm | None = None,
+        groups: Sequence[Sequence[str]] = (("*",),),
+        group_weight_decay: Sequence[float | None] | None = None,
+        alignment: int = 1,
+        dtype: torch.dtype = torch.float32,
+        clip: float | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        broadcast: bool = True,
+        prefetch: bool = True,
+    ) -> "ZeroOptimizer":
         """ZeRO over plain data parallelism for any module (every parameter replicated over ``dp``, default: the world).
 
         ``groups``: name patterns per parameter group (first match wins, as in reshard.Zero);
         ``broadcast``: start every rank from dp rank 0's weights.
         """
         from reshard import RankCoord, Resolver
-
-        from ..layout import module_layout
+        from training.layout import module_layout
 
         dp = dp or Comm.world()
         if broadcast and dp.active:
@@ -149,8 +182,19 @@ class ZeroOptimizer:
         shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         layout = module_layout(dp.size, zero_stage=stage, zero_alignment=alignment, groups=groups)
         view = Resolver(layout, shapes).view(RankCoord(0, 0, dp.index))
-        return cls(module, layout, view, dp=dp, world=dp, adam=adam or AdamConfig(), dtype=dtype, clip=clip,
-                   group_weight_decay=group_weight_decay, loss_scaler=loss_scaler, prefetch=prefetch)
+        return cls(
+            module,
+            layout,
+            view,
+            dp=dp,
+            world=dp,
+            adam=adam or AdamConfig(),
+            dtype=dtype,
+            clip=clip,
+            group_weight_decay=group_weight_decay,
+            loss_scaler=loss_scaler,
+            prefetch=prefetch,
+        )
 
     # -- setup ---------------------------------------------------------------------------------
     def _check_against_view(self) -> None:
@@ -159,8 +203,9 @@ class ZeroOptimizer:
             return
         for plan, buf in zip(self.plans, self.view.zero_groups):
             if buf.shape != (plan.size,):
-                raise AssertionError(f"ZeRO group {plan.index}: partition of {plan.size} elements here, "
-                                     f"{buf.shape[0]} in the layout")
+                raise AssertionError(
+                    f"ZeRO group {plan.index}: partition of {plan.size} elements here, {buf.shape[0]} in the layout"
+                )
 
     @torch.no_grad()
     def _build_buffers(self) -> None:
@@ -177,20 +222,22 @@ class ZeroOptimizer:
             if self.stage == 3:
                 part = torch.zeros(plan.size, dtype=self.dtype, device=dev)
                 for s in plan.slices:
-                    src = self.params[plan.names[s.param]].detach().reshape(-1)[s.start:s.stop]
-                    master[s.offset:s.offset + s.numel].copy_(src)
+                    src = self.params[plan.names[s.param]].detach().reshape(-1)[s.start : s.stop]
+                    master[s.offset : s.offset + s.numel].copy_(src)
                 part.copy_(master)
                 self.param_part.append(part)
                 self.flat_param.append(torch.empty(0, dtype=self.dtype))
             else:
                 flat32 = torch.zeros(plan.padded_total, dtype=torch.float32, device=dev)
                 for i, n in enumerate(plan.names):
-                    flat32[plan.offsets[i]:plan.offsets[i] + plan.numels[i]].copy_(self.params[n].detach().reshape(-1))
+                    flat32[plan.offsets[i] : plan.offsets[i] + plan.numels[i]].copy_(
+                        self.params[n].detach().reshape(-1)
+                    )
                 lo = plan.rank * plan.size if self.stage else 0
-                master.copy_(flat32[lo:lo + plan.size])
+                master.copy_(flat32[lo : lo + plan.size])
                 flat = flat32.to(self.dtype) if self.dtype != torch.float32 else flat32
                 for i, n in enumerate(plan.names):
-                    self.params[n].data = flat[plan.offsets[i]:plan.offsets[i] + plan.numels[i]].view(plan.shapes[i])
+                    self.params[n].data = flat[plan.offsets[i] : plan.offsets[i] + plan.numels[i]].view(plan.shapes[i])
                 self.flat_param.append(flat)
                 self.param_part.append(torch.empty(0, dtype=self.dtype))
             self.master.append(master)
@@ -243,19 +290,19 @@ class ZeroOptimizer:
         with torch.no_grad():
             if self.stage <= 1:
                 off = plan.offsets[i]
-                self.grad_acc[g][off:off + plan.numels[i]].add_(flat)
+                self.grad_acc[g][off : off + plan.numels[i]].add_(flat)
             elif self.stage == 2:
                 for k, a, b, dst in plan.owner_slices(i):
                     if self._buckets[g][k] is None:
                         self._buckets[g][k] = torch.zeros(plan.size, dtype=torch.float32, device=flat.device)
-                    self._buckets[g][k][dst:dst + b - a].copy_(flat[a:b])
+                    self._buckets[g][k][dst : dst + b - a].copy_(flat[a:b])
                     self._pending[g][k] -= 1
                     if self._pending[g][k] == 0:
                         self._launch_bucket(g, k)
             else:
                 psize = plan.param_part_size(i)
                 inp = torch.zeros(psize * plan.parts, dtype=torch.float32, device=flat.device)
-                inp[:flat.numel()].copy_(flat)
+                inp[: flat.numel()].copy_(flat)
                 out = torch.empty(psize, dtype=torch.float32, device=flat.device)
                 work = self.dp.reduce_scatter(out, inp, async_op=True)
                 self._inflight.append(_Pending(g, i, out, work, keep=inp))
@@ -283,7 +330,7 @@ class ZeroOptimizer:
                     self.grad_acc[job.group].add_(job.out)
             else:
                 off = self.plans[job.group].offsets[job.key]
-                self.grad_acc[job.group][off:off + job.out.numel()].add_(job.out)
+                self.grad_acc[job.group][off : off + job.out.numel()].add_(job.out)
         self._inflight.clear()
         if self.stage == 2:
             self._reset_buckets()
@@ -317,7 +364,7 @@ class ZeroOptimizer:
     def _grad_partition(self, g: int) -> torch.Tensor:
         plan = self.plans[g]
         if self.stage == 1:
-            return self.grad_acc[g][plan.rank * plan.size:(plan.rank + 1) * plan.size]
+            return self.grad_acc[g][plan.rank * plan.size : (plan.rank + 1) * plan.size]
         return self.grad_acc[g]
 
     @torch.no_grad()
@@ -329,7 +376,7 @@ class ZeroOptimizer:
             for name in self.tied:
                 g, i = self._where[name]
                 off = self.plans[g].offsets[i]
-                self.tied_comm.all_reduce(self.grad_acc[g][off:off + self.plans[g].numels[i]])
+                self.tied_comm.all_reduce(self.grad_acc[g][off : off + self.plans[g].numels[i]])
             for acc in self.grad_acc:
                 self.dp.all_reduce(acc)
         scale = 1.0 / (self.dp.size * self._micro * (self.scaler.scale if self.scaler else 1.0))
@@ -355,8 +402,16 @@ class ZeroOptimizer:
             self.adam_step += 1
             for g, gr in enumerate(grads):
                 if self.master[g].numel():
-                    adam_update(self.master[g], gr, self.exp_avg[g], self.exp_avg_sq[g], self.adam_step, self.adam,
-                                lr=lr, weight_decay=self.weight_decay[g])
+                    adam_update(
+                        self.master[g],
+                        gr,
+                        self.exp_avg[g],
+                        self.exp_avg_sq[g],
+                        self.adam_step,
+                        self.adam,
+                        lr=lr,
+                        weight_decay=self.weight_decay[g],
+                    )
             self.publish()
         for acc in self.grad_acc:
             acc.zero_()
@@ -391,7 +446,7 @@ class ZeroOptimizer:
                 self.master[g].copy_(self.param_part[g])
             else:
                 lo = plan.rank * plan.size if self.stage else 0
-                self.master[g].copy_(self.flat_param[g][lo:lo + plan.size])
+                self.master[g].copy_(self.flat_param[g][lo : lo + plan.size])
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (e.g. after an aborted step)."""
@@ -430,10 +485,10 @@ class ZeroOptimizer:
             plan = self.plans[g]
             if self.stage == 3:
                 off = plan.offsets[i]
-                out.append(("model", buf, self.param_part[g][off:off + plan.param_part_size(i)]))
+                out.append(("model", buf, self.param_part[g][off : off + plan.param_part_size(i)]))
             else:
                 off = plan.offsets[i]
-                out.append(("model", buf, self.flat_param[g][off:off + plan.numels[i]].view(plan.shapes[i])))
+                out.append(("model", buf, self.flat_param[g][off : off + plan.numels[i]].view(plan.shapes[i])))
         states = {"fp32_master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for key, tensors in states.items():
             bufs = self.view.optimizer_state(key, lambda p, k: p)
@@ -442,15 +497,17 @@ class ZeroOptimizer:
                     g, i = self._where[buf.name]
                     plan = self.plans[g]
                     off = plan.offsets[i]
-                    out.append((key, buf, tensors[g][off:off + plan.numels[i]].view(plan.shapes[i])))
+                    out.append((key, buf, tensors[g][off : off + plan.numels[i]].view(plan.shapes[i])))
             else:
                 for g, buf in enumerate(bufs):
                     out.append((key, buf, tensors[g]))
         return out
 
     def scalars(self) -> dict[str, Any]:
-        return {"adam_step": self.adam_step,
-                "loss_scale": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "adam_step": self.adam_step,
+            "loss_scale": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_scalars(self, state: dict[str, Any]) -> None:
         self.adam_step = int(state["adam_step"])

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..comm import Comm
+from training.comm import Comm
 
 
 @dataclass
@@ -78,8 +78,13 @@ class ParamGatherer:
     ``params[param] = (local shape, this rank's flat partition, padded size D·p)``.
     """
 
-    def __init__(self, module: nn.Module, params: dict[nn.Parameter, tuple[tuple[int, ...], torch.Tensor, int]],
-                 dp: Comm, prefetch: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        params: dict[nn.Parameter, tuple[tuple[int, ...], torch.Tensor, int]],
+        dp: Comm,
+        prefetch: bool = True,
+    ) -> None:
         self.dp = dp
         self.params = params  # param -> (local shape, partition view, padded numel D·p)
         self.prefetch = prefetch
@@ -178,6 +183,7 @@ class ParamGatherer:
         def hook(grad: torch.Tensor) -> None:
             self.fetch(m)
             self._prefetch(self.bwd.visit(m))
+
         return hook
 
     def begin_forward(self) -> None:

@@ -26,10 +26,9 @@ from aio import AioConfig, AlignedBuffer, libaio_status
 from aio.config import GIB, MIB
 from aio.tune import drop_page_cache, fill_random
 from aio.workdir import WorkDir
-
-from .common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, fio_switched_off
-from .methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
-from .raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
+from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, fio_switched_off
+from ucp.bench.methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
+from ucp.bench.raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
 
 METHOD_CHOICES = ("raw", "libaio", "threads", "torch", "safetensors")
 
@@ -129,7 +128,9 @@ class BenchIoResult(BaseModel):
 ProgressFn = Callable[[int, int, str], None]  # (steps done, total steps, what runs next)
 
 
-def run_bench_io(options: BenchIoOptions, *, command: str | None = None, progress: ProgressFn | None = None) -> BenchIoResult:
+def run_bench_io(
+    options: BenchIoOptions, *, command: str | None = None, progress: ProgressFn | None = None
+) -> BenchIoResult:
     """Run the bench; raises ``BenchError`` if a method reads back wrong data."""
     unknown = sorted(set(options.methods) - set(METHOD_CHOICES))
     if unknown:
@@ -141,7 +142,9 @@ def run_bench_io(options: BenchIoOptions, *, command: str | None = None, progres
     try:
         free = shutil.disk_usage(work.shown).free
         if free < nbytes + nbytes // 16 + 64 * MIB:
-            raise BenchError(f"{work.shown} has {free / GIB:.2f} GiB free; the bench needs about {nbytes / GIB:.2f} GiB")
+            raise BenchError(
+                f"{work.shown} has {free / GIB:.2f} GiB free; the bench needs about {nbytes / GIB:.2f} GiB"
+            )
         direct = direct_io_supported(work.path)
         source = AlignedBuffer(nbytes, pin=False)
         fill_random(source.numpy(), options.seed)
@@ -197,11 +200,15 @@ def _build_methods(
             if not fio_available():
                 raise BenchError("fio requested but not installed (apt-get install fio)")
             tool = Fio(source.nbytes, cfg.block_size, cfg.queue_depth, direct=direct, iomem=options.fio_iomem)
-            raw_note = f"fio, libaio engine, O_DIRECT, bs={tool.block_size}, iodepth={tool.queue_depth}, iomem={tool.iomem}"
+            raw_note = (
+                f"fio, libaio engine, O_DIRECT, bs={tool.block_size}, iodepth={tool.queue_depth}, iomem={tool.iomem}"
+            )
         else:
             tool = Dd(source.nbytes, cfg.block_size, direct=direct)
             why = "dd requested" if options.raw == "dd" else (f"{NO_FIO_ENV} set" if no_fio else "fio not installed")
-            raw_note = f"dd fallback ({why}): one request in flight, bs={tool.block_size}; a lower bound of the device limit"
+            raw_note = (
+                f"dd fallback ({why}): one request in flight, bs={tool.block_size}; a lower bound of the device limit"
+            )
         if not direct:
             raw_note += "; O_DIRECT refused here, buffered"
         raw_tool = tool.name

@@ -16,8 +16,7 @@ import numpy as np
 
 from aio import AioConfig, AioHandle, AlignedBuffer
 from aio.tune import describe, first_mismatch, poison
-
-from .raw import Dd, Fio, RawRun
+from ucp.bench.raw import Dd, Fio, RawRun
 
 if TYPE_CHECKING:
     import torch

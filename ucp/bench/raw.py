@@ -56,8 +56,10 @@ def whole_block(size: int, block_size: int) -> int:
     """
     bs = math.gcd(size, block_size)
     if size <= 0 or bs % PAGE:
-        raise ValueError(f"fio/dd move whole pages: the size ({size}) and the block size ({block_size}) must each "
-                         f"be a positive multiple of {PAGE}")
+        raise ValueError(
+            f"fio/dd move whole pages: the size ({size}) and the block size ({block_size}) must each "
+            f"be a positive multiple of {PAGE}"
+        )
     return bs
 
 
@@ -75,7 +77,9 @@ class Fio:
 
     name: RawTool = "fio"
 
-    def __init__(self, size: int, block_size: int, queue_depth: int, *, direct: bool = True, iomem: str = "malloc") -> None:
+    def __init__(
+        self, size: int, block_size: int, queue_depth: int, *, direct: bool = True, iomem: str = "malloc"
+    ) -> None:
         self.size = size
         self.block_size = whole_block(size, block_size)
         self.queue_depth = queue_depth
@@ -142,12 +146,21 @@ class Dd:
 
     def describe(self) -> str:
         flag = "oflag=direct " if self.direct else ""
-        return f"dd if=/dev/zero of=FILE bs={self.block_size} count={self.size // self.block_size} {flag}conv=fsync; " + (
-            f"dd if=FILE of=/dev/null bs={self.block_size}" + (" iflag=direct" if self.direct else "")
+        return (
+            f"dd if=/dev/zero of=FILE bs={self.block_size} count={self.size // self.block_size} {flag}conv=fsync; "
+            + (f"dd if=FILE of=/dev/null bs={self.block_size}" + (" iflag=direct" if self.direct else ""))
         )
 
     def write(self, path: str) -> RawRun:
-        cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={self.block_size}", f"count={self.size // self.block_size}", "conv=fsync", "status=none"]
+        cmd = [
+            "dd",
+            "if=/dev/zero",
+            f"of={path}",
+            f"bs={self.block_size}",
+            f"count={self.size // self.block_size}",
+            "conv=fsync",
+            "status=none",
+        ]
         if self.direct:
             cmd.append("oflag=direct")
         return self._run(cmd)

@@ -6,7 +6,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .io import BenchIoResult, Check, MethodResult
+from ucp.bench.io import BenchIoResult, Check, MethodResult
 
 
 def _num(x: float | None, fmt: str = "{:.2f}") -> str:

@@ -33,11 +33,10 @@ from aio.config import GIB, MIB
 from aio.prefetch import available_memory
 from aio.tune import drop_page_cache
 from aio.workdir import WorkDir
-
-from .common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
-from .io import _environment
-from .raw import Dd, Fio, RawTool, direct_io_supported, fio_available
-from .save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
+from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
+from ucp.bench.io import _environment
+from ucp.bench.raw import Dd, Fio, RawTool, direct_io_supported, fio_available
+from ucp.bench.save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
 
 METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
 MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp"]
@@ -60,13 +59,14 @@ DETAILS = {
     "torch": "one file per rank; torch.save + fsync, torch.load(weights_only=True, mmap=False)",
     "safetensors": "one file per rank, flat names; save_file + fsync, load_file + touching every page (it maps lazily)",
     "dcp": "torch.distributed.checkpoint FileSystemWriter/Reader defaults (thread_count=1, sync_files=True); "
-           "1 rank: no_dist=True; N ranks: gloo, rank-prefixed keys",
+    "1 rank: no_dist=True; N ranks: gloo, rank-prefixed keys",
 }
 
 
 class BenchSaveOptions(BaseModel):
-    size_gib: float = Field(2.0, gt=0, le=MAX_SIZE_GIB, allow_inf_nan=False,
-                            description="training state size (all ranks together), GiB")
+    size_gib: float = Field(
+        2.0, gt=0, le=MAX_SIZE_GIB, allow_inf_nan=False, description="training state size (all ranks together), GiB"
+    )
     rounds: int = Field(3, ge=1)
     ranks: list[int] = Field(default_factory=lambda: [1, 2], description="world sizes to measure")
     directory: Path | None = Field(None, description="default: a temporary directory under the current one")
@@ -79,12 +79,17 @@ class BenchSaveOptions(BaseModel):
     async_snapshots: list[Literal["sync", "background", "cow"]] = Field(
         default_factory=lambda: ["sync", "background", "cow"],
         description="AsyncSaver snapshot modes to time: sync copies before returning; background copies while "
-                    "the next step computes (it waits for the copy before changing the state); cow (the default "
-                    "where Linux allows it) write-protects the tensors and copies them from a helper process "
-                    "(the step's writes wait for pages not yet copied)")
-    async_compute_s: float = Field(1.0, ge=0, description="the next training step's forward/backward, simulated by "
-                                   "CPU matrix products between async_save and wait_snapshot: as many as take this "
-                                   "many seconds with no save in flight")
+        "the next step computes (it waits for the copy before changing the state); cow (the default "
+        "where Linux allows it) write-protects the tensors and copies them from a helper process "
+        "(the step's writes wait for pages not yet copied)",
+    )
+    async_compute_s: float = Field(
+        1.0,
+        ge=0,
+        description="the next training step's forward/backward, simulated by "
+        "CPU matrix products between async_save and wait_snapshot: as many as take this "
+        "many seconds with no save in flight",
+    )
     op_timeout_s: int = Field(3600, description="a rank silent for this long during one operation fails the bench")
 
 
@@ -125,13 +130,21 @@ class MethodResult(BaseModel):
 
 class AsyncSample(BaseModel):
     round: int
-    stall_s: float = Field(description="time the training loop lost (slowest rank): until the save returned, plus "
-                                       "wait_snapshot after the simulated compute, plus the step's slowdown")
+    stall_s: float = Field(
+        description="time the training loop lost (slowest rank): until the save returned, plus "
+        "wait_snapshot after the simulated compute, plus the step's slowdown"
+    )
     waited_s: float = Field(0.0, description="the part of the stall spent in wait_snapshot (slowest rank)")
-    step_slower_s: float = Field(0.0, description="the part of the stall the simulated optimizer step took longer "
-                                                  "than with no save in flight (slowest rank)")
-    compute_slower_s: float = Field(0.0, description="not part of the stall: how much longer the simulated compute "
-                                                     "took than with no save in flight (slowest rank)")
+    step_slower_s: float = Field(
+        0.0,
+        description="the part of the stall the simulated optimizer step took longer "
+        "than with no save in flight (slowest rank)",
+    )
+    compute_slower_s: float = Field(
+        0.0,
+        description="not part of the stall: how much longer the simulated compute "
+        "took than with no save in flight (slowest rank)",
+    )
     total_s: float = Field(description="until its result was in on every rank")
 
 
@@ -145,8 +158,11 @@ class AsyncResult(BaseModel):
     total_s: float | None = None
     sync_save_s: float | None = Field(None, description="median ucp.save time at the same ranks, same run")
     stall_vs_sync: float | None = None
-    first_stall_s: float | None = Field(None, description="the untimed first save before round 1: it allocates "
-                                        "the saver's staging memory, which later saves reuse")
+    first_stall_s: float | None = Field(
+        None,
+        description="the untimed first save before round 1: it allocates "
+        "the saver's staging memory, which later saves reuse",
+    )
     verified: bool | None = None
     samples: list[AsyncSample] = []
 
@@ -194,11 +210,13 @@ class BenchSaveResult(BaseModel):
     checks: list[Check]
     all_checks_passed: bool | None
     environment: dict[str, Any]
-    units: dict[str, str] = Field(default_factory=lambda: {
-        "gbps": "state bytes (all ranks, each byte once) / seconds, 10^9 bytes/s, median over rounds",
-        "seconds": "wall clock of the whole world: barrier, operation on every rank, barrier (fsync included)",
-        "cpu_s_per_gib": "CPU seconds (user+sys) of all ranks per GiB of state",
-    })
+    units: dict[str, str] = Field(
+        default_factory=lambda: {
+            "gbps": "state bytes (all ranks, each byte once) / seconds, 10^9 bytes/s, median over rounds",
+            "seconds": "wall clock of the whole world: barrier, operation on every rank, barrier (fsync included)",
+            "cpu_s_per_gib": "CPU seconds (user+sys) of all ranks per GiB of state",
+        }
+    )
 
     def method(self, name: str, ranks: int | None) -> MethodResult | None:
         return next((m for m in self.methods if m.name == name and m.ranks == ranks), None)
@@ -220,11 +238,23 @@ class World:
         self.procs: list[subprocess.Popen[str]] = []
         try:
             for r in range(size):
-                cfg = WorkerConfig(rank=r, world=size, init_file=str(init) if size > 1 else None, spec=spec,
-                                   seed=options.seed, aio_config=options.aio.model_dump())
+                cfg = WorkerConfig(
+                    rank=r,
+                    world=size,
+                    init_file=str(init) if size > 1 else None,
+                    spec=spec,
+                    seed=options.seed,
+                    aio_config=options.aio.model_dump(),
+                )
                 with open(self.logs[r], "w") as log:
-                    proc = subprocess.Popen([sys.executable, "-m", "ucp.bench.save_workers", cfg.model_dump_json()],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "ucp.bench.save_workers", cfg.model_dump_json()],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                        env=env,
+                    )
                 self.procs.append(proc)
                 threading.Thread(target=self._read, args=(r, proc), daemon=True).start()
         except BaseException:
@@ -332,7 +362,9 @@ def _raw_tool(options: BenchSaveOptions, size: int, direct: bool) -> tuple[Fio |
         if not fio_available():
             raise BenchError("fio requested but not installed (apt-get install fio)")
         tool: Fio | Dd = Fio(size, cfg.block_size, cfg.queue_depth, direct=direct, iomem=options.fio_iomem)
-        note = f"fio, libaio engine, O_DIRECT, bs={tool.block_size}, iodepth={cfg.queue_depth}, iomem={options.fio_iomem}"
+        note = (
+            f"fio, libaio engine, O_DIRECT, bs={tool.block_size}, iodepth={cfg.queue_depth}, iomem={options.fio_iomem}"
+        )
     else:
         tool = Dd(size, cfg.block_size, direct=direct)
         why = "dd requested" if options.raw == "dd" else (f"{NO_FIO_ENV} set" if no_fio else "fio not installed")
@@ -369,7 +401,11 @@ class _Run:
         self.asyncs: dict[tuple[int, str], list[AsyncSample]] = {}
         self.first_stall: dict[tuple[int, str], float] = {}
         self.cold = options.drop_caches
-        self.cold_note = "page cache dropped before every load" if options.drop_caches else "page cache not dropped (--no-drop-caches)"
+        self.cold_note = (
+            "page cache dropped before every load"
+            if options.drop_caches
+            else "page cache not dropped (--no-drop-caches)"
+        )
 
     def tick(self, what: str) -> None:
         if self.progress:
@@ -395,8 +431,9 @@ def _steps(options: BenchSaveOptions, has_raw: bool, has_async: bool) -> int:
     return per_round * options.rounds
 
 
-def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
-                   progress: ProgressFn | None = None) -> BenchSaveResult:
+def run_bench_save(
+    options: BenchSaveOptions, *, command: str | None = None, progress: ProgressFn | None = None
+) -> BenchSaveResult:
     """Run the bench; raises BenchError if a rank fails or a method loads back wrong bytes."""
     unknown = sorted(set(options.methods) - set(METHOD_CHOICES))
     if unknown:
@@ -431,7 +468,9 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
                 skipped["async"] = f"{async_where} (stall not measured)"
             elif "cow" in options.async_snapshots and found.get("no_cow"):
                 skipped["async-cow"] = f"copy-on-write snapshots unavailable: {found['no_cow']}"
-                options = options.model_copy(update={"async_snapshots": [m for m in options.async_snapshots if m != "cow"]})
+                options = options.model_copy(
+                    update={"async_snapshots": [m for m in options.async_snapshots if m != "cow"]}
+                )
         run = _Run(options, state_bytes, progress, _steps(options, tool is not None, has_async))
         raw_samples: tuple[list[OpSample], list[OpSample]] = ([], [])
         for rnd in range(1, options.rounds + 1):
@@ -451,8 +490,20 @@ def run_bench_save(options: BenchSaveOptions, *, command: str | None = None,
             _stop_worlds(list(worlds.values()))
         finally:
             work.remove()
-    return _result(options, run, spec, raw_samples, tool, raw_note, direct, skipped, (has_async, async_where),
-                   work.shown, started, command)
+    return _result(
+        options,
+        run,
+        spec,
+        raw_samples,
+        tool,
+        raw_note,
+        direct,
+        skipped,
+        (has_async, async_where),
+        work.shown,
+        started,
+        command,
+    )
 
 
 def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], savers: int) -> None:
@@ -470,12 +521,18 @@ def _check_resources(workdir: Path, state_bytes: int, ranks: list[int], savers: 
     resident = sum(per_world) * (1 + savers) + state_bytes + 512 * MIB + sum(ranks) * RANK_PROCESS_BYTES
     avail = available_memory()
     if avail is not None and resident > avail:
-        raise BenchError(f"the bench needs about {resident / GIB:.1f} GiB of memory, {avail / GIB:.1f} GiB is available; "
-                         "use a smaller --size-gib or fewer --ranks")
+        raise BenchError(
+            f"the bench needs about {resident / GIB:.1f} GiB of memory, {avail / GIB:.1f} GiB is available; "
+            "use a smaller --size-gib or fewer --ranks"
+        )
     cpus = _cpu_count()
     if max(ranks) > cpus:
-        warnings.warn(f"--ranks {max(ranks)} is more than the {cpus} CPUs here: the ranks share cores, so the "
-                      "timings measure CPU contention as much as the storage", BenchWarning, stacklevel=2)
+        warnings.warn(
+            f"--ranks {max(ranks)} is more than the {cpus} CPUs here: the ranks share cores, so the "
+            "timings measure CPU contention as much as the storage",
+            BenchWarning,
+            stacklevel=2,
+        )
 
 
 def _cpu_count() -> int:
@@ -485,7 +542,9 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _round_raw(run: _Run, tool: Fio | Dd, workdir: Path, rnd: int, samples: tuple[list[OpSample], list[OpSample]]) -> None:
+def _round_raw(
+    run: _Run, tool: Fio | Dd, workdir: Path, rnd: int, samples: tuple[list[OpSample], list[OpSample]]
+) -> None:
     path = str(workdir / "fio-bench.bin")
     try:
         run.tick(f"round {rnd}/{run.options.rounds}: {tool.name} write")
@@ -517,11 +576,15 @@ def _round_method(run: _Run, world: World, method: str, n: int, workdir: Path, r
             run.drop()
             run.tick(f"{head} load ({variant})")
             seed = run.options.seed * 1000 + rnd
-            replies = world.call({"op": "load", "method": method, "variant": variant, "dir": str(directory), "seed": seed},
-                                 f"{method} load ({variant})")
+            replies = world.call(
+                {"op": "load", "method": method, "variant": variant, "dir": str(directory), "seed": seed},
+                f"{method} load ({variant})",
+            )
             bad = [r["mismatch"] for r in replies if r.get("mismatch")]
             if bad:
-                raise BenchError(f"{LABELS[(method, variant)]} with {n} rank(s) loaded wrong data (round {rnd}): {bad[0]}")
+                raise BenchError(
+                    f"{LABELS[(method, variant)]} with {n} rank(s) loaded wrong data (round {rnd}): {bad[0]}"
+                )
             run.load.setdefault((method, variant, n), []).append(_sample(rnd, replies))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -533,20 +596,34 @@ def _round_async(run: _Run, world: World, n: int, workdir: Path, rnd: int) -> No
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir()
         try:
-            run.tick(f"round {rnd}/{run.options.rounds}, {n} rank{'s' if n > 1 else ''}: ucp.async_save ({mode} snapshot)")
-            cmd = {"op": "async_save", "dir": str(directory), "snapshot": mode, "compute_s": run.options.async_compute_s}
+            run.tick(
+                f"round {rnd}/{run.options.rounds}, {n} rank{'s' if n > 1 else ''}: ucp.async_save ({mode} snapshot)"
+            )
+            cmd = {
+                "op": "async_save",
+                "dir": str(directory),
+                "snapshot": mode,
+                "compute_s": run.options.async_compute_s,
+            }
             if (n, mode) not in run.first_stall:  # a training loop saves again and again: time the steady state
                 first = world.call(cmd, "ucp.async_save (first save)")
                 run.first_stall[(n, mode)] = max(r["stall_s"] for r in first)
             replies = world.call(cmd, "ucp.async_save")
             bad = [r["mismatch"] for r in replies if r.get("mismatch")]
             if bad:
-                raise BenchError(f"ucp.async_save ({mode} snapshot) with {n} rank(s) wrote wrong data (round {rnd}): {bad[0]}")
+                raise BenchError(
+                    f"ucp.async_save ({mode} snapshot) with {n} rank(s) wrote wrong data (round {rnd}): {bad[0]}"
+                )
             run.asyncs.setdefault((n, mode), []).append(
-                AsyncSample(round=rnd, stall_s=max(r["stall_s"] for r in replies),
-                            waited_s=max(r["waited_s"] for r in replies),
-                            step_slower_s=max(r.get("step_slower_s", 0.0) for r in replies),
-                            compute_slower_s=max(r.get("compute_slower_s", 0.0) for r in replies), total_s=replies[0]["seconds"]))
+                AsyncSample(
+                    round=rnd,
+                    stall_s=max(r["stall_s"] for r in replies),
+                    waited_s=max(r["waited_s"] for r in replies),
+                    step_slower_s=max(r.get("step_slower_s", 0.0) for r in replies),
+                    compute_slower_s=max(r.get("compute_slower_s", 0.0) for r in replies),
+                    total_s=replies[0]["seconds"],
+                )
+            )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -560,25 +637,49 @@ def _sample(rnd: int, replies: list[dict[str, Any]]) -> OpSample:
 
 def _phase(samples: list[OpSample], nbytes: int) -> Phase:
     rates = [nbytes / s.seconds / 1e9 for s in samples]
-    return Phase(gbps=statistics.median(rates), min_gbps=min(rates), max_gbps=max(rates),
-                 seconds=statistics.median(s.seconds for s in samples),
-                 cpu_s_per_gib=statistics.median(s.cpu_s for s in samples) / (nbytes / GIB), samples=samples)
+    return Phase(
+        gbps=statistics.median(rates),
+        min_gbps=min(rates),
+        max_gbps=max(rates),
+        seconds=statistics.median(s.seconds for s in samples),
+        cpu_s_per_gib=statistics.median(s.cpu_s for s in samples) / (nbytes / GIB),
+        samples=samples,
+    )
 
 
 def _ratio(a: Phase | None, b: Phase | None) -> float | None:
     return None if a is None or b is None else a.gbps / b.gbps
 
 
-def _result(options: BenchSaveOptions, run: _Run, spec: GptSpec, raw_samples: tuple[list[OpSample], list[OpSample]],
-            tool: Fio | Dd | None, raw_note: str, direct: bool, skipped: dict[str, str], found_async: tuple[bool, str],
-            workdir: Path, started: str, command: str | None) -> BenchSaveResult:
+def _result(
+    options: BenchSaveOptions,
+    run: _Run,
+    spec: GptSpec,
+    raw_samples: tuple[list[OpSample], list[OpSample]],
+    tool: Fio | Dd | None,
+    raw_note: str,
+    direct: bool,
+    skipped: dict[str, str],
+    found_async: tuple[bool, str],
+    workdir: Path,
+    started: str,
+    command: str | None,
+) -> BenchSaveResult:
     nbytes = spec.state_bytes
     methods: list[MethodResult] = []
     raw: MethodResult | None = None
     if tool is not None and raw_samples[0]:
         detail = tool.describe()
-        raw = MethodResult(name=tool.name, label=f"{tool.name} (device limit)", kind="raw", ranks=None, detail=detail,
-                           save=_phase(raw_samples[0], tool.size), load=_phase(raw_samples[1], tool.size), verified=None)
+        raw = MethodResult(
+            name=tool.name,
+            label=f"{tool.name} (device limit)",
+            kind="raw",
+            ranks=None,
+            detail=detail,
+            save=_phase(raw_samples[0], tool.size),
+            load=_phase(raw_samples[1], tool.size),
+            verified=None,
+        )
         methods.append(raw)
     for n in options.ranks:
         rows: list[MethodResult] = []
@@ -587,16 +688,27 @@ def _result(options: BenchSaveOptions, run: _Run, spec: GptSpec, raw_samples: tu
                 continue
             for variant in load_variants(m, n):
                 name = m if variant in ("full", "in-place") else f"{m}-{variant}"
-                rows.append(MethodResult(
-                    name=name, label=LABELS[(m, variant)], kind=m, ranks=n, detail=DETAILS[m],  # type: ignore[arg-type]
-                    save=_phase(run.save[(m, n)], nbytes), load=_phase(run.load[(m, variant, n)], nbytes),
-                    bytes_on_disk=run.disk.get((m, n)), verified=True,
-                ))
+                rows.append(
+                    MethodResult(
+                        name=name,
+                        label=LABELS[(m, variant)],
+                        kind=m,
+                        ranks=n,
+                        detail=DETAILS[m],  # type: ignore[arg-type]
+                        save=_phase(run.save[(m, n)], nbytes),
+                        load=_phase(run.load[(m, variant, n)], nbytes),
+                        bytes_on_disk=run.disk.get((m, n)),
+                        verified=True,
+                    )
+                )
         torch_ = next((r for r in rows if r.kind == "torch"), None)
         dcp = next((r for r in rows if r.kind == "dcp"), None)
         for r in rows:
             r.save_vs_raw, r.load_vs_raw = _ratio(r.save, raw and raw.save), _ratio(r.load, raw and raw.load)
-            r.save_vs_torch, r.load_vs_torch = _ratio(r.save, torch_ and torch_.save), _ratio(r.load, torch_ and torch_.load)
+            r.save_vs_torch, r.load_vs_torch = (
+                _ratio(r.save, torch_ and torch_.save),
+                _ratio(r.load, torch_ and torch_.load),
+            )
             r.save_vs_dcp, r.load_vs_dcp = _ratio(r.save, dcp and dcp.save), _ratio(r.load, dcp and dcp.load)
         methods += rows
     asyncs = _async_results(options, run, *found_async)
@@ -604,15 +716,31 @@ def _result(options: BenchSaveOptions, run: _Run, spec: GptSpec, raw_samples: tu
     decided = [c.passed for c in checks if c.passed is not None]
     tensors = len(spec.param_shapes()) * 4
     return BenchSaveResult(
-        command=command, started_at=started, directory=str(workdir),
+        command=command,
+        started_at=started,
+        directory=str(workdir),
         state=StateInfo(
-            bytes=nbytes, gib=nbytes / GIB, params=spec.params, model=spec, tensors=tensors,
+            bytes=nbytes,
+            gib=nbytes / GIB,
+            params=spec.params,
+            model=spec,
+            tensors=tensors,
             layout="per parameter: bf16 weight (replicated on every rank, written once), fp32 master weight, "
-                   "Adam exp_avg and exp_avg_sq (each split in equal flat halves across ranks, ZeRO-1 style)",
+            "Adam exp_avg and exp_avg_sq (each split in equal flat halves across ranks, ZeRO-1 style)",
         ),
-        ranks=options.ranks, rounds=options.rounds, raw_tool=tool.name if tool is not None else None, raw_note=raw_note,
-        direct_io=direct, cold_reads=run.cold, cold_note=run.cold_note, aio_config=options.aio, skipped=skipped,
-        methods=methods, async_save=asyncs, verification_passed=True, checks=checks,
+        ranks=options.ranks,
+        rounds=options.rounds,
+        raw_tool=tool.name if tool is not None else None,
+        raw_note=raw_note,
+        direct_io=direct,
+        cold_reads=run.cold,
+        cold_note=run.cold_note,
+        aio_config=options.aio,
+        skipped=skipped,
+        methods=methods,
+        async_save=asyncs,
+        verification_passed=True,
+        checks=checks,
         all_checks_passed=all(decided) if decided and len(decided) == len(checks) else None,
         environment=_environment(workdir),
     )
@@ -629,19 +757,38 @@ def _async_results(options: BenchSaveOptions, run: _Run, has_async: bool, where:
             samples = run.asyncs.get((n, mode), [])
             compute = options.async_compute_s
             if not has_async or not samples:
-                out.append(AsyncResult(ranks=n, snapshot=mode, compute_s=compute, available=False, note=f"n/a: {where}",
-                                       sync_save_s=sync_s))
+                out.append(
+                    AsyncResult(
+                        ranks=n,
+                        snapshot=mode,
+                        compute_s=compute,
+                        available=False,
+                        note=f"n/a: {where}",
+                        sync_save_s=sync_s,
+                    )
+                )
                 continue
             stall = statistics.median(s.stall_s for s in samples)
-            how = (f"stall = until it returned + wait_snapshot after {compute:g} s of simulated compute + how much "
-                   "longer the next optimizer step (rewriting every saved tensor) took than with no save in flight")
-            out.append(AsyncResult(
-                ranks=n, snapshot=mode, compute_s=compute, available=True,
-                note=f"{where}, snapshot={mode!r}; {how} (slowest rank); total = until result() on every rank",
-                stall_s=stall, total_s=statistics.median(s.total_s for s in samples), sync_save_s=sync_s,
-                stall_vs_sync=stall / sync_s if sync_s else None, first_stall_s=run.first_stall.get((n, mode)),
-                verified=True, samples=samples,
-            ))
+            how = (
+                f"stall = until it returned + wait_snapshot after {compute:g} s of simulated compute + how much "
+                "longer the next optimizer step (rewriting every saved tensor) took than with no save in flight"
+            )
+            out.append(
+                AsyncResult(
+                    ranks=n,
+                    snapshot=mode,
+                    compute_s=compute,
+                    available=True,
+                    note=f"{where}, snapshot={mode!r}; {how} (slowest rank); total = until result() on every rank",
+                    stall_s=stall,
+                    total_s=statistics.median(s.total_s for s in samples),
+                    sync_save_s=sync_s,
+                    stall_vs_sync=stall / sync_s if sync_s else None,
+                    first_stall_s=run.first_stall.get((n, mode)),
+                    verified=True,
+                    samples=samples,
+                )
+            )
     return out
 
 
@@ -663,16 +810,32 @@ def _checks(methods: list[MethodResult], asyncs: list[AsyncResult], ranks: list[
         for attr, row, text, threshold in specs:
             ratio = getattr(row, attr) if row is not None else None
             who = None if row is None else ("ucp" if attr.startswith("save") else row.name)
-            checks.append(Check(name=f"ucp_{attr}_{n}r", description=f"{text} ({n} rank{'s' if n > 1 else ''})", ranks=n,
-                                method=who, ratio=ratio, threshold=threshold,
-                                passed=None if ratio is None else ratio >= threshold))
+            checks.append(
+                Check(
+                    name=f"ucp_{attr}_{n}r",
+                    description=f"{text} ({n} rank{'s' if n > 1 else ''})",
+                    ranks=n,
+                    method=who,
+                    ratio=ratio,
+                    threshold=threshold,
+                    passed=None if ratio is None else ratio >= threshold,
+                )
+            )
         for a in (x for x in asyncs if x.ranks == n):
             ratio = a.stall_vs_sync
-            checks.append(Check(name=f"ucp_async_stall_{a.snapshot}_{n}r",
-                                description=f"ucp.async_save stall <= 0.1x ucp.save ({n} rank{'s' if n > 1 else ''}, "
-                                            f"{a.snapshot} snapshot)",
-                                ranks=n, method="ucp-async" if a.available else None, ratio=ratio, threshold=0.1,
-                                at_most=True, passed=None if ratio is None else ratio <= 0.1))
+            checks.append(
+                Check(
+                    name=f"ucp_async_stall_{a.snapshot}_{n}r",
+                    description=f"ucp.async_save stall <= 0.1x ucp.save ({n} rank{'s' if n > 1 else ''}, "
+                    f"{a.snapshot} snapshot)",
+                    ranks=n,
+                    method="ucp-async" if a.available else None,
+                    ratio=ratio,
+                    threshold=0.1,
+                    at_most=True,
+                    passed=None if ratio is None else ratio <= 0.1,
+                )
+            )
     return checks
 
 
@@ -700,16 +863,41 @@ def _size(n: int | None) -> str:
 def _headers(result: BenchSaveResult) -> list[str]:
     raw = result.raw_tool or "fio"
     spread = " (min-max)" if result.rounds > 1 else ""
-    return ["method", "ranks", f"save GB/s{spread}", f"load GB/s{spread}", "save CPU s/GiB", "load CPU s/GiB",
-            f"save vs {raw}", f"load vs {raw}", "save vs torch", "load vs torch", "save vs DCP", "load vs DCP",
-            "on disk", "data"]
+    return [
+        "method",
+        "ranks",
+        f"save GB/s{spread}",
+        f"load GB/s{spread}",
+        "save CPU s/GiB",
+        "load CPU s/GiB",
+        f"save vs {raw}",
+        f"load vs {raw}",
+        "save vs torch",
+        "load vs torch",
+        "save vs DCP",
+        "load vs DCP",
+        "on disk",
+        "data",
+    ]
 
 
 def _row(m: MethodResult, rounds: int) -> list[str]:
-    return [m.label, "-" if m.ranks is None else str(m.ranks), _gbps(m.save, rounds), _gbps(m.load, rounds),
-            _num(m.save.cpu_s_per_gib), _num(m.load.cpu_s_per_gib), _x(m.save_vs_raw), _x(m.load_vs_raw),
-            _x(m.save_vs_torch), _x(m.load_vs_torch), _x(m.save_vs_dcp), _x(m.load_vs_dcp), _size(m.bytes_on_disk),
-            {True: "ok", False: "WRONG", None: "n/a"}[m.verified]]
+    return [
+        m.label,
+        "-" if m.ranks is None else str(m.ranks),
+        _gbps(m.save, rounds),
+        _gbps(m.load, rounds),
+        _num(m.save.cpu_s_per_gib),
+        _num(m.load.cpu_s_per_gib),
+        _x(m.save_vs_raw),
+        _x(m.load_vs_raw),
+        _x(m.save_vs_torch),
+        _x(m.load_vs_torch),
+        _x(m.save_vs_dcp),
+        _x(m.load_vs_dcp),
+        _size(m.bytes_on_disk),
+        {True: "ok", False: "WRONG", None: "n/a"}[m.verified],
+    ]
 
 
 def _async_line(a: AsyncResult) -> str:
@@ -720,10 +908,12 @@ def _async_line(a: AsyncResult) -> str:
     first = "" if a.first_stall_s is None else f" (first save, allocating the staging: stall {a.first_stall_s:.2f} s)"
     step = statistics.median(x.step_slower_s for x in a.samples) if a.samples else 0.0
     compute = statistics.median(x.compute_slower_s for x in a.samples) if a.samples else 0.0
-    return (f"async save, {who}: stall {a.stall_s:.3f} s (of it, the step slower by {step:.3f} s; the compute "
-            f"meanwhile slower by {compute:.3f} s), result after {a.total_s:.2f} s; "
-            f"ucp.save {_num(a.sync_save_s)} s; "
-            f"stall/sync {_num(a.stall_vs_sync, '{:.3f}')}{first}")
+    return (
+        f"async save, {who}: stall {a.stall_s:.3f} s (of it, the step slower by {step:.3f} s; the compute "
+        f"meanwhile slower by {compute:.3f} s), result after {a.total_s:.2f} s; "
+        f"ucp.save {_num(a.sync_save_s)} s; "
+        f"stall/sync {_num(a.stall_vs_sync, '{:.3f}')}{first}"
+    )
 
 
 def _check_line(c: Check) -> str:
@@ -759,7 +949,10 @@ def render_table(result: BenchSaveResult) -> Any:
 
     headers, rows = _headers(result), [_row(m, result.rounds) for m in result.methods]
     parts: list[Any] = []
-    for title, cols in (("ucp bench save", [0, 1, 2, 3, 4, 5, 12, 13]), ("ratios (same run)", [0, 1, 6, 7, 8, 9, 10, 11])):
+    for title, cols in (
+        ("ucp bench save", [0, 1, 2, 3, 4, 5, 12, 13]),
+        ("ratios (same run)", [0, 1, 6, 7, 8, 9, 10, 11]),
+    ):
         table = Table(title=title, title_justify="left")
         for i in cols:
             table.add_column(headers[i], justify="left" if i == 0 else "right", no_wrap=i == 0)
@@ -789,8 +982,10 @@ def to_markdown(result: BenchSaveResult) -> str:
     lines += [f"- {_async_line(a)}" for a in result.async_save]
     lines += [f"- {line}" for line in notes(result)]
     env = result.environment
-    lines.append(f"- machine: {env.get('cpus')} CPUs, {env.get('memory_gib')} GiB RAM, Linux {env.get('kernel')}; "
-                 f"python {env.get('python')}, torch {env.get('torch')}, safetensors {env.get('safetensors')}")
+    lines.append(
+        f"- machine: {env.get('cpus')} CPUs, {env.get('memory_gib')} GiB RAM, Linux {env.get('kernel')}; "
+        f"python {env.get('python')}, torch {env.get('torch')}, safetensors {env.get('safetensors')}"
+    )
     lines.append("- must hold (informational):")
     lines += [f"  - {_check_line(c)}" for c in result.checks]
     if result.command:

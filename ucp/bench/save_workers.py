@@ -57,14 +57,22 @@ class GptSpec(BaseModel):
         shapes: dict[str, tuple[int, ...]] = {"wte.weight": (self.vocab, d), "wpe.weight": (self.n_ctx, d)}
         for i in range(self.n_layer):
             p = f"h.{i}."
-            shapes.update({
-                p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
-                p + "attn.c_attn.weight": (3 * d, d), p + "attn.c_attn.bias": (3 * d,),
-                p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
-                p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
-                p + "mlp.c_fc.weight": (4 * d, d), p + "mlp.c_fc.bias": (4 * d,),
-                p + "mlp.c_proj.weight": (d, 4 * d), p + "mlp.c_proj.bias": (d,),
-            })
+            shapes.update(
+                {
+                    p + "ln_1.weight": (d,),
+                    p + "ln_1.bias": (d,),
+                    p + "attn.c_attn.weight": (3 * d, d),
+                    p + "attn.c_attn.bias": (3 * d,),
+                    p + "attn.c_proj.weight": (d, d),
+                    p + "attn.c_proj.bias": (d,),
+                    p + "ln_2.weight": (d,),
+                    p + "ln_2.bias": (d,),
+                    p + "mlp.c_fc.weight": (4 * d, d),
+                    p + "mlp.c_fc.bias": (4 * d,),
+                    p + "mlp.c_proj.weight": (d, 4 * d),
+                    p + "mlp.c_proj.bias": (d,),
+                }
+            )
         shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
         return shapes
 
@@ -238,8 +246,12 @@ def build_state(spec: GptSpec, rank: int, world: int, seed: int = 0) -> RankStat
     extras = {"step": STEP, "scheduler": {"last_epoch": STEP, "base_lrs": [3e-4]}}
 
     def whole(model_part: dict[str, Any], master_part: dict[str, Any], opt_part: dict[int, Any]) -> dict[str, Any]:
-        return {"model": model_part, "master": master_part,
-                "optimizer": {"state": opt_part, "param_groups": groups}, **extras}
+        return {
+            "model": model_part,
+            "master": master_part,
+            "optimizer": {"state": opt_part, "param_groups": groups},
+            **extras,
+        }
 
     mine = {n: t for n, t in model.items() if owner[n] == rank}
     plain = whole(mine, master, opt)
@@ -293,7 +305,7 @@ class Comm:
 
 
 def fsync_file(path: str) -> None:
-    from .methods import fsync_path
+    from ucp.bench.methods import fsync_path
 
     fsync_path(path)
 
@@ -309,7 +321,9 @@ class Worker:
         self.loaded: Any = None
         self._checks: list[tuple[tuple[Any, ...], Any]] = []  # (path, expected bytes) of the next check
         self._savers: dict[str, Any] = {}
-        self._iteration_s: float | None = None  # seconds per busy_compute iteration, idle  # AsyncSaver per snapshot mode, reused (its staging too) across rounds
+        self._iteration_s: float | None = (
+            None  # seconds per busy_compute iteration, idle  # AsyncSaver per snapshot mode, reused (its staging too) across rounds
+        )
 
     # -- helpers
 
@@ -355,8 +369,11 @@ class Worker:
 
             with warnings.catch_warnings():  # one rank: no_dist=True, which DCP warns about
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(self.dcp_state(), storage_writer=dcp.FileSystemWriter(os.path.join(directory, "dcp")),
-                         no_dist=self.world == 1)
+                dcp.save(
+                    self.dcp_state(),
+                    storage_writer=dcp.FileSystemWriter(os.path.join(directory, "dcp")),
+                    no_dist=self.world == 1,
+                )
         else:
             raise ValueError(f"unknown save method {method!r}")
 
@@ -377,7 +394,7 @@ class Worker:
         elif method == "safetensors":
             from safetensors.torch import load_file
 
-            from .methods import touch_pages
+            from ucp.bench.methods import touch_pages
 
             self.loaded = load_file(self.rank_file(directory, "safetensors"))
             for t in self.loaded.values():  # load_file maps lazily: make it read
@@ -387,8 +404,11 @@ class Worker:
 
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(self.dcp_state(), storage_reader=dcp.FileSystemReader(os.path.join(directory, "dcp")),
-                         no_dist=self.world == 1)
+                dcp.load(
+                    self.dcp_state(),
+                    storage_reader=dcp.FileSystemReader(os.path.join(directory, "dcp")),
+                    no_dist=self.world == 1,
+                )
         else:
             raise ValueError(f"unknown load method {method!r}")
 
@@ -429,8 +449,13 @@ class Worker:
         step_slower = max(0.0, self.rewrite_state() - base_step)
         handle.result()
         self.comm.barrier()
-        return {"stall_s": returned + waited + step_slower, "waited_s": waited, "step_slower_s": step_slower,
-                "compute_slower_s": max(0.0, computed - base_compute), "seconds": time.perf_counter() - t0}
+        return {
+            "stall_s": returned + waited + step_slower,
+            "waited_s": waited,
+            "step_slower_s": step_slower,
+            "compute_slower_s": max(0.0, computed - base_compute),
+            "seconds": time.perf_counter() - t0,
+        }
 
     def compute_iterations(self, seconds: float) -> int:
         """How many :func:`busy_compute` iterations take ``seconds`` here (measured once, idle)."""
@@ -500,7 +525,8 @@ class Worker:
                 bad = bad or f"{flat_name(path)} missing from what {method} loaded"
                 continue
             ok = got.dtype == get_path(self.state.plain, path).dtype and torch.equal(
-                got.contiguous().view(-1).view(torch.uint8), expected)
+                got.contiguous().view(-1).view(torch.uint8), expected
+            )
             if not ok:
                 bad = bad or f"{flat_name(path)} differs after {method} load ({variant}) on rank {self.rank}"
                 if self.in_place(method, variant):  # undo the poison so later methods save real data
@@ -564,12 +590,11 @@ class Worker:
         if op == "async_save":
             c0 = cpu_seconds()
             reply = self.async_save(cmd["dir"], cmd.get("snapshot", "sync"), cmd.get("compute_s", 0.0))
-            return {**reply, "cpu_s": cpu_seconds() - c0,
-                    "mismatch": self.check_saved_ucp(cmd["dir"])}
+            return {**reply, "cpu_s": cpu_seconds() - c0, "mismatch": self.check_saved_ucp(cmd["dir"])}
         if op == "has_async":
             fn, where = find_async_save()
             try:
-                from ucp.cow import cow_unavailable
+                from ucp.saving.cow.snapshot import cow_unavailable
             except ImportError:
                 return {"available": fn is not None, "where": where, "no_cow": "not in this build"}
             return {"available": fn is not None, "where": where, "no_cow": cow_unavailable()}
@@ -628,8 +653,13 @@ def main(argv: list[str]) -> int:
 
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=f"file://{cfg.init_file}", rank=cfg.rank,
-                                    world_size=cfg.world, timeout=timedelta(seconds=cfg.timeout_s))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{cfg.init_file}",
+                rank=cfg.rank,
+                world_size=cfg.world,
+                timeout=timedelta(seconds=cfg.timeout_s),
+            )
         import safetensors.torch  # noqa: F401 - imported now so that no timed operation pays for it
         import torch.distributed.checkpoint  # noqa: F401
 

@@ -1,5 +1,5 @@
 """``python -m ucp.cli`` runs the same app as the ``ucp`` console script."""
 
-from .main import main
+from ucp.cli.main import main
 
 main()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any, Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 
 from ucp.bench.common import MAX_SIZE_GIB
-
-from .common import command_line, err, fail, load_aio_config, out, progress_bar, split_csv
+from ucp.cli.common import command_line, err, fail, load_aio_config, out, progress_bar, split_csv
 
 bench_app = typer.Typer(
     help="Measure storage and checkpoint throughput on this machine.",
@@ -32,25 +31,41 @@ class RawChoice(str, Enum):
 @bench_app.command("io")
 def bench_io(
     size_gib: Annotated[
-        float, typer.Option("--size-gib", min=0.001, max=MAX_SIZE_GIB, help="GiB written and read per method per round.")
+        float,
+        typer.Option("--size-gib", min=0.001, max=MAX_SIZE_GIB, help="GiB written and read per method per round."),
     ] = 2.0,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")] = 3,
+    rounds: Annotated[
+        int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")
+    ] = 3,
     directory: Annotated[
-        Optional[Path], typer.Option("--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory.")
+        Optional[Path],
+        typer.Option(
+            "--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory."
+        ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")
+    ] = False,
     raw: Annotated[
         RawChoice, typer.Option("--raw", help="Device-limit tool: fio if installed (auto), the dd fallback, or none.")
     ] = RawChoice.auto,
     methods: Annotated[
-        Optional[str], typer.Option("--methods", help="Comma list of: raw, libaio, threads, torch, safetensors (default all).")
+        Optional[str],
+        typer.Option("--methods", help="Comma list of: raw, libaio, threads, torch, safetensors (default all)."),
     ] = None,
     aio_config: Annotated[
-        Optional[Path], typer.Option("--aio-config", help="JSON aio config (e.g. `ucp tune --output` or a DeepSpeed config).")
+        Optional[Path],
+        typer.Option("--aio-config", help="JSON aio config (e.g. `ucp tune --output` or a DeepSpeed config)."),
     ] = None,
-    block_size: Annotated[Optional[str], typer.Option("--block-size", help="Override the aio block size, e.g. 8M.")] = None,
-    queue_depth: Annotated[Optional[int], typer.Option("--queue-depth", min=1, help="Override the aio queue depth.")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="Override the threads engine's thread count.")] = None,
+    block_size: Annotated[
+        Optional[str], typer.Option("--block-size", help="Override the aio block size, e.g. 8M.")
+    ] = None,
+    queue_depth: Annotated[
+        Optional[int], typer.Option("--queue-depth", min=1, help="Override the aio queue depth.")
+    ] = None,
+    threads: Annotated[
+        Optional[int], typer.Option("--threads", min=1, help="Override the threads engine's thread count.")
+    ] = None,
     fio_iomem: Annotated[
         str,
         typer.Option(
@@ -101,35 +116,64 @@ def bench_io(
 def bench_save(
     size_gib: Annotated[
         float,
-        typer.Option("--size-gib", min=0.001, max=MAX_SIZE_GIB, help="Training state size in GiB (bf16 weights + fp32 master + Adam)."),
+        typer.Option(
+            "--size-gib",
+            min=0.001,
+            max=MAX_SIZE_GIB,
+            help="Training state size in GiB (bf16 weights + fp32 master + Adam).",
+        ),
     ] = 2.0,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")] = 3,
-    ranks: Annotated[str, typer.Option("--ranks", help="Comma list of world sizes, each run as real processes (gloo).")] = "1,2",
+    rounds: Annotated[
+        int, typer.Option("--rounds", min=1, help="Rounds; every method runs once per round, medians reported.")
+    ] = 3,
+    ranks: Annotated[
+        str, typer.Option("--ranks", help="Comma list of world sizes, each run as real processes (gloo).")
+    ] = "1,2",
     directory: Annotated[
-        Optional[Path], typer.Option("--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory.")
+        Optional[Path],
+        typer.Option(
+            "--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory."
+        ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")
+    ] = False,
     methods: Annotated[
-        Optional[str], typer.Option("--methods", help="Comma list of: raw, ucp, torch, safetensors, dcp, async (default all).")
+        Optional[str],
+        typer.Option("--methods", help="Comma list of: raw, ucp, torch, safetensors, dcp, async (default all)."),
     ] = None,
     raw: Annotated[
         RawChoice, typer.Option("--raw", help="Device-limit tool: fio if installed (auto), the dd fallback, or none.")
     ] = RawChoice.auto,
-    fio_iomem: Annotated[str, typer.Option("--fio-iomem", help="fio's buffer memory (--iomem), e.g. shmhuge; see `ucp bench io --help`.")] = "malloc",
+    fio_iomem: Annotated[
+        str, typer.Option("--fio-iomem", help="fio's buffer memory (--iomem), e.g. shmhuge; see `ucp bench io --help`.")
+    ] = "malloc",
     aio_config: Annotated[
-        Optional[Path], typer.Option("--aio-config", help="JSON aio config for UCP (e.g. `ucp tune --output`); also fio's block size and depth.")
+        Optional[Path],
+        typer.Option(
+            "--aio-config", help="JSON aio config for UCP (e.g. `ucp tune --output`); also fio's block size and depth."
+        ),
     ] = None,
     drop_caches: Annotated[
         bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every load (needs root).")
     ] = True,
     async_snapshot: Annotated[
-        str, typer.Option("--async-snapshot", help="Comma list of AsyncSaver snapshot modes to time: sync (copy, then "
-                                                   "return), background (copy while the next step computes), cow "
-                                                   "(write-protect, copy from a helper process; the default).")
+        str,
+        typer.Option(
+            "--async-snapshot",
+            help="Comma list of AsyncSaver snapshot modes to time: sync (copy, then "
+            "return), background (copy while the next step computes), cow "
+            "(write-protect, copy from a helper process; the default).",
+        ),
     ] = "sync,background,cow",
     async_compute_s: Annotated[
-        float, typer.Option("--async-compute-s", min=0.0, help="Simulated forward/backward (s of CPU work) between "
-                                                               "async_save and the wait before the next optimizer step.")
+        float,
+        typer.Option(
+            "--async-compute-s",
+            min=0.0,
+            help="Simulated forward/backward (s of CPU work) between "
+            "async_save and the wait before the next optimizer step.",
+        ),
     ] = 1.0,
 ) -> None:
     """Save and load a GPT-like training state with UCP, torch.save, safetensors and DCP, at 1 and N ranks.

@@ -13,8 +13,7 @@ from typing import Callable, Iterator
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeElapsedColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 # Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.
 # Piped or captured output gets a wide console so tables do not wrap into unreadable columns.
@@ -100,8 +99,9 @@ def load_aio_config(path: Path | None):  # -> aio.AioConfig (imported lazily)
 
 
 @contextmanager
-def progress_bar(description: str, *, enabled: bool = True,
-                 percent: bool = False) -> Iterator[Callable[[int, int, str], None]]:
+def progress_bar(
+    description: str, *, enabled: bool = True, percent: bool = False
+) -> Iterator[Callable[[int, int, str], None]]:
     """A rich progress bar on stderr; yields ``update(done, total, what)``. Hidden when not a terminal.
 
     ``percent``: show how far as a percentage rather than ``done/total`` (for work whose phases count in
@@ -126,8 +126,22 @@ def progress_bar(description: str, *, enabled: bool = True,
         yield update
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str, option: str) -> int:

@@ -15,21 +15,33 @@ from typing import Annotated
 
 import typer
 
-from .common import err, fail, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.common import err, fail, out, prefetching, progress_bar, source_reads_start
 
 EXIT_WRITE, EXIT_BAD_INPUT = 1, 2
 FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
 
 
 def convert_cmd(
-    src: Annotated[str, typer.Argument(help="Foreign checkpoint: a DeepSpeed root or tag folder, a universal "
-                                            "folder, a DCP folder, or safetensors (file, index or folder).")],
-    dst: Annotated[str, typer.Argument(help="Where to write the UCP checkpoint: a path or fsspec URL "
-                                            "(must not exist unless --force).")],
+    src: Annotated[
+        str,
+        typer.Argument(
+            help="Foreign checkpoint: a DeepSpeed root or tag folder, a universal "
+            "folder, a DCP folder, or safetensors (file, index or folder)."
+        ),
+    ],
+    dst: Annotated[
+        str,
+        typer.Argument(help="Where to write the UCP checkpoint: a path or fsspec URL (must not exist unless --force)."),
+    ],
     source_format: Annotated[str, typer.Option("--from", help="Source format: " + " | ".join(FORMAT_CHOICES))] = "auto",
-    trust_pickle: Annotated[bool, typer.Option(
-        "--trust-pickle", help="Allow a full unpickle of files that need classes outside the safe allow-list "
-                               "(runs code from the files: only for checkpoints you trust).")] = False,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle",
+            help="Allow a full unpickle of files that need classes outside the safe allow-list "
+            "(runs code from the files: only for checkpoints you trust).",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a UCP checkpoint already at DST.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the report) on stdout.")] = False,
 ) -> None:
@@ -38,20 +50,21 @@ def convert_cmd(
     DeepSpeed checkpoints become the training Engine's structure (weights, fp32 masters, Adam moments, step), loadable at any mesh and ZeRO stage. Pickles are read with an allow-list; see --trust-pickle.
     """
     if source_format not in FORMAT_CHOICES:
-        raise fail(f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}",
-                   EXIT_BAD_INPUT)
+        raise fail(
+            f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}", EXIT_BAD_INPUT
+        )
     with prefetching(_source_folder(src, source_format), marker=None):
         import ucp
-        from ucp.importers import convert
-
-        from .inspect import _one_line, human_bytes
+        from ucp.cli.inspect import _one_line, human_bytes
+        from ucp.convert.importers import convert
 
         source_reads_start()
 
         try:
             with progress_bar(f"convert ({source_format})", enabled=not json_output, percent=True) as update:
-                report = convert(src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force,
-                                 progress=update)
+                report = convert(
+                    src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force, progress=update
+                )
         except ucp.CheckpointError as exc:
             raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
         except OSError as exc:
@@ -60,12 +73,17 @@ def convert_cmd(
             typer.echo(report.model_dump_json(indent=2))
             return
         rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
-        out.print(f"[bold green]converted[/bold green] {report.format} {report.src} -> {report.dst}: "
-                  f"{report.tensors} tensors, {human_bytes(report.bytes)}, step {report.step}, "
-                  f"{report.seconds:.2f} s ({rate:.2f} GB/s)", highlight=False)
+        out.print(
+            f"[bold green]converted[/bold green] {report.format} {report.src} -> {report.dst}: "
+            f"{report.tensors} tensors, {human_bytes(report.bytes)}, step {report.step}, "
+            f"{report.seconds:.2f} s ({rate:.2f} GB/s)",
+            highlight=False,
+        )
         if trust_pickle:
-            err.print("[yellow]note:[/yellow] --trust-pickle: any file outside the allow-list was fully unpickled",
-                      highlight=False)
+            err.print(
+                "[yellow]note:[/yellow] --trust-pickle: any file outside the allow-list was fully unpickled",
+                highlight=False,
+            )
 
 
 def _source_folder(src: str, source_format: str) -> str | None:
@@ -85,6 +103,7 @@ def _source_folder(src: str, source_format: str) -> str | None:
         return None
     markers = (".pt", ".safetensors", ".distcp", ".metadata")
     return str(root) if any(n.endswith(markers) or n == "zero" for n in names) else None
+
 
 def register(app: typer.Typer) -> None:
     app.command("convert")(convert_cmd)

@@ -9,12 +9,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import err, fail, out
+from ucp.cli.common import err, fail, out
 
 
 def demo_cmd(
-    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where everything goes "
-                                                    "(default: a new temporary directory, kept).")] = None,
+    workdir: Annotated[
+        Optional[Path],
+        typer.Option("--workdir", help="Where everything goes (default: a new temporary directory, kept)."),
+    ] = None,
     model: Annotated[str, typer.Option("--model", help="Reference GPT preset.")] = "small",
     steps: Annotated[int, typer.Option("--steps", min=4, help="Steps of the whole run.")] = 16,
     kill_at: Annotated[int, typer.Option("--kill-at", min=1, help="The crash comes right after this step.")] = 10,
@@ -47,28 +49,48 @@ def _print_summary(s) -> None:  # s: training.demo.DemoSummary
     t = Table(title="UCP demo — summary", title_justify="left", show_header=False)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("first run", f"{f['processes']} processes, tp={f['layout']['tp']} dp={f['layout']['dp']} "
-              f"ZeRO-{f['layout']['zero']}; {f['steps_done']} steps, median {f['median_step_s']:.2f} s/step")
+    t.add_row(
+        "first run",
+        f"{f['processes']} processes, tp={f['layout']['tp']} dp={f['layout']['dp']} "
+        f"ZeRO-{f['layout']['zero']}; {f['steps_done']} steps, median {f['median_step_s']:.2f} s/step",
+    )
     if f["median_save_stall_s"] is not None:
-        t.add_row("async save stall", f"median {f['median_save_stall_s'] * 1000:.0f} ms per checkpoint "
-                  f"({f['median_save_stall_s'] / f['median_step_s'] * 100:.1f}% of a step)")
+        t.add_row(
+            "async save stall",
+            f"median {f['median_save_stall_s'] * 1000:.0f} ms per checkpoint "
+            f"({f['median_save_stall_s'] / f['median_step_s'] * 100:.1f}% of a step)",
+        )
     leftovers = [e["name"] for e in c["listing"] if e["status"] != "complete"]
-    t.add_row("crash", f"SIGKILL after step {c['after_step']}; latest complete checkpoint: step "
-              f"{c['latest_complete']} ({gib:.2f} GiB)"
-              + (f"; leftover of the killed save (never loaded): {', '.join(leftovers)}" if leftovers else ""))
-    t.add_row("resume", f"{r['processes']} processes, tp={r['layout']['tp']} dp={r['layout']['dp']} "
-              f"ZeRO-{r['layout']['zero']}; loaded step {r['resumed_at']} in {r['load_s']:.2f} s "
-              f"({r['load_gb_per_s']:.2f} GB/s incl. resharding)")
-    t.add_row("loss continuity", ", ".join(f"step {st}: {a:.6f} → {b:.6f}" for st, a, b in
-                                           zip(k["steps"], k["before"], k["after"]))
-              + f"  (max rel. diff {k['max_relative_difference']:.1e})")
+    t.add_row(
+        "crash",
+        f"SIGKILL after step {c['after_step']}; latest complete checkpoint: step "
+        f"{c['latest_complete']} ({gib:.2f} GiB)"
+        + (f"; leftover of the killed save (never loaded): {', '.join(leftovers)}" if leftovers else ""),
+    )
+    t.add_row(
+        "resume",
+        f"{r['processes']} processes, tp={r['layout']['tp']} dp={r['layout']['dp']} "
+        f"ZeRO-{r['layout']['zero']}; loaded step {r['resumed_at']} in {r['load_s']:.2f} s "
+        f"({r['load_gb_per_s']:.2f} GB/s incl. resharding)",
+    )
+    t.add_row(
+        "loss continuity",
+        ", ".join(f"step {st}: {a:.6f} → {b:.6f}" for st, a, b in zip(k["steps"], k["before"], k["after"]))
+        + f"  (max rel. diff {k['max_relative_difference']:.1e})",
+    )
     t.add_row("final", f"step {r['final_step']}, loss {r['final_loss']:.6f}")
     rs = s.reshape
-    t.add_row("ucp reshape", f"consolidated {rs['files']} file, {rs['bytes_written'] / 1e9:.3f} GB in "
-              f"{rs['seconds']:.2f} s ({rs['bytes_written'] / max(rs['seconds'], 1e-9) / 1e9:.2f} GB/s)")
+    t.add_row(
+        "ucp reshape",
+        f"consolidated {rs['files']} file, {rs['bytes_written'] / 1e9:.3f} GB in "
+        f"{rs['seconds']:.2f} s ({rs['bytes_written'] / max(rs['seconds'], 1e-9) / 1e9:.2f} GB/s)",
+    )
     ex = s.export
-    t.add_row("ucp export", f"Hugging Face safetensors (bf16), {ex.get('tensors')} tensors, "
-              f"{ex.get('bytes', 0) / 1e6:.1f} MB in {ex.get('seconds', 0):.2f} s → {ex.get('dst')}")
+    t.add_row(
+        "ucp export",
+        f"Hugging Face safetensors (bf16), {ex.get('tensors')} tensors, "
+        f"{ex.get('bytes', 0) / 1e6:.1f} MB in {ex.get('seconds', 0):.2f} s → {ex.get('dst')}",
+    )
     t.add_row("files", f"{s.workdir}  (checkpoints/, consolidated/, hf/)")
     t.add_row("total", f"{s.seconds:.0f} s")
     out.print()

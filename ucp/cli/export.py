@@ -14,8 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import fail, out, prefetching, progress_bar, source_reads_start
-from .inspect import EXIT_BAD_INPUT, _one_line, human_bytes, parse_storage_options
+from ucp.cli.common import fail, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.inspect import EXIT_BAD_INPUT, _one_line, human_bytes, parse_storage_options
 
 
 class ExportFormat(str, enum.Enum):
@@ -32,23 +32,47 @@ class CompressorName(str, enum.Enum):
 def export_cmd(
     src: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL.")],
     dst: Annotated[str, typer.Argument(help="Output directory (created; a zarr group for --format zarr).")],
-    format: Annotated[ExportFormat, typer.Option("--format", "-f", help="hf: safetensors files; zarr: a zarr v3 group.")] = ExportFormat.hf,
-    section: Annotated[Optional[str], typer.Option(
-        "--section", help="State subtree to export, e.g. 'model', 'optimizer.exp_avg'; 'all' for every tensor "
-                          "(full names). Default: 'model' when present, else all.")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64, fp8_e4m3, fp8_e5m2 (or torch dtype names).")] = None,
-    max_shard_size: Annotated[Optional[str], typer.Option(
-        "--max-shard-size", help="hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB).")] = None,
-    memory_budget: Annotated[str, typer.Option(
-        "--memory-budget", help="Tensor bytes held in memory at once (a larger tensor is read alone).")] = "512MiB",
-    compressor: Annotated[CompressorName, typer.Option("--compressor", help="zarr: chunk compression.")] = CompressorName.zstd,
-    level: Annotated[Optional[int], typer.Option("--level", help="zarr: compression level (zstd 3, blosc 5 by default).")] = None,
+    format: Annotated[
+        ExportFormat, typer.Option("--format", "-f", help="hf: safetensors files; zarr: a zarr v3 group.")
+    ] = ExportFormat.hf,
+    section: Annotated[
+        Optional[str],
+        typer.Option(
+            "--section",
+            help="State subtree to export, e.g. 'model', 'optimizer.exp_avg'; 'all' for every tensor "
+            "(full names). Default: 'model' when present, else all.",
+        ),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64, fp8_e4m3, fp8_e5m2 (or torch dtype names)."
+        ),
+    ] = None,
+    max_shard_size: Annotated[
+        Optional[str],
+        typer.Option(
+            "--max-shard-size", help="hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB)."
+        ),
+    ] = None,
+    memory_budget: Annotated[
+        str,
+        typer.Option("--memory-budget", help="Tensor bytes held in memory at once (a larger tensor is read alone)."),
+    ] = "512MiB",
+    compressor: Annotated[
+        CompressorName, typer.Option("--compressor", help="zarr: chunk compression.")
+    ] = CompressorName.zstd,
+    level: Annotated[
+        Optional[int], typer.Option("--level", help="zarr: compression level (zstd 3, blosc 5 by default).")
+    ] = None,
     chunk_mb: Annotated[float, typer.Option("--chunk-mb", help="zarr: target chunk size in MiB.")] = 32.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists and is not empty.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32C check of the data read.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the ExportReport as JSON on stdout.")] = False,
-    storage_options: Annotated[Optional[str], typer.Option(
-        "--storage-options", help="fsspec options for SRC as JSON, e.g. '{\"anon\": true}'.")] = None,
+    storage_options: Annotated[
+        Optional[str],
+        typer.Option("--storage-options", help="fsspec options for SRC as JSON, e.g. '{\"anon\": true}'."),
+    ] = None,
 ) -> None:
     """Export a checkpoint to Hugging Face safetensors or zarr, streaming within a memory budget.
 
@@ -57,8 +81,8 @@ def export_cmd(
     options = parse_storage_options(storage_options)
     with prefetching(src):
         import ucp
-        from ucp.exporters import ExportError, export, parse_size
-        from ucp.exporters.output import check_destination
+        from ucp.convert.exporters import ExportError, export, parse_size
+        from ucp.convert.exporters.output import check_destination
 
         source_reads_start()
 
@@ -66,8 +90,15 @@ def export_cmd(
         if format is ExportFormat.zarr:
             kwargs = {"compressor": compressor.value, "level": level, "chunk_bytes": _chunk_bytes(chunk_mb)}
         else:
-            given = [name for name, value in (("--compressor", compressor is not CompressorName.zstd), ("--level", level is not None),
-                                              ("--chunk-mb", chunk_mb != 32.0)) if value]
+            given = [
+                name
+                for name, value in (
+                    ("--compressor", compressor is not CompressorName.zstd),
+                    ("--level", level is not None),
+                    ("--chunk-mb", chunk_mb != 32.0),
+                )
+                if value
+            ]
             if given:
                 raise fail(f"{', '.join(given)} apply to --format zarr only", EXIT_BAD_INPUT)
         try:
@@ -82,9 +113,20 @@ def export_cmd(
                 def progress(done: int, total: int, name: str) -> None:
                     update(-(-done >> 20), -(-total >> 20), name)
 
-                report = export(src, dst, format=format.value, section=section, dtype=dtype, max_shard_size=shard,
-                                memory_budget=budget, overwrite=overwrite, verify=not no_verify, progress=progress,
-                                storage_options=options, **kwargs)
+                report = export(
+                    src,
+                    dst,
+                    format=format.value,
+                    section=section,
+                    dtype=dtype,
+                    max_shard_size=shard,
+                    memory_budget=budget,
+                    overwrite=overwrite,
+                    verify=not no_verify,
+                    progress=progress,
+                    storage_options=options,
+                    **kwargs,
+                )
         except ExportError as exc:
             raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
         except (ucp.NotACheckpointError, ucp.ManifestError, ucp.UnsupportedFormatError) as exc:
@@ -96,17 +138,22 @@ def export_cmd(
             return
         cast = f", cast to {report.dtype}" if report.dtype else ""
         what = f"section {report.section!r}" if report.section else "all tensors"
-        out.print(f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
-                  f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
-                  f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s", highlight=False)
+        out.print(
+            f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
+            f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
+            f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s",
+            highlight=False,
+        )
 
 
 def _chunk_bytes(chunk_mb: float) -> int:
     """--chunk-mb in bytes; exit 2 unless it is a finite number of MiB of at least one byte."""
     size = chunk_mb * (1 << 20)
     if not math.isfinite(size) or size < 1:
-        raise fail(f"--chunk-mb must be a finite number of MiB greater than 0 (at least one byte), got {chunk_mb}",
-                   EXIT_BAD_INPUT)
+        raise fail(
+            f"--chunk-mb must be a finite number of MiB greater than 0 (at least one byte), got {chunk_mb}",
+            EXIT_BAD_INPUT,
+        )
     return int(size)
 
 

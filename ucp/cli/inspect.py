@@ -19,10 +19,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 from pydantic import BaseModel, Field
-
 from rich.markup import escape
 
-from .common import err, fail, out
+from ucp.cli.common import err, fail, out
 
 EXIT_BAD_INPUT = 2  # not a checkpoint, unreadable or invalid manifest
 
@@ -107,7 +106,7 @@ def _piece_info(p: Any) -> PieceInfo:
 
 def _plain(node: Any) -> Any:
     """A state-tree node without tensors as a JSON value (tags resolved; non-finite floats as strings)."""
-    from ucp.tree import dict_items, node_kind
+    from ucp.format.tree import dict_items, node_kind
 
     kind = node_kind(node)
     if kind == "scalar":
@@ -122,7 +121,7 @@ def _plain(node: Any) -> Any:
 
 
 def _is_plain_sequence(node: Any) -> bool:
-    from ucp.tree import node_kind
+    from ucp.format.tree import node_kind
 
     kind = node_kind(node)
     items = node if kind == "list" else node["tuple"] if kind == "tuple" else None
@@ -131,7 +130,7 @@ def _is_plain_sequence(node: Any) -> bool:
 
 def state_values(node: Any, path: str = "") -> list[StateValue]:
     """Every non-tensor leaf of a manifest's state tree, in order."""
-    from ucp.tree import dict_items, node_kind
+    from ucp.format.tree import dict_items, node_kind
 
     kind = node_kind(node)
     if kind == "tensor":
@@ -156,20 +155,30 @@ def state_values(node: Any, path: str = "") -> list[StateValue]:
 
 def build_report(path: str, manifest: Any) -> InspectReport:
     """An :class:`InspectReport` from a checked ``ucp.Manifest``."""
-    from ucp.dtypes import itemsize
+    from ucp.format.dtypes import itemsize
 
     tensors, dtypes = [], {}
     per_file: dict[str, list[int]] = {name: [0, 0] for name in manifest.files}  # pieces, bytes
     for name, t in manifest.tensors.items():
         nbytes = math.prod(t.shape) * itemsize(t.dtype)
         dtypes[t.dtype] = dtypes.get(t.dtype, 0) + nbytes
-        tensors.append(TensorInfo(name=name, dtype=t.dtype, shape=list(t.shape), numel=math.prod(t.shape), bytes=nbytes,
-                                  pieces=[_piece_info(p) for p in t.pieces]))
+        tensors.append(
+            TensorInfo(
+                name=name,
+                dtype=t.dtype,
+                shape=list(t.shape),
+                numel=math.prod(t.shape),
+                bytes=nbytes,
+                pieces=[_piece_info(p) for p in t.pieces],
+            )
+        )
         for p in t.pieces:
             per_file[p.file][0] += 1
             per_file[p.file][1] += p.length
-    files = [FileSummary(name=n, rank=f.rank, size=f.size, pieces=per_file[n][0], tensor_bytes=per_file[n][1])
-             for n, f in manifest.files.items()]
+    files = [
+        FileSummary(name=n, rank=f.rank, size=f.size, pieces=per_file[n][0], tensor_bytes=per_file[n][1])
+        for n, f in manifest.files.items()
+    ]
     return InspectReport(
         path=path,
         format_version=manifest.format_version,
@@ -226,8 +235,9 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
         shown = [f"{p.file}: {p.placement()}" for p in t.pieces[:max_pieces]]
         if len(t.pieces) > max_pieces:
             shown.append(f"… (+{len(t.pieces) - max_pieces} more)")
-        table.add_row(escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)),
-                      human_bytes(t.bytes))
+        table.add_row(
+            escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)), human_bytes(t.bytes)
+        )
     out.print(table)
 
     files = Table(title="data files", title_justify="left")
@@ -275,7 +285,9 @@ def inspect_cmd(
     tensor: Annotated[
         Optional[str], typer.Option("--tensor", "-t", help="Only tensors whose name matches this glob, e.g. 'model.*'.")
     ] = None,
-    max_pieces: Annotated[int, typer.Option("--max-pieces", min=1, help="Placements shown per tensor in the table.")] = 4,
+    max_pieces: Annotated[
+        int, typer.Option("--max-pieces", min=1, help="Placements shown per tensor in the table.")
+    ] = 4,
     storage_options: Annotated[
         Optional[str], typer.Option("--storage-options", help="fsspec options as JSON, e.g. '{\"anon\": true}'.")
     ] = None,
@@ -296,8 +308,12 @@ def inspect_cmd(
     if tensor is not None:
         report.tensors = [t for t in report.tensors if fnmatch.fnmatchcase(t.name, tensor)]
         if not report.tensors:  # an empty answer, not an error; but a typo should not pass unnoticed
-            err.print(f"[yellow]note:[/yellow] no tensor matches {escape(repr(tensor))} "
-                      f"(the checkpoint holds {report.tensor_count})", highlight=False, soft_wrap=True)
+            err.print(
+                f"[yellow]note:[/yellow] no tensor matches {escape(repr(tensor))} "
+                f"(the checkpoint holds {report.tensor_count})",
+                highlight=False,
+                soft_wrap=True,
+            )
     if json_output:
         typer.echo(report.model_dump_json(indent=2))
     else:
@@ -318,8 +334,11 @@ def unreadable_message(path: str, exc: BaseException) -> str:
     from ucp.errors import CheckpointError
 
     text = _one_line(exc)
-    if not isinstance(exc, CheckpointError) and not (isinstance(exc, OSError) and exc.filename is not None) \
-            and path not in text:
+    if (
+        not isinstance(exc, CheckpointError)
+        and not (isinstance(exc, OSError) and exc.filename is not None)
+        and path not in text
+    ):
         text = f"{path}: {text}"
     return text
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from .common import out
-from .inspect import bad_input
+from ucp.cli.common import out
+from ucp.cli.inspect import bad_input
 
 if TYPE_CHECKING:
     from ucp.manager import CheckpointInfo
@@ -34,8 +34,9 @@ def human_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def resume_latest(root: str, infos: list[CheckpointInfo],
-                  pointer: tuple[int, str] | None) -> tuple[CheckpointInfo | None, str | None]:
+def resume_latest(
+    root: str, infos: list[CheckpointInfo], pointer: tuple[int, str] | None
+) -> tuple[CheckpointInfo | None, str | None]:
     """(the entry a resume loads, a note when that is not simply what the pointer names)."""
     from ucp.manager import LATEST, resume_choice
 
@@ -55,7 +56,9 @@ def resume_latest(root: str, infos: list[CheckpointInfo],
 
 def ls_cmd(
     root: Annotated[str, typer.Argument(help="A CheckpointManager root (holding step-NNNNNNNN/ directories).")],
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")
+    ] = False,
 ) -> None:
     """List the checkpoints under ROOT: step, size, status (complete / saving / temp leftovers ...), latest.
 
@@ -91,8 +94,14 @@ def ls_cmd(
     if not infos:
         out.print(f"no checkpoints under {escape(root)}", highlight=False)
         return
-    styles = {"complete": "green", "saving": "cyan", "temp": "yellow", "old": "dim", "incomplete": "red",
-              "corrupt": "bold red"}
+    styles = {
+        "complete": "green",
+        "saving": "cyan",
+        "temp": "yellow",
+        "old": "dim",
+        "incomplete": "red",
+        "corrupt": "bold red",
+    }
     table = Table(title=escape(root), title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("name")

@@ -23,8 +23,8 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from .common import command_line, out, parse_size, prefetching, progress_bar, source_reads_start
-from .inspect import _one_line, bad_input
+from ucp.cli.common import command_line, out, parse_size, prefetching, progress_bar, source_reads_start
+from ucp.cli.inspect import _one_line, bad_input
 
 EXIT_PROBLEMS = 1  # --verify found problems in what was written (bad input: 2, inspect.bad_input)
 
@@ -36,14 +36,31 @@ def reshape_cmd(
     pp: Annotated[Optional[int], typer.Option("--pp", min=1, help="Target pipeline-parallel size.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Target data-parallel size.")] = None,
     zero: Annotated[Optional[int], typer.Option("--zero", min=0, max=3, help="Target ZeRO stage (0-3).")] = None,
-    layout_file: Annotated[Optional[Path], typer.Option("--layout", help="A layout JSON file (docs/patterns.md) "
-                                                        "as the target; the flags above override its mesh/stage.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="Base layout: the reference GPT preset of this name "
-                                                 "(for checkpoints that recorded no layout).")] = None,
-    memory_budget: Annotated[str, typer.Option("--memory-budget", help=(
-        "Bytes of data buffers (batches read and written, their read staging) held at once; at least 1 MiB "
-        "(a small budget writes fewer files at once). Pieces larger than a batch are read and written part by "
-        "part, so large tensors do not raise the peak (docs/architecture.md)."))] = "512MiB",
+    layout_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--layout",
+            help="A layout JSON file (docs/patterns.md) as the target; the flags above override its mesh/stage.",
+        ),
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            help="Base layout: the reference GPT preset of this name (for checkpoints that recorded no layout).",
+        ),
+    ] = None,
+    memory_budget: Annotated[
+        str,
+        typer.Option(
+            "--memory-budget",
+            help=(
+                "Bytes of data buffers (batches read and written, their read staging) held at once; at least 1 MiB "
+                "(a small budget writes fewer files at once). Pieces larger than a batch are read and written part by "
+                "part, so large tensors do not raise the peak (docs/architecture.md)."
+            ),
+        ),
+    ] = "512MiB",
     workers: Annotated[int, typer.Option("--workers", min=1, help="Target files written in parallel.")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it is a checkpoint.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Read DST back and check every CRC.")] = False,
@@ -51,9 +68,8 @@ def reshape_cmd(
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
     from reshard import LayoutError
-
+    from ucp.convert.reshape import MIN_MEMORY_BUDGET
     from ucp.errors import CheckpointError
-    from ucp.reshape import MIN_MEMORY_BUDGET
 
     budget = parse_size(memory_budget, "--memory-budget")
     if budget < MIN_MEMORY_BUDGET:
@@ -67,17 +83,28 @@ def reshape_cmd(
         raise bad_input(f"{type(exc).__name__}: {_one_line_keeping_diagram(exc)}") from None
     peak_rss = _peak_rss()
     problems = _read_back(dst) if verify else None
-    doc = {**report.model_dump(mode="json"), "peak_rss_bytes": peak_rss, "command": command_line(),
-           "verified": None if problems is None else not problems, "problems": problems}
+    doc = {
+        **report.model_dump(mode="json"),
+        "peak_rss_bytes": peak_rss,
+        "command": command_line(),
+        "verified": None if problems is None else not problems,
+        "problems": problems,
+    }
     if json_output:
         typer.echo(json.dumps(doc, indent=2))
     else:
-        what = "consolidated" if target is None else (
-            f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
+        what = (
+            "consolidated"
+            if target is None
+            else (f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
+        )
         gbps = report.bytes_written / max(report.seconds, 1e-9) / 1e9
-        out.print(f"[green]reshaped[/green] {escape(src)} -> {escape(dst)} ({what}): {report.files} files, "
-                  f"{report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s "
-                  f"({gbps:.2f} GB/s), peak RSS {peak_rss / 2**20:.0f} MiB", highlight=False)
+        out.print(
+            f"[green]reshaped[/green] {escape(src)} -> {escape(dst)} ({what}): {report.files} files, "
+            f"{report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s "
+            f"({gbps:.2f} GB/s), peak RSS {peak_rss / 2**20:.0f} MiB",
+            highlight=False,
+        )
         if problems is not None:
             out.print("verified: every CRC matches" if not problems else f"[red]{len(problems)} problems[/red]")
         for p in problems or ():
@@ -95,8 +122,10 @@ def _read_back(dst: str) -> list[dict[str, Any]]:
         report = ucp.verify(dst)
     except (OSError, ValueError) as exc:  # ucp.CheckpointError is a ValueError
         return [{"kind": type(exc).__name__, "message": _one_line(exc)}]
-    return [{"kind": p.kind, "message": p.message, **{k: getattr(p, k, None) for k in ("file", "tensor", "offset")}}
-            for p in report.problems]
+    return [
+        {"kind": p.kind, "message": p.message, **{k: getattr(p, k, None) for k in ("file", "tensor", "offset")}}
+        for p in report.problems
+    ]
 
 
 def _one_line_keeping_diagram(exc: BaseException) -> str:
@@ -120,14 +149,20 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zero: int | None,
-                   layout_file: Path | None, model: str | None):  # -> reshard.Layout | None
+def _target_layout(
+    src: str,
+    tp: int | None,
+    pp: int | None,
+    dp: int | None,
+    zero: int | None,
+    layout_file: Path | None,
+    model: str | None,
+):  # -> reshard.Layout | None
     """The target layout from the options and what SRC recorded; None means consolidate."""
     from reshard import Layout, LayoutError
     from reshard.layout import validation_line
-
-    from ucp.placement import recorded_layout
-    from ucp.reader import read_checkpoint_manifest
+    from ucp.convert.placement import recorded_layout
+    from ucp.store.reader import read_checkpoint_manifest
 
     flags = {k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v is not None}
     if layout_file is None and not flags and zero is None:
@@ -147,8 +182,9 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
         manifest, source = read_checkpoint_manifest(src), f"{src}/manifest.json"
         base = recorded_layout(manifest, source=source).layout
         if base is None:
-            raise LayoutError(f"{src} records no layout (metadata.layout); give one with --layout FILE "
-                              "or --model PRESET")
+            raise LayoutError(
+                f"{src} records no layout (metadata.layout); give one with --layout FILE or --model PRESET"
+            )
     stage = base.zero.stage if zero is None else zero
     try:
         mesh = type(base.mesh).model_validate(base.mesh.model_copy(update=flags).model_dump())
@@ -158,11 +194,18 @@ def _target_layout(src: str, tp: int | None, pp: int | None, dp: int | None, zer
 
 
 def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool, quiet: bool):
-    from ucp.reshape import reshape
+    from ucp.convert.reshape import reshape
 
     with progress_bar("reshape (MiB)", enabled=not quiet) as update:
-        return reshape(src, dst, layout=target, memory_budget=budget, workers=workers, overwrite=overwrite,
-                       progress=lambda done, total, what: update(-(-done >> 20), -(-total >> 20), what))
+        return reshape(
+            src,
+            dst,
+            layout=target,
+            memory_budget=budget,
+            workers=workers,
+            overwrite=overwrite,
+            progress=lambda done, total, what: update(-(-done >> 20), -(-total >> 20), what),
+        )
 
 
 def register(app: typer.Typer) -> None:

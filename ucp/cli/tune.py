@@ -10,28 +10,42 @@ from typing import Annotated, Optional
 import typer
 
 from ucp.bench.common import MAX_SIZE_GIB
-
-from .common import fail, load_aio_config, out, progress_bar, split_csv
+from ucp.cli.common import fail, load_aio_config, out, progress_bar, split_csv
 
 
 def tune(
     directory: Annotated[
-        Optional[Path], typer.Option("--dir", help="Directory on the disk to tune for. Default: a temp dir under the current directory.")
+        Optional[Path],
+        typer.Option(
+            "--dir", help="Directory on the disk to tune for. Default: a temp dir under the current directory."
+        ),
     ] = None,
     size_gib: Annotated[
-        float, typer.Option("--size-gib", min=0.0001, help=f"GiB written and read per candidate (at most {MAX_SIZE_GIB:.0f}).")
+        float,
+        typer.Option(
+            "--size-gib", min=0.0001, help=f"GiB written and read per candidate (at most {MAX_SIZE_GIB:.0f})."
+        ),
     ] = 1.0,
-    quick: Annotated[bool, typer.Option("--quick", help="A smaller grid: block 1M/8M, queue depth 8/32, 4 threads.")] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A smaller grid: block 1M/8M, queue depth 8/32, 4 threads.")
+    ] = False,
     engines: Annotated[Optional[str], typer.Option("--engines", help="Comma list: libaio, threads.")] = None,
     block_sizes: Annotated[Optional[str], typer.Option("--block-sizes", help="Comma list, e.g. 1M,4M,8M,16M.")] = None,
     queue_depths: Annotated[Optional[str], typer.Option("--queue-depths", help="Comma list, e.g. 8,32.")] = None,
-    thread_counts: Annotated[Optional[str], typer.Option("--threads", help="Comma list for the threads engine, e.g. 4,8.")] = None,
+    thread_counts: Annotated[
+        Optional[str], typer.Option("--threads", help="Comma list for the threads engine, e.g. 4,8.")
+    ] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measurements per candidate (median).")] = 1,
     base_config: Annotated[
-        Optional[Path], typer.Option("--aio-config", help="JSON aio config whose other fields (alignment, use_direct...) are kept.")
+        Optional[Path],
+        typer.Option("--aio-config", help="JSON aio config whose other fields (alignment, use_direct...) are kept."),
     ] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the best config (JSON) to this file.")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: the best config and every trial.")] = False,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Also write the best config (JSON) to this file.")
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object: the best config and every trial.")
+    ] = False,
 ) -> None:
     """Find the fastest aio configuration for a directory; print it as UCP and DeepSpeed config.
 

@@ -17,11 +17,10 @@ from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from pydantic import BaseModel, Field
-
 from rich.markup import escape
 
-from .common import err, out
-from .inspect import EXIT_BAD_INPUT, human_bytes, load_storage_options, unreadable_message
+from ucp.cli.common import err, out
+from ucp.cli.inspect import EXIT_BAD_INPUT, human_bytes, load_storage_options, unreadable_message
 
 EXIT_OK, EXIT_PROBLEMS = 0, 1
 # Problems that mean "this is not a readable checkpoint" rather than "its data is damaged".
@@ -83,10 +82,18 @@ def to_output(report: Any, seconds: float) -> VerifyOutput:
     unreadable = any(p.kind in MANIFEST_KINDS or p.file is None for p in problems)
     code = EXIT_OK if report.ok else (EXIT_BAD_INPUT if unreadable else EXIT_PROBLEMS)
     return VerifyOutput(
-        path=report.path, ok=report.ok, exit_code=code, format_version=report.format_version, step=report.step,
-        files_checked=report.files_checked, tensors=report.tensors, pieces_checked=report.pieces_checked,
-        bytes_checked=report.bytes_checked, bytes_total=getattr(report, "bytes_total", report.bytes_checked),
-        seconds=round(seconds, 3), problems=problems,
+        path=report.path,
+        ok=report.ok,
+        exit_code=code,
+        format_version=report.format_version,
+        step=report.step,
+        files_checked=report.files_checked,
+        tensors=report.tensors,
+        pieces_checked=report.pieces_checked,
+        bytes_checked=report.bytes_checked,
+        bytes_total=getattr(report, "bytes_total", report.bytes_checked),
+        seconds=round(seconds, 3),
+        problems=problems,
     )
 
 
@@ -96,11 +103,17 @@ def _byte_progress(description: str) -> Iterator[Callable[[int, int], None] | No
     if not err.is_terminal:
         yield None
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
         task = bar.add_task(description, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -118,8 +131,11 @@ def _print(result: VerifyOutput) -> None:
     if result.exit_code == EXIT_BAD_INPUT:
         _print_errors(result)
         return
-    out.print(f"[bold red]PROBLEMS[/bold red] {escape(result.path)}: {len(result.problems)} file(s) failed the "
-              f"check ({result.files_checked} files passed)", highlight=False)
+    out.print(
+        f"[bold red]PROBLEMS[/bold red] {escape(result.path)}: {len(result.problems)} file(s) failed the "
+        f"check ({result.files_checked} files passed)",
+        highlight=False,
+    )
     for p in result.problems:
         # UCP's messages start with their location (tensor, file, offset); add the file when one does not.
         text = p.message if p.file is None or repr(p.file) in p.message else f"file {p.file!r}: {p.message}"
@@ -134,8 +150,13 @@ def _print_errors(result: VerifyOutput) -> None:
 
 def _bad_input(path: str, kind: str, message: str, seconds: float = 0.0) -> VerifyOutput:
     """The output when nothing could be checked (a bad option, a checkpoint that cannot be opened): exit 2."""
-    return VerifyOutput(path=path, ok=False, exit_code=EXIT_BAD_INPUT, seconds=round(seconds, 3),
-                        problems=[ProblemOut(kind=kind, message=message)])
+    return VerifyOutput(
+        path=path,
+        ok=False,
+        exit_code=EXIT_BAD_INPUT,
+        seconds=round(seconds, 3),
+        problems=[ProblemOut(kind=kind, message=message)],
+    )
 
 
 def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:

@@ -1,0 +1,1 @@
+"""Conversions: reshape to another layout, importers of foreign checkpoints, exporters."""

@@ -1,0 +1,79 @@
+"""Reading the tensors to export in batches that fit a memory budget.
+
+An export must not need the whole checkpoint in memory: tensors are read a batch
+at a time, each batch holding at most ``budget`` bytes of tensors (a tensor larger
+than the budget is read alone). A tensor's cost is its stored size, plus its
+output size when it is cast (both copies exist for a moment). Reads go through
+``ucp.loading.partial.read_targets``, which reads only the byte ranges of the batch's
+tensors, assembling sharded tensors from their pieces and checking CRCs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from reshard.box import Box
+from ucp.convert.exporters.selection import ExportTensor
+from ucp.format.manifest import Manifest
+from ucp.loading.partial import SourceIndex, Target, read_targets
+from ucp.store.storage import Storage
+
+DEFAULT_MEMORY_BUDGET = 512 << 20
+
+
+def tensor_cost(t: ExportTensor) -> int:
+    """Bytes held while ``t`` is in a batch."""
+    return t.nbytes + (t.out_nbytes if t.cast else 0)
+
+
+def plan_batches(costs: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of indices whose costs sum to at most ``budget`` (an over-budget item alone)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for i, cost in enumerate(costs):
+        if current and held + cost > budget:
+            batches.append(current)
+            current, held = [], 0
+        current.append(i)
+        held += cost
+    if current:
+        batches.append(current)
+    return batches
+
+
+def read_batches(
+    storage: Storage,
+    name: str,
+    manifest: Manifest,
+    tensors: Sequence[ExportTensor],
+    *,
+    budget: int = DEFAULT_MEMORY_BUDGET,
+    verify: bool = True,
+) -> Iterator[list[tuple[ExportTensor, torch.Tensor]]]:
+    """Yield the tensors, in the given order, as batches of (tensor, full contiguous value in its output dtype)."""
+    index = SourceIndex.of(manifest)  # shared by the batches: headers checked once
+    batches = plan_batches([tensor_cost(t) for t in tensors], budget)
+    for k, batch in enumerate(batches):
+        chosen = [tensors[i] for i in batch]
+        values = [torch.empty(t.shape, dtype=t.dtype) for t in chosen]
+        targets = [Target(t.name, v, Box.full(t.shape)) for t, v in zip(chosen, values) if v.numel()]
+        read_targets(storage, name, manifest, targets, verify=verify, index=index)
+        if k == len(batches) - 1:  # before the last batch goes out (a consumer may stop taking batches then):
+            index.finish(storage, name)  # complete the checks of pieces checksummed span by span
+        out = [(t, v.to(t.out_dtype) if t.cast else v) for t, v in zip(chosen, values)]
+        del values, targets, chosen
+        yield out  # consumers pop() from it: each tensor is freed as soon as it is written
+        del out
+
+
+def one_by_one(
+    batches: Iterator[list[tuple[ExportTensor, torch.Tensor]]],
+) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
+    """The batches' items in order, each dropped from its batch as it is handed out (so memory frees early)."""
+    for batch in batches:
+        batch.reverse()
+        while batch:
+            yield batch.pop()

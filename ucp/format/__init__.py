@@ -1,0 +1,1 @@
+"""The on-disk format's models: manifest, state tree, dtypes, sharding boxes, regions."""

@@ -1,0 +1,162 @@
+"""How a rank says "this local tensor is part of a bigger one": ShardedTensor and FlatShard.
+
+A plain ``torch.Tensor`` in a state dict is the whole logical tensor (and, in a
+multi-rank save, the same on every rank). Wrapping the local tensor says which
+part of the global tensor it is, so that save writes each part once and load can
+fill any other layout from it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
+
+from reshard.box import Box, FlatRange
+
+
+def _ints(values: Sequence[int], what: str) -> tuple[int, ...]:
+    out = tuple(int(v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{what} must be non-negative, got {list(out)}")
+    return out
+
+
+@dataclass(eq=False)
+class ShardedTensor:
+    """``local`` occupies the N-d box ``[offsets, offsets + local.shape)`` of a tensor of ``global_shape``.
+
+    Ranks holding the same box (data-parallel replicas) give it distinct ``replica_id``;
+    only replica 0 writes it.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_torch_tensor(self.local):
+            raise TypeError(f"ShardedTensor.local must be a torch.Tensor, got {type(self.local).__name__}")
+        self.global_shape = _ints(self.global_shape, "global_shape")
+        self.offsets = _ints(self.offsets, "offsets")
+        self.replica_id = int(self.replica_id)
+        if not (len(self.global_shape) == len(self.offsets) == self.local.dim()):
+            raise ValueError(
+                f"ShardedTensor: local tensor of rank {self.local.dim()}, global_shape {list(self.global_shape)} "
+                f"and offsets {list(self.offsets)} must all have the same rank"
+            )
+        if not self.box.within(self.global_shape):
+            raise ValueError(
+                f"ShardedTensor: box offsets {list(self.offsets)} + local shape {list(self.local.shape)} "
+                f"lies outside global_shape {list(self.global_shape)}"
+            )
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, tuple(self.local.shape))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+
+@dataclass(eq=False)
+class FlatShard:
+    """``local_1d`` holds elements ``[start, start + numel)`` of the row-major flattening of a tensor of ``global_shape``.
+
+    This is how ZeRO-style optimizers partition parameters: a flat buffer cut at arbitrary
+    element boundaries. Ranks holding the same range give it distinct ``replica_id``.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    start: int
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_torch_tensor(self.local):
+            raise TypeError(f"FlatShard.local must be a torch.Tensor, got {type(self.local).__name__}")
+        if self.local.dim() != 1:
+            raise ValueError(f"FlatShard.local must be 1-d, got shape {list(self.local.shape)}")
+        self.global_shape = _ints(self.global_shape, "global_shape")
+        self.start = int(self.start)
+        self.replica_id = int(self.replica_id)
+        total = math.prod(self.global_shape)
+        if self.start < 0 or self.stop > total:
+            raise ValueError(
+                f"FlatShard: range [{self.start}, {self.stop}) lies outside the {total} elements "
+                f"of global_shape {list(self.global_shape)}"
+            )
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.local.numel()
+
+    @property
+    def range(self) -> FlatRange:
+        return FlatRange(self.start, self.stop)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+
+class Shards:
+    """Several regions of ONE global tensor held by this rank (one logical tensor, one name).
+
+    Tensor parallelism gives a rank non-adjacent parts of a tensor: a fused-QKV shard
+    holds its rows of q, k and v (3 boxes), a ZeRO flat partition of a row-parallel
+    shard up to 3 flat ranges. Each part keeps its own ``replica_id``; parts may be
+    views of one local tensor. Save writes each part as its own piece.
+    """
+
+    def __init__(self, parts: Sequence[ShardedTensor | FlatShard]) -> None:
+        parts = list(parts)
+        if not parts:
+            raise ValueError("Shards needs at least one part")
+        for i, p in enumerate(parts):
+            if not isinstance(p, (ShardedTensor, FlatShard)):
+                raise TypeError(f"Shards part {i} must be a ShardedTensor or FlatShard, got {type(p).__name__}")
+        first = parts[0]
+        for i, p in enumerate(parts[1:], 1):
+            if p.global_shape != first.global_shape:
+                raise ValueError(
+                    f"Shards part {i} has global_shape {list(p.global_shape)}, part 0 has {list(first.global_shape)}"
+                )
+            if p.dtype != first.dtype:
+                raise ValueError(f"Shards part {i} has dtype {p.dtype}, part 0 has {first.dtype}")
+        self.parts: tuple[ShardedTensor | FlatShard, ...] = tuple(parts)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.parts[0].global_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def __repr__(self) -> str:
+        return f"Shards({len(self.parts)} parts of {list(self.global_shape)} {self.dtype})"
+
+
+TensorLike = Union["torch.Tensor", ShardedTensor, FlatShard, Shards]
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    """isinstance(obj, torch.Tensor) without importing torch: where it was never imported, nothing is one."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def is_tensor_like(obj: object) -> bool:
+    return isinstance(obj, (ShardedTensor, FlatShard, Shards)) or _is_torch_tensor(obj)
+
+
+def parts_of(value: TensorLike) -> tuple[torch.Tensor | ShardedTensor | FlatShard, ...]:
+    """The single-region values a leaf is made of: a Shards leaf's parts, else the value itself."""
+    return value.parts if isinstance(value, Shards) else (value,)

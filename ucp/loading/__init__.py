@@ -1,0 +1,1 @@
+"""Loading: whole state dicts, partial (``into=``) reads, end-to-end verification."""

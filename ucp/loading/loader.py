@@ -1,0 +1,305 @@
+"""``ucp.load``: a whole state dict back, or fill an existing (possibly differently sharded) one in place.
+
+Whole loads read every data file in one sequential pass into a page-aligned
+buffer (``reader.read_whole_file``: segments in flight while earlier ones are
+checksummed). A tensor stored as a single piece comes back as a view on that
+buffer (no copy: measured faster than copying, since fresh memory is costly to
+fault in); tensors stored in several pieces are assembled into new tensors, and
+when those make up most of a file the single-piece ones are copied out too, so
+the file buffer can be freed.
+
+``into=`` loads walk the given structure next to the manifest's state tree and
+work out, for every tensor to fill, which stored pieces intersect its box or
+flat range (``reshard.box``). Only those pieces are read: all of each piece
+when verifying its CRC, just the needed span of it otherwise. A piece whose
+layout equals its target's is read straight into the target's memory (see
+``ucp.loading.partial``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aio import AioConfig
+from reshard.box import Box
+from ucp.dist import resolve_group
+from ucp.errors import CheckpointError, LayoutMismatchError
+from ucp.format.dtypes import torch_dtype
+from ucp.format.manifest import Manifest, TensorEntry, parse_manifest
+from ucp.format.regions import copy_region
+from ucp.format.sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
+from ucp.format.tree import decode_state, dict_items, node_kind, path_str, plain_key, tensor_refs
+from ucp.loading.partial import Target, read_targets
+from ucp.store.reader import FileBuffer, FilePiece, check_data_files, pieces_by_file, read_manifest, read_whole_file
+from ucp.store.storage import Storage, as_aio_config, open_storage
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    into: dict[str, Any] | None = None,
+    verify: bool = True,
+    process_group: Any = None,
+    aio_config: AioConfig | dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path``.
+
+    Without ``into`` returns the saved state dict, sharded tensors assembled into full
+    ones. With ``into`` fills that structure in place (tensors ``copy_``'d with a dtype
+    cast where needed, ShardedTensor/FlatShard locals with their part, other values
+    replaced) reading only the bytes it needs, and returns it. ``verify`` checks the
+    CRC-32C of every piece read. With an explicit ``process_group`` rank 0 reads the
+    manifest and broadcasts it; without, every rank reads it itself (no collectives).
+    Every data file's size is checked against the manifest before anything is allocated.
+    """
+    storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
+    with storage:
+        manifest = _manifest(storage, name, process_group)
+        if into is None:
+            return load_full(storage, name, manifest, verify=verify)
+        return load_into(storage, name, manifest, into, verify=verify)
+
+
+def _manifest(storage: Storage, name: str, process_group: Any) -> Manifest:
+    if process_group is None:
+        return read_manifest(storage, name)
+    group = resolve_group(process_group)
+    data, error, failure = None, None, None
+    if group.rank == 0:
+        try:
+            manifest = read_manifest(storage, name)
+            data = manifest.to_json().decode()
+        except Exception as exc:  # every rank must reach the broadcast
+            failure, error = exc, f"{type(exc).__name__}: {exc}"
+    data, error = group.broadcast((data, error))
+    if failure is not None:
+        raise failure
+    if group.rank == 0:
+        return manifest
+    if data is None:
+        raise CheckpointError(f"rank 0 could not read the manifest: {error}")
+    return parse_manifest(data, source=storage.describe(f"{name}/manifest.json"))
+
+
+# -- whole loads ----------------------------------------------------------------------------------
+
+
+def empty_tensor(entry: TensorEntry) -> torch.Tensor:
+    return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+
+
+def piece_tensor(buf: FileBuffer, fp: FilePiece) -> torch.Tensor:
+    """A piece's elements as a 1-d tensor viewing ``buf`` (the file's bytes), no copy."""
+    p = fp.piece
+    dtype = torch_dtype(fp.dtype)
+    if p.length == 0:
+        return torch.empty(0, dtype=dtype)
+    return buf.tensor(p.length, p.offset).view(dtype)
+
+
+def load_full(storage: Storage, name: str, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
+    """Every tensor in full, then the state tree rebuilt around them."""
+    check_data_files(storage, name, manifest)  # before any tensor is allocated from the manifest's shapes
+    tensors: dict[str, torch.Tensor] = {}
+    for tname, entry in manifest.tensors.items():
+        if len(entry.pieces) != 1:  # assembled from pieces (or empty)
+            tensors[tname] = empty_tensor(entry)
+    for file, fps in pieces_by_file(manifest).items():
+        if not fps:
+            continue
+        size = manifest.files[file].size
+        buf, _ = read_whole_file(storage, name, file, size, fps, verify=verify)
+        # Zero copy keeps the whole file buffer alive; worth it unless much of the file is
+        # pieces of sharded tensors, which are copied out anyway (then copy everything).
+        assembled = sum(fp.piece.length for fp in fps if len(manifest.tensors[fp.tensor].pieces) != 1)
+        zero_copy = assembled * 2 <= size
+        for fp in fps:
+            entry = manifest.tensors[fp.tensor]
+            src = piece_tensor(buf, fp)
+            if len(entry.pieces) == 1:
+                view = src.view(entry.shape)
+                tensors[fp.tensor] = view if zero_copy else view.clone()
+            else:
+                copy_region(src, fp.piece.region(), 0, tensors[fp.tensor], Box.full(entry.shape), entry.shape)
+        del buf, src
+    return decode_state(manifest.state, tensors.__getitem__)
+
+
+# -- loads into a given structure -----------------------------------------------------------------
+
+
+@dataclass
+class IntoPlan:
+    targets: list[Target] = field(default_factory=list)
+    assigns: list[tuple[Any, Any, Any]] = field(default_factory=list)  # (container, key, stored node)
+    # tuples cannot change in place: one holding plain values is rebuilt around its (filled) tensors
+    # and put back into its container: (container, key, the tuple in ``into``, its stored node)
+    rebuilds: list[tuple[Any, Any, tuple, Any]] = field(default_factory=list)
+
+
+def _kind_text(node: Any) -> str:
+    kind = node_kind(node)
+    return {"scalar": f"the value {node!r}"[:80], "tensor": "a tensor", "items": "a dict", "dict": "a dict"}.get(
+        kind, f"a {kind}"
+    )
+
+
+def plan_into(manifest: Manifest, into: dict[str, Any]) -> IntoPlan:
+    """Match ``into`` against the manifest's state tree; LayoutMismatchError where they disagree."""
+    if not isinstance(into, dict):
+        raise LayoutMismatchError(f"into= must be a dict, got {type(into).__name__}")
+    plan = IntoPlan()
+    _walk(manifest, into, manifest.state, (), plan)
+    return plan
+
+
+def _is_container(v: Any) -> bool:
+    return isinstance(v, (dict, list, tuple)) and not is_tensor_like(v)
+
+
+def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> bool:
+    """Plan the filling of ``obj`` from ``node``; True when ``obj`` is a tuple that must be rebuilt.
+    (``path`` is formatted only for an error: doing it at every node costs depth x key length each.)"""
+    kind = node_kind(node)
+    if is_tensor_like(obj):
+        if kind != "tensor":
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a tensor")
+        plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(obj))
+        return False
+    if isinstance(obj, dict):
+        if kind not in ("dict", "items"):
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a dict")
+        stored = {_key(k): v for k, v in dict_items(node)}
+        for k, v in obj.items():
+            child = stored.get(_key(k))
+            if child is None and _key(k) not in stored:
+                raise LayoutMismatchError(f"{path_str(path + (k,))} is not in the checkpoint")
+            _child(m, obj, k, v, child, path + (k,), plan)
+        return False
+    if isinstance(obj, (list, tuple)):
+        want = "list" if isinstance(obj, list) else "tuple"
+        items = node if kind == "list" else (node["tuple"] if kind == "tuple" else None)
+        if items is None or kind != want:
+            raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a {want}")
+        if len(items) != len(obj):
+            raise LayoutMismatchError(
+                f"{path_str(path)}: the checkpoint's {want} has {len(items)} items, the target {len(obj)}"
+            )
+        stale = [_child(m, obj, i, v, child, path + (i,), plan) for i, (v, child) in enumerate(zip(obj, items))]
+        return isinstance(obj, tuple) and any(stale)
+    raise AssertionError("plain values are handled by the parent")
+
+
+def _child(m: Manifest, parent: Any, key: Any, value: Any, node: Any, path: tuple[Any, ...], plan: IntoPlan) -> bool:
+    """Plan one entry of ``parent``; True when ``parent`` is a tuple that must be rebuilt for it."""
+    if is_tensor_like(value) or _is_container(value):
+        if not _walk(m, value, node, path, plan):
+            return False
+        if isinstance(parent, tuple):
+            return True
+        plan.rebuilds.append((parent, key, value, node))
+        return False
+    if isinstance(parent, tuple):
+        return True
+    plan.assigns.append((parent, key, node))
+    return False
+
+
+def _key(key: Any) -> tuple[type, Any]:
+    """How a key of ``into`` is matched with a stored one: by its plain value and type (str or int), so
+    that an enum member finds what it was saved as, and 0 never matches "0"."""
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        k = plain_key(key)
+        return type(k), k
+    return type(key), key
+
+
+def _plain_nodes(obj: tuple, node: Any) -> list[Any]:
+    """The stored nodes of the plain values of a tuple to rebuild (nested tuples included)."""
+    out = []
+    for v, child in zip(obj, node["tuple"]):
+        if isinstance(v, tuple) and not is_tensor_like(v):
+            out.extend(_plain_nodes(v, child))
+        elif not (is_tensor_like(v) or _is_container(v)):
+            out.append(child)
+    return out
+
+
+def _rebuilt(obj: tuple, node: Any, tensor: Any) -> tuple:
+    """``obj`` again with its plain values replaced by the stored ones; its tensors, dicts and lists
+    (filled in place) are the same objects. Named tuples and ``torch.Size`` keep their type."""
+    items = [
+        _rebuilt(v, child, tensor)
+        if isinstance(v, tuple) and not is_tensor_like(v)
+        else v
+        if is_tensor_like(v) or _is_container(v)
+        else decode_state(child, tensor)
+        for v, child in zip(obj, node["tuple"])
+    ]
+    if hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*items)
+    return type(obj)(items)
+
+
+def _target(m: Manifest, name: str, obj: Any, path: tuple[Any, ...]) -> Target:
+    entry = m.tensors[name]
+    shape = tuple(entry.shape)
+    if isinstance(obj, ShardedTensor):
+        buffer, gshape, region = obj.local, obj.global_shape, obj.box
+    elif isinstance(obj, FlatShard):
+        buffer, gshape, region = obj.local, obj.global_shape, obj.range
+    else:
+        buffer, gshape, region = obj, tuple(obj.shape), Box.full(tuple(obj.shape))
+    if tuple(gshape) != shape:
+        raise LayoutMismatchError(
+            f"{path_str(path)} (tensor {name!r}): the checkpoint's shape is {list(shape)}, the target's {list(gshape)}"
+        )
+    return Target(name, _fillable(buffer, f"{path_str(path)} (tensor {name!r})"), region, path)
+
+
+def _fillable(buffer: torch.Tensor, where: str) -> torch.Tensor:
+    """The tensor to write into: refuses targets that cannot hold data, detaches ones that require grad.
+
+    A parameter is filled in place like ``load_state_dict`` does (outside autograd, which refuses
+    in-place writes to leaves that require grad); it keeps ``requires_grad``.
+    """
+    if buffer.device.type == "meta":
+        raise LayoutMismatchError(
+            f"{where}: the target is on the meta device, which holds no data; "
+            "allocate it first (e.g. module.to_empty(device='cpu'))"
+        )
+    if any(st == 0 and n > 1 for st, n in zip(buffer.stride(), buffer.shape)):
+        raise LayoutMismatchError(
+            f"{where}: the target's elements share memory (a stride of 0, e.g. from "
+            "expand()); it cannot hold distinct values"
+        )
+    return buffer.detach() if buffer.requires_grad else buffer
+
+
+def load_into(storage: Storage, name: str, manifest: Manifest, into: dict[str, Any], *, verify: bool) -> dict[str, Any]:
+    check_data_files(storage, name, manifest)  # before any tensor is allocated, or ``into`` changed
+    plan = plan_into(manifest, into)
+    # Values that replace plain entries of ``into`` may reference tensors: load those in full.
+    full: dict[str, torch.Tensor] = {}
+    targets = list(plan.targets)
+    plain = [node for _, _, node in plan.assigns] + [
+        n for _, _, tup, node in plan.rebuilds for n in _plain_nodes(tup, node)
+    ]
+    for node in plain:
+        for ref in tensor_refs(node):
+            if ref in full:
+                continue
+            entry = manifest.tensors[ref]
+            full[ref] = empty_tensor(entry)
+            targets.append(Target(ref, full[ref], Box.full(tuple(entry.shape)), ()))
+    read_targets(storage, name, manifest, targets, verify=verify)
+    for container, key, node in plan.assigns:
+        container[key] = decode_state(node, full.__getitem__)
+    for container, key, tup, node in plan.rebuilds:
+        container[key] = _rebuilt(tup, node, full.__getitem__)
+    return into

@@ -1,0 +1,1 @@
+"""Saving: plan, snapshot, the synchronous save, the asynchronous saver and its backends."""

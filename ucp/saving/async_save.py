@@ -1,0 +1,830 @@
+"""``ucp.async_save``: snapshot the state dict, return at once, write and commit in the background.
+
+::
+
+    handle = ucp.async_save(model.state_dict(), "ckpt/step-100", step=100)
+    ...                       # training goes on and may change the tensors right away
+    manifest = handle.result()   # or handle.done(), or ``await handle``
+
+What happens on the calling thread (the *stall*), with a copying snapshot
+(``snapshot="sync"``; the default ``"auto"`` picks copy-on-write where Linux allows it,
+:mod:`ucp.saving.cow.snapshot`, and replaces step 4 by write-protecting the tensors' pages):
+
+1. plan the rank file (cached by layout, as for :func:`ucp.save`);
+2. take a staging arena from the saver's pool (blocks while ``max_in_flight``
+   snapshots are still being written) — arenas are reused, so a loop saving the
+   same model allocates and page-faults its staging memory once;
+3. under torch.distributed: rank 0 creates the temporary directory and broadcasts
+   its name (one short collective, on the calling thread, before returning);
+4. copy every piece into the arena, laid out exactly as the rank file (``copy_``
+   into a torch view of the arena, chunk by chunk; with ``pipeline=True`` the
+   writer starts writing the chunks already copied). CUDA tensors are copied on a
+   side stream into the (pinned) arena; the current stream waits for that copy,
+   the host does not.
+
+Then a background writer (:mod:`ucp.saving.background`) writes the file with zero-copy
+O_DIRECT writes straight from the arena and commits without collectives: see
+that module for the file-based commit, and :class:`AsyncSaver` for the modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours (see the end)
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Generator, Literal, Sequence
+
+import torch
+
+from aio import AioConfig
+from ucp.dist import Group, resolve_group
+from ucp.errors import CommitError, NotACheckpointError, UnsupportedStateError
+from ucp.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ucp.format.tree import Leaf, encode_state
+from ucp.saving import background as _bg
+from ucp.saving import step_guard
+from ucp.saving.cow import snapshot as _cow
+from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
+from ucp.saving.snapshot import ChangeWatch, image_sources, local_tensor, replica_checksums
+from ucp.saving.snapshot import snapshot as snapshot_views
+from ucp.saving.staging import Arena, StagingPool
+from ucp.saving.sync_save import _check_args, save
+from ucp.store import commit as _commit
+from ucp.store.storage import LocalStorage, Storage, as_aio_config, open_storage
+
+log = logging.getLogger(__name__)
+
+COPY_CHUNK = 64 << 20  # the snapshot reports progress to the writer every this many bytes
+Mode = Literal["thread", "process"]
+Snapshot = Literal["auto", "cow", "sync", "background", "none"]
+
+
+class SaveHandle:
+    """A save in progress. ``result()`` waits for it and returns the manifest, or raises the save's error.
+
+    Awaitable: ``manifest = await handle`` in asyncio code.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        step: int | None,
+        future: Future,
+        snapshot_seconds: float,
+        snapshot: Future | None = None,
+        *,
+        copied: Future | None = None,
+    ) -> None:
+        self.path = path
+        self.step = step
+        self.future = future
+        self.snapshot_seconds = snapshot_seconds  # how long async_save kept the caller (the stall)
+        self._snapshot = snapshot  # the copy still running (AsyncSaver(snapshot="background")), if any
+        self._copied = copied if copied is not None else snapshot  # until the save reads the tensors no more
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def snapshot_done(self) -> bool:
+        """Whether the state dict has been copied: from then on its tensors may change."""
+        return self._snapshot is None or self._snapshot.done()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Wait until the state dict has been copied (at once unless the snapshot runs in the background).
+
+        With ``AsyncSaver(snapshot="background")`` call it before changing any saved tensor. A
+        failed copy is not raised here (the tensors may change: nothing is left to protect) but by
+        :meth:`result`.
+        """
+        if self._snapshot is not None:
+            self._snapshot.exception(timeout)
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Wait until the save no longer reads the tensors' memory, so their storage may be freed or
+        resized (``resize_``, ``untyped_storage().resize_(0)``). Writes need no wait with
+        copy-on-write snapshots; with the other modes this is :meth:`wait_snapshot`."""
+        if self._copied is not None:
+            self._copied.exception(timeout)
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        """The committed manifest; raises the save's error, or TimeoutError when not done within ``timeout``."""
+        return self.future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        self.future.add_done_callback(lambda _f: fn(self))
+
+    def __await__(self) -> Generator[Any, None, Manifest]:
+        return asyncio.wrap_future(self.future).__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"SaveHandle({self.path!r}, step={self.step}, {state})"
+
+
+class AsyncSaver:
+    """Owns the staging pool and the background writer of asynchronous saves.
+
+    * ``mode="thread"`` (default): a writer thread in this process. No extra
+      process, no shared memory; the checkpoint is lost if this process dies
+      before the save completes (as with any in-process save).
+    * ``mode="process"``: a writer process started on the first save and kept for
+      the saver's life, reading the snapshots from shared memory (``staging_dir``,
+      ``/dev/shm``). Once ``save`` has returned, the checkpoint is written and
+      committed even if this process is killed; the writer exits when its
+      parent is gone and its work is done.
+
+    ``max_in_flight`` bounds the snapshots held at once (staging memory: about
+    one rank file per snapshot). When all are in use, ``save`` blocks until the
+    oldest save has written its data file; the commit of one save may overlap
+    the snapshot of the next. Saves are written and committed in call order.
+
+    ``snapshot="auto"`` (default): ``"cow"`` in thread mode where a write-protect userfaultfd is
+    allowed (:func:`ucp.saving.cow.snapshot.cow_unavailable` says why not), else ``"sync"``; :attr:`snapshot` holds
+    the choice. ``"sync"``: the state is copied into the staging arena before ``save`` returns.
+
+    ``snapshot="cow"`` (thread mode, host tensors): ``save`` write-protects the tensors' pages and
+    returns; a helper process copies them in the background, and a write to a page not copied yet
+    (by anything: optimizer step, ``.data``, numpy, the kernel) waits until it is. The checkpoint is
+    the state at the call with no promise asked of the caller (:mod:`ucp.saving.cow.snapshot`). Raises
+    :class:`ucp.saving.cow.snapshot.CowUnavailable` where the kernel refuses.
+
+    ``snapshot="none"`` (thread mode): nothing is copied; the writer writes straight from the
+    tensors, and the caller must not change them until ``handle.wait_snapshot()`` returns (the
+    data file is written). No staging memory; the wait is the write, so it pays off when the
+    write fits in the time before the tensors change (a training step's forward and backward).
+
+    ``snapshot="background"``: ``save`` returns before copying; the copy runs on a thread while
+    the caller goes on, and the caller must not change the saved tensors until
+    ``handle.wait_snapshot()`` returns (a training loop: before its optimizer step, so the copy
+    overlaps forward and backward). Host tensors only (CUDA copies are already asynchronous).
+    The writer follows the copy as with ``pipeline``.
+
+    In both deferred modes a tensor changed in place before it was read (its torch version counter
+    moved) fails the save with :class:`ucp.SnapshotChangedError` naming it; nothing is committed.
+    With ``hold_optimizer_steps`` (default) every ``torch.optim`` optimizer's ``step()`` waits
+    until the deferred snapshots running have read the tensors (:mod:`ucp.saving.step_guard`), so a
+    training loop saves the state it asked for even without ``wait_snapshot()``.
+
+    ``pipeline=True``: the writer starts writing the chunks already copied while
+    the snapshot is still running — durable 5–9% sooner, but the copy then shares
+    memory bandwidth and CPU with the writer: on our 2-core test VM the stall grew
+    from 0.09 s to 0.16 s per GiB, so it is off by default. ``commit_timeout`` bounds how
+    long rank 0 waits for the other ranks' reports and they wait for its commit.
+    """
+
+    def __init__(
+        self,
+        max_in_flight: int = 1,
+        mode: Mode = "thread",
+        aio_config: AioConfig | dict[str, Any] | None = None,
+        *,
+        staging_dir: str = "/dev/shm",
+        commit_timeout: float = 1800.0,
+        pipeline: bool = False,
+        snapshot: Snapshot = "auto",
+        hold_optimizer_steps: bool = True,
+    ) -> None:
+        if mode not in ("thread", "process"):
+            raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
+        if snapshot not in ("auto", "cow", "sync", "background", "none"):
+            raise ValueError(f"snapshot must be 'auto', 'cow', 'sync', 'background' or 'none', got {snapshot!r}")
+        if snapshot in ("none", "cow") and mode != "thread":
+            raise ValueError(f"snapshot={snapshot!r} works on this process's memory: it needs mode='thread'")
+        why_not = _cow.cow_unavailable() if snapshot in ("auto", "cow") and mode == "thread" else "mode='process'"
+        if snapshot == "cow" and why_not is not None:
+            raise _cow.CowUnavailable(f"copy-on-write snapshots are not available here: {why_not}")
+        if snapshot == "auto":
+            snapshot = "cow" if why_not is None else "sync"
+        self.mode = mode
+        self.snapshot: Snapshot = snapshot  # what "auto" chose: "cow" or "sync"
+        self._cow = _cow.CowSnapshots() if snapshot == "cow" else None
+        if self._cow is not None:  # a saver dropped without close() still stops its helper process
+            weakref.finalize(self, self._cow.close)
+        self.hold_optimizer_steps = hold_optimizer_steps
+        self._copier: ThreadPoolExecutor | None = None
+        self.aio_config = as_aio_config(aio_config)
+        self.commit_timeout = commit_timeout
+        self.pipeline = pipeline
+        self.pool = StagingPool(
+            max_in_flight, shared=mode == "process", directory=staging_dir, memfd=self._cow is not None
+        )
+        if self._cow is not None:
+            self.pool.on_drop.append(self._cow.forget)
+        self._backend: _bg.ThreadBackend | _bg.ProcessBackend = (
+            _bg.ThreadBackend(self.pool) if mode == "thread" else _bg.ProcessBackend(self.pool)
+        )
+        self._pending: set[SaveHandle] = set()
+        self._temps: dict[str, int] = {}  # absolute temp dir -> job id, for saves in flight
+        self._lock = threading.Lock()
+        self._closed = False
+        self._streams: dict[torch.device, Any] = {}
+        _LIVE.add(self)
+
+    # -- the public face ------------------------------------------------------------------------
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process (``mode="process"``), once started."""
+        return self._backend.pid if isinstance(self._backend, _bg.ProcessBackend) else None
+
+    def start(self, *, wait: bool = True) -> int | None:
+        """Start the writer process now rather than on the first save (``mode="process"``); its pid.
+
+        ``wait``: until it is ready for work (it imports torch: seconds).
+        """
+        if isinstance(self._backend, _bg.ProcessBackend):
+            return self._backend.start(wait=wait)
+        return None
+
+    def in_flight_temps(self) -> set[str]:
+        """Absolute paths of the temporary directories of this saver's saves in flight."""
+        with self._lock:
+            return set(self._temps)
+
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        process_group: Any = None,
+        aio_config: AioConfig | dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        mesh: dict[str, int] | None = None,
+        post_commit: _bg.PostCommit | None = None,
+        check_replicas: bool = False,
+    ) -> SaveHandle:
+        """Snapshot ``state_dict`` and return; the arguments are those of :func:`ucp.save`.
+
+        With ``check_replicas`` the replicas' checksums are taken here, before returning (one CRC-32C
+        pass over the replicated bytes this rank does not write: part of the stall).
+
+        Every rank of ``process_group`` calls it, in the same order. ``post_commit``
+        (internal: :class:`ucp.CheckpointManager`) runs on rank 0's writer after the commit.
+        """
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed")
+        t0 = time.perf_counter()
+        group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
+        _check_args(step, metadata, mesh, group)
+        cfg = as_aio_config(aio_config) or self.aio_config
+        storage_opts = storage_options
+        if self.mode == "process" and storage_opts is not None:
+            try:
+                import json
+
+                json.dumps(storage_opts)
+            except (TypeError, ValueError):
+                raise UnsupportedStateError("storage_options must be plain JSON with mode='process'") from None
+
+        # (a) plan — errors are held until every rank has met in the broadcast
+        local_error: BaseException | None = None
+        plan: SavePlan | None = None
+        leaves: list[Leaf] = []
+        tree: Any = None
+        arena: Arena | None = None
+        replicas: list[_commit.Replica] = []
+        try:
+            encoded = encode_state(state_dict)
+            leaves, tree = encoded.leaves, encoded.tree
+            plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
+            replicas = (
+                [_commit.Replica.of(*r) for r in replica_checksums(leaves, group.rank, group.world_size)]
+                if check_replicas
+                else []
+            )
+            if plan.file is not None and self.snapshot != "none":
+                arena = self.pool.acquire(plan.file_size)
+        except BaseException as exc:
+            local_error = exc
+            if not group.distributed:
+                raise
+
+        try:
+            storage, name = open_storage(path, storage_options=storage_opts, aio_config=cfg)
+        except BaseException:
+            if arena is not None:
+                self.pool.release(arena)
+            raise
+        job_id = _bg.next_job_id()
+        lock_fd: int | None = None
+        try:
+            try:
+                temp = self._agree_on_temp(storage, name, group, local_error)
+                if local_error is not None:  # this rank failed planning: tell rank 0 so it gives up at once
+                    _bg.publish_report(
+                        storage,
+                        _job_stub(storage, path, name, temp, group, job_id),
+                        _commit.RankReport(rank=group.rank, error=_bg.describe(local_error)),
+                    )
+                    raise local_error
+                assert plan is not None
+                temp_abs = storage.path(temp) if isinstance(storage, LocalStorage) else storage.describe(temp)
+                if isinstance(storage, LocalStorage):
+                    lock_fd = _bg.lock_dir(temp_abs)
+                job = _bg.WriteJob(  # a local path made absolute: the writer may run in another directory
+                    id=job_id,
+                    path=storage.path(name) if isinstance(storage, LocalStorage) else os.fspath(path),
+                    name=name,
+                    temp=temp,
+                    temp_identity=_bg.identity(storage, temp),
+                    storage_options=storage_opts,
+                    aio_config=cfg.model_dump() if cfg is not None else None,
+                    rank=group.rank,
+                    world_size=group.world_size,
+                    plan=_bg.PlanSpec.of(plan) if plan.file is not None else None,
+                    tensors=[(n, d, list(s)) for n, d, s in plan.tensors],
+                    tree=tree,
+                    step=step,
+                    metadata=metadata or {},
+                    mesh=mesh,
+                    arena_path=arena.path if arena is not None else None,
+                    arena_capacity=arena.capacity if arena is not None else 0,
+                    commit_timeout=self.commit_timeout,
+                    post_commit=post_commit,
+                    replicas=replicas,
+                )
+            except BaseException:
+                if arena is not None:
+                    self.pool.release(arena)
+                _bg.close_fd(lock_fd)
+                raise
+            future, copying, protected = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock
+            if copying is not None and not protected and self.hold_optimizer_steps:
+                step_guard.hold_steps_until(copying)
+        finally:
+            storage.close()
+        handle = SaveHandle(
+            os.fspath(path), step, future, time.perf_counter() - t0, None if protected else copying, copied=copying
+        )
+        with self._lock:
+            self._pending.add(handle)
+            self._temps[temp_abs] = job_id
+        handle.add_done_callback(functools.partial(_forget, weakref.ref(self), temp_abs))  # weak: a dropped
+        # saver is collected (and its helper stopped) even while a writer thread still holds the future
+        return handle
+
+    def prepare(self, state_dict: dict[str, Any], *, process_group: Any = None) -> int:
+        """Allocate now the staging memory a save of ``state_dict`` will need; returns its bytes.
+
+        The first save otherwise allocates it while the caller waits (measured on the reference
+        VM: 0.6-5 s for 2 GiB, as freshly faulted memory is slow there); later saves reuse it.
+        Call it where a pause costs nothing, e.g. before the first training step. No collective.
+        With copy-on-write snapshots it also starts the helper process, which maps that memory.
+        """
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed")
+        if self.snapshot == "none":
+            return 0
+        group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
+        plan = plan_save(encode_state(state_dict).leaves, group.rank, group.world_size, cache=PLAN_CACHE)
+        if plan.file is None:
+            return 0
+        arena = self.pool.acquire(plan.file_size)
+        try:
+            if self._cow is not None:
+                self._cow.prepare(arena)  # type: ignore[arg-type]
+        finally:
+            self.pool.release(arena)
+        return plan.file_size
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raises the first failure among them."""
+        with self._lock:
+            pending = list(self._pending)
+        wait_all(pending)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish (``wait``) the saves in flight, stop the writer and free the staging memory."""
+        if self._closed:
+            return
+        if wait:
+            with self._lock:
+                pending = list(self._pending)
+            for h in pending:
+                h.exception()
+        self._closed = True
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+        self._backend.close()
+        self.pool.close()
+        if self._cow is not None:
+            self._cow.close()
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the steps ------------------------------------------------------------------------------
+    def _agree_on_temp(self, storage: Storage, name: str, group: Group, local_error: BaseException | None) -> str:
+        """Rank 0 creates the temporary directory; every rank learns its name (one broadcast)."""
+        temp, error = None, None
+        if group.rank == 0:
+            if local_error is not None:
+                error = _bg.describe(local_error)
+            else:
+                try:
+                    temp = _commit.make_temp_dir(storage, name)
+                except BaseException as exc:
+                    if not group.distributed:
+                        raise
+                    error = _bg.describe(exc)
+        temp, error = group.broadcast((temp, error))
+        if temp is None:
+            if local_error is not None:
+                raise local_error
+            raise CommitError(f"saving {storage.describe(name)} failed on rank 0: {error}")
+        return temp
+
+    def _run(
+        self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena | None, lock_fd: int | None
+    ) -> tuple[Future, Future | None, bool]:
+        """Start the background job and fill its arena (the writer follows the copy when ``pipeline``).
+
+        Owns ``arena`` and ``lock_fd``: they go to the job, or are given back here on failure.
+        Returns the job's future; when the copy runs in the background, the copy's; and whether the
+        tensors may change before that copy is done (copy-on-write protects them).
+        """
+        progress = _bg.Progress(plan.file_size if plan.file is not None else 0)
+        if self.snapshot == "none" and plan.file is not None:
+            return (*self._run_from_tensors(job, plan, leaves, lock_fd, progress), False)
+        if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
+            return (*self._run_in_background(job, plan, leaves, arena, lock_fd, progress), False)
+        if self._cow is not None and arena is not None and _on_host(plan, leaves):
+            future, copying = self._run_copy_on_write(job, plan, leaves, arena, lock_fd, progress)
+            return future, copying, copying is not None
+
+        def give_up() -> None:
+            if arena is not None:
+                self.pool.release(arena)
+            _bg.close_fd(lock_fd)
+            _bg.abandon(job)
+
+        def submit() -> Future:
+            try:
+                return self._backend.submit(job, arena, progress, lock_fd)
+            except BaseException:
+                give_up()
+                raise
+
+        future = submit() if self.pipeline or arena is None else None
+        try:
+            if arena is not None:
+                events = snapshot_into(plan, leaves, arena, progress, self._stream_for)
+                if events:
+                    if self.mode == "process":  # another process cannot wait on our CUDA events
+                        for ev in events:
+                            ev.synchronize()
+                        progress.advance(progress.total)
+                    else:
+                        progress.complete_after(events)
+        except BaseException as exc:
+            why = f"snapshot failed: {_bg.describe(exc)}"
+            if future is None:
+                give_up()
+            else:  # the job fails, cleans up and gives the arena back
+                progress.fail(why)
+                if isinstance(self._backend, _bg.ProcessBackend):
+                    self._backend.abort(job.id, why)
+            raise
+        return (future if future is not None else submit()), None, False
+
+    def _run_from_tensors(
+        self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None, progress: _bg.Progress
+    ) -> tuple[Future, Future]:
+        """No copy: the writer thread writes straight from the tensors (O_DIRECT from their memory where the
+        plan put pieces in phase); the caller keeps them unchanged until the data file is written."""
+        try:
+            watch = ChangeWatch(plan, leaves, aliased_only=True)
+            image = _bg.DirectImage(plan, snapshot_views(plan, leaves), watch=watch)
+            future = self._backend.submit(job, image, progress, lock_fd)
+        except BaseException:
+            _bg.close_fd(lock_fd)
+            _bg.abandon(job)
+            raise
+        return future, image.written
+
+    def _submit_or_give_back(
+        self, job: _bg.WriteJob, arena: Arena, progress: _bg.Progress, lock_fd: int | None
+    ) -> Future:
+        """Start the writer on ``job`` (it follows ``progress``); if that fails, give back what the job owned."""
+        try:
+            return self._backend.submit(job, arena, progress, lock_fd)
+        except BaseException:
+            self.pool.release(arena)
+            _bg.close_fd(lock_fd)
+            _bg.abandon(job)
+            raise
+
+    def _run_in_background(
+        self,
+        job: _bg.WriteJob,
+        plan: SavePlan,
+        leaves: Sequence[Leaf],
+        arena: Arena,
+        lock_fd: int | None,
+        progress: _bg.Progress,
+    ) -> tuple[Future, Future]:
+        """The writer starts now and follows the copy, which runs on the copier thread."""
+        watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
+        future = self._submit_or_give_back(job, arena, progress, lock_fd)
+
+        def copy() -> None:
+            try:
+                snapshot_into(plan, leaves, arena, progress, self._stream_for, watch=watch)
+            except BaseException as exc:
+                watch.release()
+                why = f"snapshot failed: {_bg.describe(exc)}"
+                progress.fail(why)  # the job fails, cleans up and gives the arena back
+                if isinstance(self._backend, _bg.ProcessBackend):
+                    self._backend.abort(job.id, why)
+                raise
+
+        with self._lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
+            copier = self._copier
+        return future, copier.submit(copy)
+
+    def _run_copy_on_write(
+        self,
+        job: _bg.WriteJob,
+        plan: SavePlan,
+        leaves: Sequence[Leaf],
+        arena: Arena,
+        lock_fd: int | None,
+        progress: _bg.Progress,
+    ) -> tuple[Future, Future | None]:
+        """The tensors' pages are write-protected and copied by the helper process (:mod:`ucp.saving.cow.snapshot`);
+        the writer starts now and follows it. Where that cannot run, the copy is made here."""
+        assert self._cow is not None
+        future = self._submit_or_give_back(job, arena, progress, lock_fd)
+        try:
+            try:
+                copying: Future | None = self._cow.start(plan, leaves, arena, progress)  # type: ignore[arg-type]
+            except _cow.CowUnavailable as exc:
+                log.info("copy-on-write snapshot of %s not possible (%s); copying now", job.path, exc)
+                copying = None
+                if snapshot_into(plan, leaves, arena, progress, self._stream_for):
+                    raise AssertionError("host tensors gave CUDA copy events") from None
+        except BaseException as exc:
+            progress.fail(f"snapshot failed: {_bg.describe(exc)}")  # the job fails, cleans up, gives the arena back
+            raise
+        return future, copying
+
+    def _stream_for(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _forget(self, temp_abs: str, handle: SaveHandle) -> None:
+        with self._lock:
+            self._pending.discard(handle)
+            self._temps.pop(temp_abs, None)
+
+
+def _forget(saver_ref: "weakref.ref[AsyncSaver]", temp_abs: str, handle: SaveHandle) -> None:
+    saver = saver_ref()
+    if saver is not None:
+        saver._forget(temp_abs, handle)
+
+
+def wait_all(handles: Sequence[SaveHandle]) -> None:
+    """Wait for every handle; then raise the first failure among them, if any."""
+    errors = [exc for exc in (h.exception() for h in handles) if exc is not None]
+    if errors:
+        raise errors[0]
+
+
+def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> _bg.WriteJob:
+    return _bg.WriteJob(
+        id=job_id, path=os.fspath(path), name=name, temp=temp, rank=group.rank, world_size=group.world_size
+    )
+
+
+# -- the snapshot --------------------------------------------------------------------------------
+
+
+def snapshot_into(
+    plan: SavePlan,
+    leaves: Sequence[Leaf],
+    arena: Arena,
+    progress: _bg.Progress,
+    stream_for: Callable[[torch.device], Any],
+    *,
+    chunk: int | None = None,
+    watch: ChangeWatch | None = None,
+) -> list[Any]:
+    """Copy the rank file's image (header, then every piece at its offset, zeros between) into ``arena``.
+
+    Host tensors are copied chunk by chunk with ``Tensor.copy_`` (which splits
+    large copies over torch's intra-op threads), advancing ``progress`` so the
+    writer can follow. CUDA tensors are queued on a side stream (returned events mark
+    their completion); the caller's current stream waits for those copies, so
+    later kernels cannot change the bytes before they are copied.
+
+    ``watch`` (deferred snapshots, host tensors only): each piece's tensor is checked after its
+    copy, and all of them once more before the last byte is released to the writer, so a tensor
+    changed before its copy ended fails the save instead of being committed half old, half new.
+    """
+    chunk = chunk or COPY_CHUNK
+    hold = plan.file_size - 1 if watch is not None else plan.file_size  # the writer cannot finish before the check
+
+    def advance(n: int) -> None:
+        progress.advance(min(n, hold))
+
+    events: list[Any] = []
+    for i, src in image_sources(plan, leaves, arena):
+        if i == 0:
+            advance(plan.data_start)
+        p = plan.pieces[i]
+        dst = arena.tensor(p.length, p.offset).view(src.dtype)
+        if src.device.type == "cuda":
+            events.append(_copy_from_cuda(dst.view(src.shape), src, stream_for(src.device)))
+            continue
+        if src.device.type != "cpu":
+            src = src.cpu()
+        if src.is_contiguous() and not events:
+            flat, step = src.reshape(-1), max(1, chunk // max(1, src.element_size()))
+            for a in range(0, flat.numel(), step):
+                b = min(a + step, flat.numel())
+                dst[a:b].copy_(flat[a:b])
+                if watch is not None:
+                    watch.check_piece(i)
+                advance(p.offset + b * src.element_size())
+        else:
+            dst.view(src.shape).copy_(src)
+            if watch is not None:
+                watch.check_piece(i)
+            if not events:
+                advance(p.offset + p.length)
+    if watch is not None:
+        watch.check_all()
+        watch.release()
+    if not events:
+        progress.advance(plan.file_size)
+    return events
+
+
+def _on_host(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
+    """Whether every piece the plan writes comes from a CPU tensor (a background copy needs that)."""
+    return all(local_tensor(leaves[p.leaf], p.part).device.type == "cpu" for p in plan.pieces)
+
+
+def _copy_from_cuda(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:
+    current = torch.cuda.current_stream(src.device)
+    stream.wait_stream(current)  # the copy sees everything queued before async_save
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        src.record_stream(stream)  # the allocator must not reuse src's memory before the copy ran
+        event = torch.cuda.Event()
+        event.record(stream)
+    current.wait_event(event)  # later work on the current stream cannot modify src before it is copied
+    return event
+
+
+# -- the default saver, and the module-level functions -------------------------------------------
+
+_LIVE: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+_DEFAULT: AsyncSaver | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    """The saver behind :func:`async_save`: thread mode, one save in flight."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None or _DEFAULT._closed:
+            _DEFAULT = AsyncSaver()
+        return _DEFAULT
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    process_group: Any = None,
+    aio_config: AioConfig | dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    mesh: dict[str, int] | None = None,
+    check_replicas: bool = False,
+) -> SaveHandle:
+    """Like :func:`ucp.save`, but returns a :class:`SaveHandle` as soon as the tensors are snapshotted.
+
+    Uses a process-wide :class:`AsyncSaver` (thread mode, one save in flight: a
+    second call waits until the first has written its data). Saves still in flight
+    when the interpreter exits are waited for.
+    """
+    return default_saver().save(
+        state_dict,
+        path,
+        step=step,
+        metadata=metadata,
+        process_group=process_group,
+        aio_config=aio_config,
+        storage_options=storage_options,
+        mesh=mesh,
+        check_replicas=check_replicas,
+    )
+
+
+def _drain_at_exit() -> None:
+    """Interpreter exit: finish saves in flight before the thread pools they use refuse new work."""
+    for saver in list(_LIVE):
+        try:
+            saver.close(wait=True)
+        except Exception as exc:  # pragma: no cover - reported, never raised at exit
+            log.error("an asynchronous save failed at exit: %s", exc)
+
+
+# Runs before concurrent.futures shuts its executors down (registered later, called earlier).
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_drain_at_exit)
+else:  # pragma: no cover - other Pythons
+    import atexit
+
+    atexit.register(_drain_at_exit)
+
+
+# -- asyncio -------------------------------------------------------------------------------------
+
+
+async def asave(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> Manifest:
+    """``await ucp.asave(...)``: :func:`ucp.save` on the loop's default executor (same arguments).
+
+    The event loop keeps running; the tensors must not change until the await
+    completes. To snapshot and carry on at once, ``await ucp.async_save(...)``.
+    """
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, functools.partial(save, state_dict, path, **kwargs))
+
+
+async def aload(
+    path: str | os.PathLike[str],
+    *,
+    into: dict[str, Any] | None = None,
+    verify: bool = True,
+    process_group: Any = None,
+    aio_config: AioConfig | dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``await ucp.aload(...)``: :func:`ucp.load` without blocking the event loop.
+
+    On local paths manifest.json is read with aiofiles on the loop; the data files
+    are read on the default executor.
+    """
+    from ucp.loading.loader import load, load_full, load_into
+
+    loop = asyncio.get_running_loop()
+    text = os.fspath(path)
+    if process_group is not None or storage_options or "://" in text:
+        return await loop.run_in_executor(
+            None,
+            functools.partial(
+                load,
+                path,
+                into=into,
+                verify=verify,
+                process_group=process_group,
+                aio_config=aio_config,
+                storage_options=storage_options,
+            ),
+        )
+    import aiofiles
+
+    storage, name = open_storage(text, aio_config=as_aio_config(aio_config))
+    assert isinstance(storage, LocalStorage)
+    manifest_path = os.path.join(storage.path(name), MANIFEST_NAME)
+    try:
+        async with aiofiles.open(manifest_path, "rb") as f:
+            data = await f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise NotACheckpointError(
+            f"{storage.describe(name)} is not a checkpoint: no {MANIFEST_NAME} (not a checkpoint, "
+            "or a save that never committed)"
+        ) from None
+    manifest = parse_manifest(data, source=manifest_path)
+
+    def run() -> dict[str, Any]:
+        with storage:
+            if into is None:
+                return load_full(storage, name, manifest, verify=verify)
+            return load_into(storage, name, manifest, into, verify=verify)
+
+    return await loop.run_in_executor(None, run)

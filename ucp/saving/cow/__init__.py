@@ -1,0 +1,1 @@
+"""Copy-on-write snapshots: the helper process and the userfaultfd it drives."""

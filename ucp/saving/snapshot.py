@@ -1,0 +1,169 @@
+"""Step (b) of a save: the bytes of each planned piece as a contiguous CPU byte view.
+
+The synchronous save takes views straight onto the tensors' memory (copying only
+what is not already a contiguous CPU tensor), so the bytes must not change until
+the write is done. An asynchronous save replaces :func:`snapshot` with copies into
+staging buffers and returns to training before writing; everything after this
+step only sees ``memoryview``\\ s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import torch
+
+from reshard.box import Box, FlatRange
+from ucp.errors import SnapshotChangedError, UnsupportedStateError
+from ucp.format.sharding import FlatShard, ShardedTensor, Shards
+from ucp.format.tree import Leaf
+from ucp.saving.plan import PlannedPiece, SavePlan, assign_replicated, leaf_layouts
+
+if TYPE_CHECKING:
+    from ucp.saving.staging import Arena
+
+
+def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
+    """The tensor a leaf's piece is made of (the local part of a sharded leaf, or of part ``part`` of a Shards)."""
+    value = leaf.value
+    if isinstance(value, Shards):
+        value = value.parts[part or 0]
+    return value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
+
+
+def image_sources(plan: SavePlan, leaves: Sequence[Leaf], arena: "Arena") -> Iterator[tuple[int, torch.Tensor]]:
+    """Write the rank file's header and the zero padding between pieces into ``arena``; yield each
+    piece's index and source tensor in file order (the caller copies it to ``plan.pieces[i].offset``)."""
+    arena.view(plan.data_start)[:] = plan.header
+    pos = plan.data_start
+    for i, p in enumerate(plan.pieces):
+        if p.offset > pos:  # padding the plan put before this piece: zeros, as ucp.save writes them
+            arena.tensor(p.offset - pos, pos).zero_()
+        pos = p.offset + p.length
+        src = local_tensor(leaves[p.leaf], p.part).detach()
+        if src.numel() * src.element_size() != p.length:
+            raise UnsupportedStateError(
+                f"tensor {p.name!r}: holds {src.numel() * src.element_size()} bytes but the plan expects "
+                f"{p.length}; was the state dict changed while it was being saved?"
+            )
+        yield i, src
+
+
+def host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor without autograd, conjugate or negative bits (a copy only if needed)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor's memory (no copy)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def piece_bytes(piece: PlannedPiece, leaf: Leaf) -> memoryview:
+    """The bytes of one planned piece, checked against the plan."""
+    t = host_contiguous(local_tensor(leaf, piece.part))
+    view = tensor_bytes(t)
+    if view.nbytes != piece.length:
+        raise UnsupportedStateError(
+            f"tensor {piece.name!r}: holds {view.nbytes} bytes but the plan expects {piece.length}; "
+            "was the state dict changed while it was being saved?"
+        )
+    return view
+
+
+def snapshot(plan: SavePlan, leaves: Sequence[Leaf]) -> list[memoryview]:
+    """Byte views of every piece the plan writes, in plan order."""
+    return [piece_bytes(p, leaves[p.leaf]) for p in plan.pieces]
+
+
+def replica_checksums(leaves: Sequence[Leaf], rank: int, world_size: int) -> list[tuple[str, Box | FlatRange, int]]:
+    """``(tensor, region, CRC-32C)`` of every region this rank holds but another rank writes: plain
+    tensors the planner gives to another rank, shard replicas with ``replica_id`` > 0. Compared
+    with the written pieces at commit (``ucp.save(check_replicas=True)``)."""
+    import crc32c
+
+    layouts = [(i, lay) for i, leaf in enumerate(leaves) for lay in leaf_layouts(leaf)]
+    owner = assign_replicated([lay for _, lay in layouts], world_size)
+    out = []
+    for i, lay in layouts:
+        if (owner.get(lay.name) == rank) if lay.replicated else lay.replica_id == 0:
+            continue  # written by this rank
+        data = tensor_bytes(host_contiguous(local_tensor(leaves[i], lay.part)))
+        out.append((lay.name, lay.region, crc32c.crc32c(data)))
+    return out
+
+
+class ChangeWatch:
+    """Notices in-place changes to the tensors a deferred snapshot still has to read.
+
+    With ``AsyncSaver(snapshot="background" | "none")`` the tensors are read after ``save``
+    returned, and the caller promises not to change them before ``handle.wait_snapshot()``.
+    torch bumps a tensor's version counter after every in-place operation on it or on a view of
+    it (an optimizer step, ``copy_``, ``+=``), so comparing the counters taken at ``save`` with
+    those after the copy turns a broken promise into a failed save naming the tensor, instead
+    of a committed checkpoint mixing two steps. Not seen: writes torch does not count (through
+    ``.data``, numpy views or raw pointers), inference tensors (they have no counter), and an
+    operation still running when the last check is made.
+    """
+
+    def __init__(self, plan: SavePlan, leaves: Sequence[Leaf], *, aliased_only: bool = False) -> None:
+        """``aliased_only``: watch only pieces whose bytes are read in place (a writer that reads
+        the tensors' memory directly; other pieces were already copied by :func:`snapshot`)."""
+        self._watched: list[tuple[str, torch.Tensor, int]] = []
+        self._by_piece: dict[int, tuple[str, torch.Tensor, int]] = {}
+        for i, p in enumerate(plan.pieces):
+            t = local_tensor(leaves[p.leaf], p.part)
+            if t.device.type != "cpu" or (aliased_only and not _read_in_place(t)):
+                continue
+            version = _version(t)
+            if version is not None:
+                self._by_piece[i] = entry = (p.name, t, version)
+                self._watched.append(entry)
+
+    def check_piece(self, index: int) -> None:
+        """Raise :class:`SnapshotChangedError` if the tensor of piece ``index`` changed since the save began."""
+        entry = self._by_piece.get(index)
+        if entry is not None:
+            _check(*entry)
+
+    def check_all(self) -> None:
+        """Raise :class:`SnapshotChangedError` for the first watched tensor that changed."""
+        for entry in self._watched:
+            _check(*entry)
+
+    def release(self) -> None:
+        """Drop the references to the caller's tensors (the snapshot no longer reads them)."""
+        self._watched, self._by_piece = [], {}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    if t.is_inference():
+        return None
+    return int(t._version)
+
+
+def _read_in_place(t: torch.Tensor) -> bool:
+    """Whether :func:`host_contiguous` hands back ``t``'s own memory rather than a copy."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _check(name: str, t: torch.Tensor, version: int) -> None:
+    if int(t._version) != version:
+        raise SnapshotChangedError(
+            f"tensor {name!r} was changed in place while a deferred snapshot was still reading it "
+            f"(version {version} -> {int(t._version)}); call handle.wait_snapshot() before changing saved "
+            "tensors, or use snapshot='sync'",
+            tensor=name,
+        )

@@ -1,0 +1,1 @@
+"""Where bytes live: storage backends, the data-file reader and writer, the atomic commit."""
