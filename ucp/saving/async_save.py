@@ -47,8 +47,12 @@ from ucp.dist import Group, resolve_group
 from ucp.errors import CommitError, NotACheckpointError, UnsupportedStateError
 from ucp.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ucp.format.tree import Leaf, encode_state
-from ucp.saving import background as _bg
 from ucp.saving import step_guard
+from ucp.saving.background.handshake import abandon, identity, publish_report
+from ucp.saving.background.image import DirectImage, Progress
+from ucp.saving.background.job import PlanSpec, PostCommit, WriteJob, describe, next_job_id
+from ucp.saving.background.process_backend import ProcessBackend
+from ucp.saving.background.thread_backend import ThreadBackend
 from ucp.saving.cow import snapshot as _cow
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
 from ucp.saving.snapshot import ChangeWatch, image_sources, local_tensor, replica_checksums
@@ -56,7 +60,7 @@ from ucp.saving.snapshot import snapshot as snapshot_views
 from ucp.saving.staging import Arena, StagingPool
 from ucp.saving.sync_save import _check_args, save
 from ucp.store import commit as _commit
-from ucp.store.storage import LocalStorage, Storage, as_aio_config, open_storage
+from ucp.store.storage import Storage, as_aio_config, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +223,8 @@ class AsyncSaver:
         )
         if self._cow is not None:
             self.pool.on_drop.append(self._cow.forget)
-        self._backend: _bg.ThreadBackend | _bg.ProcessBackend = (
-            _bg.ThreadBackend(self.pool) if mode == "thread" else _bg.ProcessBackend(self.pool)
+        self._backend: ThreadBackend | ProcessBackend = (
+            ThreadBackend(self.pool) if mode == "thread" else ProcessBackend(self.pool)
         )
         self._pending: set[SaveHandle] = set()
         self._temps: dict[str, int] = {}  # absolute temp dir -> job id, for saves in flight
@@ -233,14 +237,14 @@ class AsyncSaver:
     @property
     def writer_pid(self) -> int | None:
         """The writer process (``mode="process"``), once started."""
-        return self._backend.pid if isinstance(self._backend, _bg.ProcessBackend) else None
+        return self._backend.pid if isinstance(self._backend, ProcessBackend) else None
 
     def start(self, *, wait: bool = True) -> int | None:
         """Start the writer process now rather than on the first save (``mode="process"``); its pid.
 
         ``wait``: until it is ready for work (it imports torch: seconds).
         """
-        if isinstance(self._backend, _bg.ProcessBackend):
+        if isinstance(self._backend, ProcessBackend):
             return self._backend.start(wait=wait)
         return None
 
@@ -260,7 +264,7 @@ class AsyncSaver:
         aio_config: AioConfig | dict[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         mesh: dict[str, int] | None = None,
-        post_commit: _bg.PostCommit | None = None,
+        post_commit: PostCommit | None = None,
         check_replicas: bool = False,
     ) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the arguments are those of :func:`ucp.save`.
@@ -315,33 +319,34 @@ class AsyncSaver:
             if arena is not None:
                 self.pool.release(arena)
             raise
-        job_id = _bg.next_job_id()
+        job_id = next_job_id()
         lock_fd: int | None = None
         try:
             try:
                 temp = self._agree_on_temp(storage, name, group, local_error)
                 if local_error is not None:  # this rank failed planning: tell rank 0 so it gives up at once
-                    _bg.publish_report(
+                    publish_report(
                         storage,
                         _job_stub(storage, path, name, temp, group, job_id),
-                        _commit.RankReport(rank=group.rank, error=_bg.describe(local_error)),
+                        _commit.RankReport(rank=group.rank, error=describe(local_error)),
                     )
                     raise local_error
                 assert plan is not None
-                temp_abs = storage.path(temp) if isinstance(storage, LocalStorage) else storage.describe(temp)
-                if isinstance(storage, LocalStorage):
-                    lock_fd = _bg.lock_dir(temp_abs)
-                job = _bg.WriteJob(  # a local path made absolute: the writer may run in another directory
+                temp_local = storage.local_path(temp)
+                temp_abs = temp_local or storage.describe(temp)
+                if temp_local is not None and storage.supports_locks:
+                    lock_fd = _commit.lock_dir(temp_local)
+                job = WriteJob(  # a local path made absolute: the writer may run in another directory
                     id=job_id,
-                    path=storage.path(name) if isinstance(storage, LocalStorage) else os.fspath(path),
+                    path=storage.local_path(name) or os.fspath(path),
                     name=name,
                     temp=temp,
-                    temp_identity=_bg.identity(storage, temp),
+                    temp_identity=identity(storage, temp),
                     storage_options=storage_opts,
                     aio_config=cfg.model_dump() if cfg is not None else None,
                     rank=group.rank,
                     world_size=group.world_size,
-                    plan=_bg.PlanSpec.of(plan) if plan.file is not None else None,
+                    plan=PlanSpec.of(plan) if plan.file is not None else None,
                     tensors=[(n, d, list(s)) for n, d, s in plan.tensors],
                     tree=tree,
                     step=step,
@@ -356,7 +361,7 @@ class AsyncSaver:
             except BaseException:
                 if arena is not None:
                     self.pool.release(arena)
-                _bg.close_fd(lock_fd)
+                _commit.close_fd(lock_fd)
                 raise
             future, copying, protected = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock
             if copying is not None and not protected and self.hold_optimizer_steps:
@@ -433,23 +438,23 @@ class AsyncSaver:
         temp, error = None, None
         if group.rank == 0:
             if local_error is not None:
-                error = _bg.describe(local_error)
+                error = describe(local_error)
             else:
                 try:
                     temp = _commit.make_temp_dir(storage, name)
                 except BaseException as exc:
                     if not group.distributed:
                         raise
-                    error = _bg.describe(exc)
+                    error = describe(exc)
         temp, error = group.broadcast((temp, error))
         if temp is None:
             if local_error is not None:
                 raise local_error
-            raise CommitError(f"saving {storage.describe(name)} failed on rank 0: {error}")
+            raise CommitError(f"saving {storage.describe(name)} failed on rank 0: {error}", ranks=(0,), reason=error)
         return temp
 
     def _run(
-        self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena | None, lock_fd: int | None
+        self, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena | None, lock_fd: int | None
     ) -> tuple[Future, Future | None, bool]:
         """Start the background job and fill its arena (the writer follows the copy when ``pipeline``).
 
@@ -457,7 +462,7 @@ class AsyncSaver:
         Returns the job's future; when the copy runs in the background, the copy's; and whether the
         tensors may change before that copy is done (copy-on-write protects them).
         """
-        progress = _bg.Progress(plan.file_size if plan.file is not None else 0)
+        progress = Progress(plan.file_size if plan.file is not None else 0)
         if self.snapshot == "none" and plan.file is not None:
             return (*self._run_from_tensors(job, plan, leaves, lock_fd, progress), False)
         if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
@@ -469,8 +474,8 @@ class AsyncSaver:
         def give_up() -> None:
             if arena is not None:
                 self.pool.release(arena)
-            _bg.close_fd(lock_fd)
-            _bg.abandon(job)
+            _commit.close_fd(lock_fd)
+            abandon(job)
 
         def submit() -> Future:
             try:
@@ -491,51 +496,49 @@ class AsyncSaver:
                     else:
                         progress.complete_after(events)
         except BaseException as exc:
-            why = f"snapshot failed: {_bg.describe(exc)}"
+            why = f"snapshot failed: {describe(exc)}"
             if future is None:
                 give_up()
             else:  # the job fails, cleans up and gives the arena back
                 progress.fail(why)
-                if isinstance(self._backend, _bg.ProcessBackend):
+                if isinstance(self._backend, ProcessBackend):
                     self._backend.abort(job.id, why)
             raise
         return (future if future is not None else submit()), None, False
 
     def _run_from_tensors(
-        self, job: _bg.WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None, progress: _bg.Progress
+        self, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None, progress: Progress
     ) -> tuple[Future, Future]:
         """No copy: the writer thread writes straight from the tensors (O_DIRECT from their memory where the
         plan put pieces in phase); the caller keeps them unchanged until the data file is written."""
         try:
             watch = ChangeWatch(plan, leaves, aliased_only=True)
-            image = _bg.DirectImage(plan, snapshot_views(plan, leaves), watch=watch)
+            image = DirectImage(plan, snapshot_views(plan, leaves), watch=watch)
             future = self._backend.submit(job, image, progress, lock_fd)
         except BaseException:
-            _bg.close_fd(lock_fd)
-            _bg.abandon(job)
+            _commit.close_fd(lock_fd)
+            abandon(job)
             raise
         return future, image.written
 
-    def _submit_or_give_back(
-        self, job: _bg.WriteJob, arena: Arena, progress: _bg.Progress, lock_fd: int | None
-    ) -> Future:
+    def _submit_or_give_back(self, job: WriteJob, arena: Arena, progress: Progress, lock_fd: int | None) -> Future:
         """Start the writer on ``job`` (it follows ``progress``); if that fails, give back what the job owned."""
         try:
             return self._backend.submit(job, arena, progress, lock_fd)
         except BaseException:
             self.pool.release(arena)
-            _bg.close_fd(lock_fd)
-            _bg.abandon(job)
+            _commit.close_fd(lock_fd)
+            abandon(job)
             raise
 
     def _run_in_background(
         self,
-        job: _bg.WriteJob,
+        job: WriteJob,
         plan: SavePlan,
         leaves: Sequence[Leaf],
         arena: Arena,
         lock_fd: int | None,
-        progress: _bg.Progress,
+        progress: Progress,
     ) -> tuple[Future, Future]:
         """The writer starts now and follows the copy, which runs on the copier thread."""
         watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
@@ -546,9 +549,9 @@ class AsyncSaver:
                 snapshot_into(plan, leaves, arena, progress, self._stream_for, watch=watch)
             except BaseException as exc:
                 watch.release()
-                why = f"snapshot failed: {_bg.describe(exc)}"
+                why = f"snapshot failed: {describe(exc)}"
                 progress.fail(why)  # the job fails, cleans up and gives the arena back
-                if isinstance(self._backend, _bg.ProcessBackend):
+                if isinstance(self._backend, ProcessBackend):
                     self._backend.abort(job.id, why)
                 raise
 
@@ -560,12 +563,12 @@ class AsyncSaver:
 
     def _run_copy_on_write(
         self,
-        job: _bg.WriteJob,
+        job: WriteJob,
         plan: SavePlan,
         leaves: Sequence[Leaf],
         arena: Arena,
         lock_fd: int | None,
-        progress: _bg.Progress,
+        progress: Progress,
     ) -> tuple[Future, Future | None]:
         """The tensors' pages are write-protected and copied by the helper process (:mod:`ucp.saving.cow.snapshot`);
         the writer starts now and follows it. Where that cannot run, the copy is made here."""
@@ -580,7 +583,7 @@ class AsyncSaver:
                 if snapshot_into(plan, leaves, arena, progress, self._stream_for):
                     raise AssertionError("host tensors gave CUDA copy events") from None
         except BaseException as exc:
-            progress.fail(f"snapshot failed: {_bg.describe(exc)}")  # the job fails, cleans up, gives the arena back
+            progress.fail(f"snapshot failed: {describe(exc)}")  # the job fails, cleans up, gives the arena back
             raise
         return future, copying
 
@@ -609,10 +612,8 @@ def wait_all(handles: Sequence[SaveHandle]) -> None:
         raise errors[0]
 
 
-def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> _bg.WriteJob:
-    return _bg.WriteJob(
-        id=job_id, path=os.fspath(path), name=name, temp=temp, rank=group.rank, world_size=group.world_size
-    )
+def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> WriteJob:
+    return WriteJob(id=job_id, path=os.fspath(path), name=name, temp=temp, rank=group.rank, world_size=group.world_size)
 
 
 # -- the snapshot --------------------------------------------------------------------------------
@@ -622,7 +623,7 @@ def snapshot_into(
     plan: SavePlan,
     leaves: Sequence[Leaf],
     arena: Arena,
-    progress: _bg.Progress,
+    progress: Progress,
     stream_for: Callable[[torch.device], Any],
     *,
     chunk: int | None = None,
@@ -809,8 +810,9 @@ async def aload(
     import aiofiles
 
     storage, name = open_storage(text, aio_config=as_aio_config(aio_config))
-    assert isinstance(storage, LocalStorage)
-    manifest_path = os.path.join(storage.path(name), MANIFEST_NAME)
+    checkpoint_dir = storage.local_path(name)
+    assert checkpoint_dir is not None  # a path without "://" and no storage options opens local storage
+    manifest_path = os.path.join(checkpoint_dir, MANIFEST_NAME)
     try:
         async with aiofiles.open(manifest_path, "rb") as f:
             data = await f.read()

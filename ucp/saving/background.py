@@ -70,7 +70,7 @@ from ucp.saving.staging import Arena, SharedArena, StagingPool
 from ucp.store import commit as _commit
 from ucp.store.commit import close_fd, lock_dir
 from ucp.store.reader import read_manifest
-from ucp.store.storage import LocalStorage, Storage, open_storage
+from ucp.store.storage import Storage, open_storage
 from ucp.store.writer import CrcChain, write_rank_file
 
 if TYPE_CHECKING:
@@ -117,9 +117,9 @@ def hold_alive(storage: Storage, job: "WriteJob") -> int | None:
     ``<temp>/.alive-rank-NNNNN``, held until the save ends. The kernel drops it when the process
     dies, so the other ranks can tell a dead writer from a slow one instead of waiting out
     ``commit_timeout``. Returns the fd to close, None where there is no such lock."""
-    if not isinstance(storage, LocalStorage):
+    final = storage.local_path(f"{job.temp}/{alive_name(job.rank)}")
+    if final is None or not storage.supports_locks:
         return None
-    final = storage.path(f"{job.temp}/{alive_name(job.rank)}")
     aside = f"{final}.{os.getpid()}"
     try:
         fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -140,10 +140,11 @@ def hold_alive(storage: Storage, job: "WriteJob") -> int | None:
 
 def rank_dead(storage: Storage, job: "WriteJob", rank: int) -> bool:
     """Whether ``rank`` took its liveness lock for this save and no longer holds it (it died)."""
-    if not isinstance(storage, LocalStorage):
+    alive = storage.local_path(f"{job.temp}/{alive_name(rank)}")
+    if alive is None or not storage.supports_locks:
         return False
     try:  # read-write: NFS emulates flock with fcntl locks, and an exclusive one needs a writable fd
-        fd = os.open(storage.path(f"{job.temp}/{alive_name(rank)}"), os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(alive, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False  # not started yet (or done): keep waiting, bounded by commit_timeout
     try:
@@ -157,11 +158,11 @@ def rank_dead(storage: Storage, job: "WriteJob", rank: int) -> bool:
 
 def drop_alive_files(storage: Storage, job: "WriteJob") -> None:
     """Rank 0, before the commit: remove the liveness files so the checkpoint holds only its data."""
-    if not isinstance(storage, LocalStorage):
+    if not storage.supports_locks:  # no liveness files were made (see hold_alive)
         return
     for rank in range(job.world_size):
         try:
-            os.unlink(storage.path(f"{job.temp}/{alive_name(rank)}"))
+            storage.remove_file(f"{job.temp}/{alive_name(rank)}")
         except OSError:
             pass
 
@@ -351,7 +352,7 @@ def write_image(
     copy. Writes are issued in segments of ``queue_depth`` blocks. On error the
     partial file is deleted.
     """
-    cfg = storage.config if isinstance(storage, LocalStorage) else AioConfig()
+    cfg = storage.config
     block = cfg.block_size
     segment = block * max(1, cfg.queue_depth)
     size = plan.file_size
@@ -402,10 +403,11 @@ def write_image(
 
 def identity(storage: Storage, rel: str) -> tuple[int, int] | None:
     """(device, inode) of a local directory: it follows the directory through the commit's rename."""
-    if not isinstance(storage, LocalStorage):
+    path = storage.local_path(rel)
+    if path is None:
         return None
     try:
-        st = os.stat(storage.path(rel))
+        st = os.stat(path)
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
@@ -602,15 +604,8 @@ def collect_reports(storage: Storage, job: WriteJob) -> list[_commit.RankReport]
         time.sleep(delay)
         delay = min(delay * 2, POLL_MAX)
     for rank in sorted(got):
-        _remove_file(storage, f"{job.temp}/{report_name(rank)}")
+        storage.remove_file(f"{job.temp}/{report_name(rank)}")
     return [got[r] for r in sorted(got)]
-
-
-def _remove_file(storage: Storage, rel: str) -> None:
-    if isinstance(storage, LocalStorage):
-        os.unlink(storage.path(rel))
-    else:
-        storage.remove_tree(rel)
 
 
 def wait_for_commit(storage: Storage, job: WriteJob, report: _commit.RankReport) -> Manifest:
@@ -686,7 +681,7 @@ class StorageCache:
     def open(self, job: WriteJob) -> tuple[Storage, bool]:
         """(storage, owned): owned storages are the caller's to close."""
         storage, _ = job.open_storage()
-        if not isinstance(storage, LocalStorage):
+        if not storage.local:  # only local storage holds an aio engine worth keeping
             return storage, True
         key = (storage.root, json.dumps(job.aio_config, sort_keys=True))
         cached = self._local.setdefault(key, storage)

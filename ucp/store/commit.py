@@ -11,6 +11,11 @@ Sequence (rank 0 does the file-system work; see docs/format.md for crash windows
    instead of producing an unloadable checkpoint.
 4. :func:`commit` writes and fsyncs manifest.json, fsyncs the directory, swaps it
    in for any previous checkpoint, fsyncs the parent and deletes the old one.
+
+Steps 2-4 sit behind one interface, :class:`Committer`, with two ways for the ranks to meet:
+:class:`CollectiveCommit` (``ucp.save``: a gather to rank 0, the outcome broadcast back) and
+:class:`ucp.saving.background.handshake.HandshakeCommit` (background writers, which must not run
+collectives: the ranks meet through files in the temporary directory). A save picks one when it starts.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import fcntl
 import logging
 import os
 import secrets
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from datetime import datetime
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -39,7 +45,10 @@ from ucp.format.manifest import (
     check_manifest,
 )
 from ucp.format.tree import merge_trees
-from ucp.store.storage import LocalStorage, Storage
+from ucp.store.storage import Storage
+
+if TYPE_CHECKING:
+    from ucp.dist import Group
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +112,19 @@ def build_manifest(
     failed = [r for r in reports if r.error is not None]
     if failed:
         detail = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
-        raise CommitError(f"save failed on {len(failed)} rank(s): {detail}")
+        raise CommitError(
+            f"save failed on {len(failed)} rank(s): {detail}", ranks=[r.rank for r in failed], reason=detail
+        )
     declared: dict[str, tuple[str, list[int], int]] = {}
     for r in reports:
         for name, dtype, shape in r.tensors:
             if name in declared and declared[name][:2] != (dtype, list(shape)):
                 d, s, other = declared[name]
                 raise CommitError(
-                    f"tensor {name!r}: rank {other} holds it as {d} {s}, rank {r.rank} as {dtype} {list(shape)}"
+                    f"tensor {name!r}: rank {other} holds it as {d} {s}, rank {r.rank} as {dtype} {list(shape)}",
+                    ranks=(other, r.rank),
+                    reason="the ranks hold the tensor with different dtypes or shapes",
+                    tensor=name,
                 )
             declared.setdefault(name, (dtype, list(shape), r.rank))
     pieces: dict[str, list[Piece]] = defaultdict(list)
@@ -142,7 +156,9 @@ def build_manifest(
                 " (plain tensors must be present on every rank; wrap rank-local tensors in "
                 "ShardedTensor/FlatShard, and give exactly one replica of each shard replica_id 0)"
             )
-        raise CommitError(f"the ranks' pieces do not form a valid checkpoint: {exc}{hint}") from None
+        raise CommitError(
+            f"the ranks' pieces do not form a valid checkpoint: {exc}{hint}", ranks=(), reason=f"{exc}{hint}"
+        ) from None
     check_replicas(reports, manifest)
     return manifest
 
@@ -167,7 +183,10 @@ def check_replicas(reports: list[RankReport], manifest: Manifest) -> None:
                 raise CommitError(
                     f"tensor {rep.tensor!r}: rank {r.rank}'s copy of {where} differs from the one rank "
                     f"{manifest.files[piece.file].rank} wrote (CRC-32C {rep.crc32c:#010x} vs {piece.crc32c:#010x}); "
-                    "replicas that should be equal are not: nothing was committed"
+                    "replicas that should be equal are not: nothing was committed",
+                    ranks=(r.rank,),
+                    reason="a replica differs from the written copy",
+                    tensor=rep.tensor,
                 )
 
 
@@ -211,6 +230,73 @@ def commit(
     return data
 
 
+class Committer(ABC):
+    """How the ranks of one save agree on its outcome and make it the checkpoint: all of it, or nothing.
+
+    Each rank calls :meth:`commit` once, after its data file is durable, with its :class:`RankReport`
+    (its pieces, or its error). Rank 0 merges the reports (:func:`build_manifest`) and commits
+    (:func:`commit`); every rank gets the same outcome.
+    """
+
+    @abstractmethod
+    def commit(self, report: RankReport) -> Manifest:
+        """Take part in the commit: the committed manifest, or an error on every rank with nothing committed
+        (a report with an error fails the save; the temporary directory is then removed)."""
+
+
+class CollectiveCommit(Committer):
+    """``ucp.save``: the reports are gathered to rank 0, which commits and broadcasts the outcome."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        temp: str | None,
+        name: str,
+        group: "Group",
+        *,
+        step: int | None,
+        metadata: dict[str, Any],
+        mesh: dict[str, int] | None,
+        created: datetime,
+        before_swap: Callable[[], None] | None = None,
+    ) -> None:
+        self.storage, self.temp, self.name, self.group = storage, temp, name, group
+        self.step, self.metadata, self.mesh, self.created = step, metadata, mesh, created
+        self.before_swap = before_swap
+
+    def commit(self, report: RankReport) -> Manifest:
+        group, storage = self.group, self.storage
+        reports = group.gather(report.model_dump_json() if group.distributed else report)
+        outcome: tuple[str | None, str | None] = (None, None)  # (manifest json, error)
+        manifest: Manifest | None = None
+        if group.rank == 0:
+            assert reports is not None
+            parsed = [r if isinstance(r, RankReport) else RankReport.model_validate_json(r) for r in reports]
+            try:
+                manifest = build_manifest(
+                    parsed,
+                    world_size=group.world_size,
+                    step=self.step,
+                    metadata=self.metadata,
+                    mesh=self.mesh,
+                    created=self.created,
+                )
+                data = commit(storage, self.temp, self.name, manifest, before_swap=self.before_swap)  # type: ignore[arg-type]
+                outcome = (data.decode() if group.distributed else None, None)
+            except BaseException as exc:
+                abort(storage, self.temp)
+                if not group.distributed:
+                    raise
+                outcome = (None, f"{type(exc).__name__}: {exc}")
+        text, error = group.broadcast(outcome)
+        if manifest is not None and error is None:
+            return manifest
+        if error is not None or text is None:
+            raise CommitError(f"saving {storage.describe(self.name)} failed: {error}")
+        # rank 0 checked it before committing; here it only needs to become a Manifest again
+        return Manifest.model_validate_json(text)
+
+
 def check_replaceable(storage: Storage, name: str) -> None:
     """Refuse to replace anything but a checkpoint or an empty directory (never delete a user's data)."""
     if storage.exists(f"{name}/{MANIFEST_NAME}"):
@@ -244,7 +330,8 @@ def abort(storage: Storage, temp: str | None) -> None:
 
 def lock_temp(storage: Storage, temp: str) -> int | None:
     """Mark the save into ``temp`` as in flight (local storage); the fd to close when it ends."""
-    return lock_dir(storage.path(temp)) if isinstance(storage, LocalStorage) else None
+    path = storage.local_path(temp)
+    return lock_dir(path) if path is not None and storage.supports_locks else None
 
 
 def lock_dir(path: str) -> int | None:

@@ -24,7 +24,7 @@ from aio import AlignedBuffer
 from ucp.errors import CorruptCheckpointError, ManifestError, MissingDataError, NotACheckpointError, where
 from ucp.format.manifest import MANIFEST_NAME, Manifest, Piece, parse_manifest
 from ucp.format.tree import PAD_PREFIX
-from ucp.store.storage import LocalStorage, Storage, open_storage
+from ucp.store.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     import torch
@@ -74,9 +74,10 @@ def _read_manifest_bytes(storage: Storage, rel: str) -> bytes:
     """The manifest's bytes. A local manifest must be a regular file: opening a FIFO named
     manifest.json would block forever, a device would never end. So the file is opened without
     blocking and checked (fstat) before it is read; a directory counts as no manifest."""
-    if not isinstance(storage, LocalStorage):
+    path = storage.local_path(rel)
+    if path is None:
         return storage.read_small(rel)
-    return read_regular_file(storage.path(rel), storage.describe(rel))
+    return read_regular_file(path, storage.describe(rel))
 
 
 def read_regular_file(path: str, where: str) -> bytes:
@@ -124,8 +125,9 @@ def check_file_size(storage: Storage, name: str, file: str, expected: int) -> No
     manifest's size."""
     rel = f"{name}/{file}"
     try:
-        if isinstance(storage, LocalStorage):
-            st = os.stat(storage.path(rel))
+        path = storage.local_path(rel)
+        if path is not None:
+            st = os.stat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(
                     f"{where(file=file)}: data file {storage.describe(rel)} is not a "

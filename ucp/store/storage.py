@@ -40,6 +40,19 @@ class Storage(abc.ABC):
 
     root: str
     local: bool = False
+    """Whether entries are files of this machine's OS (:meth:`local_path` gives their paths)."""
+    supports_locks: bool = False
+    """Whether ``flock`` on its directories and files works: in-flight markers and liveness locks."""
+    config: AioConfig = AioConfig()
+    """How writes are sized and paced; only local storage moves its bytes through ``aio``."""
+
+    def local_path(self, rel: str) -> str | None:
+        """The OS path of ``rel`` where entries are local files; None elsewhere (URLs, object stores)."""
+        return None
+
+    def remove_file(self, rel: str) -> None:
+        """Delete one file; backends without a single-file delete remove it as a tree (missing is fine)."""
+        self.remove_tree(rel)
 
     def describe(self, rel: str) -> str:
         """A human-readable location for messages."""
@@ -105,6 +118,7 @@ class LocalStorage(Storage):
     """A local directory; data moves through ``aio`` (O_DIRECT, many requests in flight)."""
 
     local = True
+    supports_locks = True
 
     def __init__(self, root: str, aio_config: AioConfig | None = None) -> None:
         self.root = os.path.abspath(root)
@@ -127,6 +141,13 @@ class LocalStorage(Storage):
 
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else self.root
+
+    def local_path(self, rel: str) -> str:
+        return self.path(rel)
+
+    def remove_file(self, rel: str) -> None:
+        """``os.unlink``: a missing file raises FileNotFoundError."""
+        os.unlink(self.path(rel))
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(self.path(rel))
