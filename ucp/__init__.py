@@ -35,6 +35,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "UnsupportedFormatError": ("errors", "UnsupportedFormatError"),
     "UnsupportedStateError": ("errors", "UnsupportedStateError"),
     "SnapshotChangedError": ("errors", "SnapshotChangedError"),
+    "SnapshotAborted": ("errors", "SnapshotAborted"),
+    "CowUnavailable": ("errors", "CowUnavailable"),
+    "ForeignCheckpointError": ("errors", "ForeignCheckpointError"),
+    "UnknownFormatError": ("errors", "UnknownFormatError"),
+    "UnsafePickleError": ("errors", "UnsafePickleError"),
+    "ExportError": ("errors", "ExportError"),
+    "BenchError": ("errors", "BenchError"),
+    "RawToolError": ("errors", "RawToolError"),
     "load": ("loading.loader", "load"),
     "read_manifest": ("store.reader", "read_checkpoint_manifest"),
     "CheckpointInfo": ("manager", "CheckpointInfo"),
@@ -53,14 +61,22 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 if TYPE_CHECKING:  # what static tools and IDEs see
     from ucp.errors import (
+        BenchError,
         CheckpointError,
         CommitError,
         CorruptCheckpointError,
+        CowUnavailable,
+        ExportError,
+        ForeignCheckpointError,
         LayoutMismatchError,
         ManifestError,
         MissingDataError,
         NotACheckpointError,
+        RawToolError,
+        SnapshotAborted,
         SnapshotChangedError,
+        UnknownFormatError,
+        UnsafePickleError,
         UnsupportedFormatError,
         UnsupportedStateError,
     )
@@ -74,6 +90,14 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from ucp.store.reader import read_checkpoint_manifest as read_manifest
 
 __all__ = [
+    "SnapshotAborted",
+    "CowUnavailable",
+    "ForeignCheckpointError",
+    "UnknownFormatError",
+    "UnsafePickleError",
+    "ExportError",
+    "BenchError",
+    "RawToolError",
     "AsyncSaver",
     "CheckpointError",
     "CheckpointInfo",

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import os
 
+from ucp.errors import BenchError  # a ucp.CheckpointError, defined with the rest of the hierarchy
+
 # The largest --size-gib any bench accepts: 1 PiB, beyond any disk the bench could fill. A bound
 # keeps the size arithmetic finite (``inf`` or 1e300 GiB would overflow it) and the refusal early.
 MAX_SIZE_GIB = float(1 << 20)
 
 NO_FIO_ENV = "UCP_BENCH_NO_FIO"  # set to 1 to use the dd fallback even where fio is installed
 
-
-class BenchError(RuntimeError):
-    """The bench could not run, or a method read back wrong bytes."""
+__all__ = ["MAX_SIZE_GIB", "NO_FIO_ENV", "BenchError", "BenchWarning", "fio_switched_off"]
 
 
 class BenchWarning(UserWarning):

@@ -16,11 +16,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import Literal
 
+from ucp.errors import RawToolError  # a BenchError, defined with the rest of the hierarchy
+
 RawTool = Literal["fio", "dd"]
-
-
-class RawToolError(RuntimeError):
-    """fio or dd failed; the message has its command line and stderr."""
 
 
 def fio_available() -> bool:

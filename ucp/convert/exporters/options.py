@@ -9,9 +9,9 @@ import re
 
 import torch
 
+from ucp.errors import ExportError  # defined with the rest of the hierarchy; re-exported for the exporters
 
-class ExportError(ValueError):
-    """An export cannot proceed; the message names the option, tensor or file at fault."""
+__all__ = ["ExportError", "parse_dtype", "parse_size"]
 
 
 # Decimal units as Hugging Face uses them ("5GB" = 5e9 bytes); binary units spelled with "i".

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ucp.errors import CheckpointError
 from ucp.format.dtypes import itemsize
 
 # ucp dtype name -> the numpy dtype of a small tensor read as values (bf16 is widened to float32 exactly)
@@ -40,8 +41,11 @@ _NUMPY = {
 MAX_VALUE_BYTES = 1 << 20  # item()/tolist() read values for metadata, never a whole weight
 
 
-class NeedsTorch(Exception):
-    """The on-disk path cannot express this; read the checkpoint with torch instead (the message says why)."""
+class NeedsTorch(CheckpointError):
+    """The on-disk path cannot express this; read the checkpoint with torch instead (the message says why).
+
+    Internal: the importers catch it and read the checkpoint again with torch; it never reaches a caller.
+    """
 
 
 @dataclass(frozen=True)
