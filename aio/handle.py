@@ -45,8 +45,9 @@ def as_bytes_view(data: Bytes) -> memoryview:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise ValueError("array must be C-contiguous")
-        data = data.reshape(-1).view(np.uint8)
-    view = memoryview(data)
+        view = data.reshape(-1).view(np.uint8).data  # == memoryview(arr); numpy's stubs give ndarray
+    else:  # no Buffer protocol before Python 3.12
+        view = memoryview(data)
     if not view.c_contiguous:  # a strided view (even 1-D bytes) has no flat byte image to hand the kernel
         raise ValueError("buffer must be C-contiguous")
     if view.ndim != 1 or view.format not in ("B", "b", "c"):
@@ -123,7 +124,7 @@ class AioHandle:
     ) -> int:
         """Write ``data`` (one buffer or an iterable of buffers) as the whole content of ``path``."""
         self._check_open(path)
-        parts = [data] if isinstance(data, _SINGLE) or _is_tensor(data) else list(data)
+        parts: list[Any] = [data] if isinstance(data, _SINGLE) or _is_tensor(data) else list(data)  # Any: a tensor
         views = [as_bytes_view(p) for p in parts]
         with self.writer(path, size_hint=sum(v.nbytes for v in views), fsync=fsync) as w:
             for v in views:
@@ -185,7 +186,7 @@ class AioHandle:
         try:
             _wait_all(futures)
         finally:  # an error raised from here must not keep the caller's buffers referenced by this frame
-            futures = requests = ranges = []
+            futures, requests, ranges = [], [], []
 
     def _submit_request(self, f: OpenFile, req: ReadRequest) -> Future:
         """Submit one planned read; its future raises if the file ends before the wanted bytes. A request
@@ -354,6 +355,7 @@ class FileWriter:
         if self._block is None:
             _take(self._h.pool, self._keep_block)
         n = min(self._cfg.block_size - self._fill, src.nbytes)
+        assert self._block is not None  # _keep_block set it
         _copy(self._block.view(n, self._fill), src[:n])
         self._fill += n
         if self._fill == self._cfg.block_size:

@@ -166,10 +166,13 @@ def format_size(n: int) -> str:
 # -- the search -----------------------------------------------------------------------------
 
 
+_DEFAULT_ENGINES: list[EngineName] = ["libaio", "threads"]
+
+
 class TuneGrid(BaseModel):
     """The candidate values; every combination that makes sense is measured."""
 
-    engines: list[EngineName] = Field(default_factory=lambda: ["libaio", "threads"])
+    engines: list[EngineName] = Field(default_factory=lambda: _DEFAULT_ENGINES.copy())
     block_sizes: list[int] = Field(default_factory=lambda: [1 * MIB, 4 * MIB, 8 * MIB, 16 * MIB])
     queue_depths: list[int] = Field(default_factory=lambda: [8, 32])
     thread_counts: list[int] = Field(default_factory=lambda: [4, 8])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -116,11 +116,11 @@ def probe_kvikio() -> KvikioProbe:
     OSError (missing libkvikio/libcuda) rather than ImportError.
     """
     try:
-        import kvikio  # type: ignore[import-not-found]
+        import kvikio
     except Exception as exc:
         return KvikioProbe(False, error=f"{type(exc).__name__}: {exc}")
     probe = KvikioProbe(True, version=str(getattr(kvikio, "__version__", "unknown")))
-    defaults = getattr(kvikio, "defaults", None)
+    defaults: Any = getattr(kvikio, "defaults", None)
     try:
         if hasattr(defaults, "is_compat_mode_preferred"):  # KvikIO >= 25.04
             probe.compat_setting = _enum_name(defaults.get("compat_mode"))

@@ -24,7 +24,7 @@ class KvikioPath:
     """Reads and writes CUDA tensors with KvikIO (imported lazily, on first use)."""
 
     def __init__(self) -> None:
-        import kvikio  # type: ignore[import-not-found]  # GdsHandle checked it imports
+        import kvikio  # GdsHandle checked it imports
 
         self._kvikio: Any = kvikio
 

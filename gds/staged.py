@@ -118,7 +118,7 @@ class StagedPath:
                     if chunks:
                         start, n = chunks[0]
                         copier.copy(stage[0][:n], src[start : start + n], 0)
-                    for i, (start, n) in enumerate(chunks):
+                    for i, (_, n) in enumerate(chunks):
                         if i + 1 < len(chunks):  # next device-to-host copy overlaps this chunk's write
                             nstart, nn = chunks[i + 1]
                             copier.copy(stage[(i + 1) % 2][:nn], src[nstart : nstart + nn], (i + 1) % 2)
