@@ -48,6 +48,11 @@ def test_demo_crashes_resumes_reshapes_and_exports(tmp_path: Path) -> None:
     assert listing.get(f"step-{latest:08d}") == "complete"
     assert all(e["status"] != "complete" for e in s["crash"]["listing"] if int(e["name"].split("-")[1][:8]) > latest)
     assert s["resume"]["resumed_at"] == latest and s["resume"]["final_step"] == 8
+    assert s["resume"]["last_step"] == 7  # as the log numbers steps (from 0)
+    # checkpoint N is saved after step N - 1: steps 2 and 4 ran while checkpoints 2 and 4 were written
+    first = s["first_run"]
+    assert first["checkpoints"] == [2, 4] and first["after_checkpoint_steps"] == [2, 4]
+    assert first["median_after_checkpoint_step_s"] > 0 and first["median_other_step_s"] > 0
     # the resumed run repeated the steps from the checkpoint to the crash, with the same losses
     assert s["continuity"]["steps"] == list(range(latest, 5)) and s["continuity"]["max_relative_difference"] <= 1e-5
     # the last checkpoint, consolidated and exported, holds the final weights

@@ -34,7 +34,7 @@ def demo_cmd(
     try:
         summary = run_demo(cfg, say)
     except (RuntimeError, TimeoutError, FileExistsError) as exc:
-        raise fail(str(exc)) from None
+        raise fail_with(exc) from None
     if json_output:
         typer.echo(json.dumps(summary.model_dump(mode="json"), indent=2))
         return
@@ -42,6 +42,7 @@ def demo_cmd(
 
 
 def _print_summary(s) -> None:  # s: training.demo.DemoSummary
+    """The summary table; every time in seconds, steps numbered as the training log numbers them."""
     from rich.table import Table
 
     f, c, r, k = s.first_run, s.crash, s.resume, s.continuity
@@ -52,13 +53,20 @@ def _print_summary(s) -> None:  # s: training.demo.DemoSummary
     t.add_row(
         "first run",
         f"{f['processes']} processes, tp={f['layout']['tp']} dp={f['layout']['dp']} "
-        f"ZeRO-{f['layout']['zero']}; {f['steps_done']} steps, median {f['median_step_s']:.2f} s/step",
+        f"ZeRO-{f['layout']['zero']}; steps 0–{f['steps_done'] - 1}, median {f['median_step_s']:.2f} s per step",
     )
     if f["median_save_stall_s"] is not None:
         t.add_row(
             "async save stall",
-            f"median {f['median_save_stall_s'] * 1000:.0f} ms per checkpoint "
+            f"median {f['median_save_stall_s']:.3f} s per checkpoint "
             f"({f['median_save_stall_s'] / f['median_step_s'] * 100:.1f}% of a step)",
+        )
+    if f["median_after_checkpoint_step_s"] is not None and f["median_other_step_s"] is not None:
+        steps = ", ".join(str(st) for st in f["after_checkpoint_steps"])
+        t.add_row(
+            "steps after a checkpoint",
+            f"median {f['median_after_checkpoint_step_s']:.2f} s (steps {steps}: the copy and write run beside them) "
+            f"vs {f['median_other_step_s']:.2f} s for the other steps",
         )
     leftovers = [e["name"] for e in c["listing"] if e["status"] != "complete"]
     t.add_row(
@@ -78,7 +86,7 @@ def _print_summary(s) -> None:  # s: training.demo.DemoSummary
         ", ".join(f"step {st}: {a:.6f} → {b:.6f}" for st, a, b in zip(k["steps"], k["before"], k["after"]))
         + f"  (max rel. diff {k['max_relative_difference']:.1e})",
     )
-    t.add_row("final", f"step {r['final_step']}, loss {r['final_loss']:.6f}")
+    t.add_row("last step", f"step {r['last_step']}, loss {r['final_loss']:.6f}")
     rs = s.reshape
     t.add_row(
         "ucp reshape",
