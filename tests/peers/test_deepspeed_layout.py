@@ -9,15 +9,10 @@ DeepSpeed upgrade changes the layout, these fail before the importer does.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # tools/ is not an installed package
-    sys.path.insert(0, str(REPO_ROOT))
 
 from tools.peers.deepspeed_ckpt import (  # noqa: E402
     deepspeed_missing,

@@ -1,25 +1,20 @@
 """tp > 1 checkpoint targets (several regions of one tensor per rank, as ucp.Shards) save and load with ucp.
 
 Ranks are simulated in one process: each rank's buffers come from the resolved layout, the save
-runs on threads (tests/ucp/ucp_helpers.save_ranks) through the real multi-rank save code.
+runs on threads (tests/support/ucp_helpers.save_ranks) through the real multi-rank save code.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from training_helpers import GQA
+from ucp_helpers import save_ranks  # noqa: E402
 
 import ucp
 from reshard import Mesh, Resolver
 from training.checkpoint import assemble, build_targets, fill_from_full
 from training.layout import gpt_layout, gpt_shapes
 from training.models.gpt import GPTConfig
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "ucp"))
-from ucp_helpers import save_ranks  # noqa: E402
 
 
 def rank_targets(mesh: Mesh, zero_stage: int):

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import REPO
 
 import ucp
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str) -> str:

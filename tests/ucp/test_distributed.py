@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import SUPPORT
 from ucp_helpers import same_bytes
 
 import ucp
 
-WORKER = Path(__file__).with_name("ucp_dist_worker.py")
+WORKER = SUPPORT / "ucp_dist_worker.py"
 
 
 def run_world(scenario: str, world: int, ck: Path, tmp: Path) -> None:

@@ -20,7 +20,6 @@ import functools
 import json
 import shutil
 import struct
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -244,9 +243,6 @@ def test_tensor_one_page_larger_than_a_batch_and_exactly_a_batch(tmp_path: Path)
 
 
 def _deepspeed(config: tuple[int, str, int]) -> Path:
-    repo = Path(__file__).resolve().parents[2]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
     from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint
 
     missing = deepspeed_missing()

@@ -21,10 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
+from repo_paths import REPO
 from ucp_helpers import assert_same_state, random_tensor  # noqa: E402
 
 import ucp  # noqa: E402
@@ -44,7 +41,7 @@ def run_body(name: str, tmp_path: Path, timeout: float = 120.0) -> str:
     code = (
         "import faulthandler, sys\n"
         f"faulthandler.dump_traceback_later({timeout - 10!r}, exit=True)\n"  # a hang shows every thread's stack
-        f"sys.path.insert(0, {str(HERE)!r})\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
         "import test_cow_review as m\n"
         f"m._body_{name}(sys.argv[1])\n"
         "print('BODY-OK', flush=True)\n"
@@ -57,7 +54,7 @@ def run_body(name: str, tmp_path: Path, timeout: float = 120.0) -> str:
             text=True,
             timeout=timeout,
             env=env,
-            cwd=str(HERE.parent.parent),
+            cwd=str(REPO),
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"scenario {name} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import REPO
 from ucp_helpers import assert_same_state
 
 import ucp
@@ -21,7 +22,6 @@ from ucp.store.storage import LocalStorage, open_storage
 
 OLD = {"w": torch.arange(12.0).reshape(3, 4), "step": 1}
 NEW = {"w": torch.ones(5, 5), "x": torch.zeros(3, dtype=torch.int8), "step": 2}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def save_hooked(path: Path, state: dict, hook) -> ucp.Manifest:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from repo_paths import SUPPORT
 from safetensors.torch import load_file
 from ucp_helpers import random_tensor, same_bytes, save_ranks
 
@@ -192,8 +193,8 @@ def test_multi_rank_sharded_checkpoint_is_consolidated(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_two_process_gloo_checkpoint_exports(tmp_path: Path) -> None:
-    """A checkpoint written by 2 real processes (tests/ucp/ucp_dist_worker.py, scenario save2)."""
-    worker = Path(__file__).with_name("ucp_dist_worker.py")
+    """A checkpoint written by 2 real processes (tests/support/ucp_dist_worker.py, scenario save2)."""
+    worker = SUPPORT / "ucp_dist_worker.py"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
@@ -207,7 +208,6 @@ def test_two_process_gloo_checkpoint_exports(tmp_path: Path) -> None:
     ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
-    sys.path.insert(0, str(worker.parent))
     from ucp_dist_worker import F, R, S, V, W
 
     export(tmp_path / "two", tmp_path / "hf", section="all", max_shard_size=300)

@@ -15,7 +15,6 @@ import math
 import os
 import pickle
 import struct
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ucp_helpers import random_tensor  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.ucp.ucp_helpers import random_tensor  # noqa: E402
 from ucp.convert.importers.pickles import DEEPSPEED_STAND_INS  # noqa: E402
 from ucp.convert.importers.stored import MAX_VALUE_BYTES, NeedsTorch, StoredLeaf, StoredTensor, stored_leaf  # noqa: E402
 from ucp.convert.importers.torch_archive import STORAGE_DTYPES, AttributeBag, read_archive  # noqa: E402

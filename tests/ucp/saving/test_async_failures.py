@@ -14,15 +14,13 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
 import ucp.saving.async_save as async_mod  # noqa: E402
-import ucp.saving.background as bg  # noqa: E402
+import ucp.saving.background.execute as bg  # noqa: E402
 from ucp.errors import CheckpointError, CommitError  # noqa: E402
 from ucp.manager import CheckpointManager, read_latest  # noqa: E402
 from ucp.saving.async_save import AsyncSaver  # noqa: E402

@@ -1,4 +1,4 @@
-"""CLI commands on bad input, continued (see tests/ucp/test_cli_bad_input.py): verify's JSON on
+"""CLI commands on bad input, continued (see tests/ucp/cli/test_cli_bad_input.py): verify's JSON on
 every exit path, reshape's budget / read-back / layout errors, ls agreeing with the manager, state-tree
 and non-regular-file errors naming the file, and messages printed as written (brackets kept)."""
 

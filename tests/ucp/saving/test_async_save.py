@@ -13,10 +13,9 @@ import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from repo_paths import SUPPORT  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
@@ -387,7 +386,7 @@ def _gone(pid: int) -> bool:
 def test_writer_process_commits_after_the_trainer_died(tmp_path):
     """The trainer exits with os._exit right after async_save returned (tools/crash_harness.py's
     ``async`` trials SIGKILL trainers at random moments instead)."""
-    code = DYING_TRAINER.format(tests=str(HERE.parent), path=str(tmp_path / "ck"), death="os._exit(0)")
+    code = DYING_TRAINER.format(tests=str(SUPPORT), path=str(tmp_path / "ck"), death="os._exit(0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip(), r.stderr
     writer, trainer = (int(x) for x in r.stdout.split())

@@ -7,10 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 from pathlib import Path
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsspec  # noqa: E402
 import pytest  # noqa: E402

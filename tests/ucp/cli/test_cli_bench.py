@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 from typer.testing import CliRunner
 
 from aio import AioHandle, libaio_status
@@ -48,7 +49,7 @@ def test_cli_and_bench_modules_import_no_torch() -> None:
     """The CLI registry, its command modules and the bench library import torch lazily, inside
     commands, so that they add nothing heavy to ``ucp --help``. The ``ucp`` package's own
     ``__init__`` is bypassed here: what it imports is not the CLI's doing."""
-    root = Path(__file__).resolve().parents[2] / "ucp"
+    root = REPO / "ucp"
     probe = (
         "import sys, types\n"
         f"pkg = types.ModuleType('ucp'); pkg.__path__ = [{str(root)!r}]; sys.modules['ucp'] = pkg\n"

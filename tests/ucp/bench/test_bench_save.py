@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import REPO
 from typer.testing import CliRunner
 
 import ucp
@@ -210,7 +211,7 @@ def test_worker_async_save_background_snapshot(tmp_path: Path) -> None:
 
 
 def test_bench_save_modules_import_no_torch() -> None:
-    root = Path(__file__).resolve().parents[2] / "ucp"
+    root = REPO / "ucp"
     probe = (
         "import sys, types\n"
         f"pkg = types.ModuleType('ucp'); pkg.__path__ = [{str(root)!r}]; sys.modules['ucp'] = pkg\n"

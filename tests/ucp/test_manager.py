@@ -5,9 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """Sharded saves loaded into other shardings, in place, reading only the bytes needed.
 
-Ranks are simulated by threads (tests/ucp/ucp_helpers.run_ranks); real processes are in
+Ranks are simulated by threads (tests/support/ucp_helpers.run_ranks); real processes are in
 test_ucp_distributed.py.
 """
 

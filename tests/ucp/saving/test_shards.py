@@ -1,7 +1,7 @@
 """Multi-region leaves (ucp.Shards): one rank holding several regions of one global tensor.
 
 Tensor parallelism makes them: a rank's fused-QKV shard is its rows of q, k and v (3 boxes).
-Ranks are simulated by threads (tests/ucp/ucp_helpers.run_ranks).
+Ranks are simulated by threads (tests/support/ucp_helpers.run_ranks).
 """
 
 from __future__ import annotations

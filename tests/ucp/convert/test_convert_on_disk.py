@@ -27,14 +27,11 @@ from typing import Any
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from repo_paths import REPO  # noqa: E402
+from ucp_helpers import assert_same_state  # noqa: E402
 
 import ucp  # noqa: E402
 import ucp.convert.importers.deepspeed as ds  # noqa: E402
-from tests.ucp.ucp_helpers import assert_same_state  # noqa: E402
 from ucp.convert.importers import ForeignCheckpointError, UnsafePickleError, convert, read  # noqa: E402
 from ucp.convert.importers.common import count_stored  # noqa: E402
 from ucp.format.sharding import Shards  # noqa: E402

@@ -9,9 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ucp_helpers import random_tensor, same_bytes  # noqa: E402

@@ -24,6 +24,7 @@ from types import ModuleType
 
 import pytest
 from pydantic import ValidationError
+from repo_paths import REPO
 from typer.testing import CliRunner
 
 import ucp.bench.io as bench_io
@@ -37,7 +38,6 @@ from ucp.bench.save import BenchSaveOptions, OpSample, _check_resources, _raw_to
 from ucp.bench.save_workers import gpt_spec
 from ucp.cli.main import app
 
-REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 QUIET = ["--rounds", "1", "--no-drop-caches"]
 

@@ -18,9 +18,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from ucp_helpers import random_tensor, same_bytes  # noqa: E402

@@ -14,12 +14,12 @@ from typing import Iterator
 
 import pytest
 import torch
+from repo_paths import REPO
 
 import ucp
 from ucp.manager import CheckpointManager, list_checkpoints
 from ucp.saving.async_save import AsyncSaver
 
-REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
 import crash_harness  # noqa: E402

@@ -19,10 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from repo_paths import REPO  # noqa: E402
 
 import ucp  # noqa: E402
 from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint, reference_fp32, reference_universal  # noqa: E402

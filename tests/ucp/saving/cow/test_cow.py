@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import ucp  # noqa: E402
 from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint, reference_fp32  # noqa: E402
