@@ -131,7 +131,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
         engine_wait()
         waits.append(time.perf_counter() - t)
 
-    engine.wait_snapshot = timed_wait  # type: ignore[method-assign]
+    engine.wait_snapshot = timed_wait
     for w in args.ways:
         if w == "async":
             savers[w] = ucp.AsyncSaver(mode=args.async_mode, aio_config=aio or None, snapshot=args.snapshot)
@@ -156,11 +156,16 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
                     out = engine.save(manager)
                     if isinstance(out, ucp.SaveHandle) and i >= warm:
                         r["stall_s"].append(out.snapshot_seconds)
-                        out.add_done_callback(
-                            lambda h, t=time.perf_counter(), s=out.snapshot_seconds, d=r["durable_s"]: d.append(
-                                time.perf_counter() - t + s
-                            )
-                        )
+
+                        def durable(
+                            _h: ucp.SaveHandle,
+                            t: float = time.perf_counter(),
+                            s: float = out.snapshot_seconds,
+                            d: list[float] = r["durable_s"],
+                        ) -> None:
+                            d.append(time.perf_counter() - t + s)
+
+                        out.add_done_callback(durable)
                 t2 = time.perf_counter()
                 if i >= warm:
                     r["step_s"].append(t2 - t0)

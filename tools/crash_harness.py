@@ -208,7 +208,7 @@ class Harness:
         stats.trials += 1
         before = self.step[mode]
         leftovers_before = self._leftovers(mode)
-        proc, conn = self.spares.pop(mode, None) or self._spawn(mode)
+        proc, conn = self.spares.pop(mode) if mode in self.spares else self._spawn(mode)
         msgs = [conn.recv()]  # ("ready", pid, writer pid)
         if more:
             self.spares[mode] = self._spawn(mode)  # the next trial's child warms up meanwhile

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -255,7 +256,8 @@ def make_checkpoint(
         extra_args = [*extra_args, "--ds-config-extra", json.dumps(ds_config, sort_keys=True)]
     if load_dir is not None:
         extra_args = [*extra_args, "--load-dir", str(Path(load_dir).resolve())]
-    cmd_args = dict(
+    train_cmd = functools.partial(
+        _train_cmd,
         world_size=world_size,
         zero_stage=zero_stage,
         dtype=dtype,
@@ -272,7 +274,7 @@ def make_checkpoint(
         if (out / "latest").exists():
             raise FileExistsError(f"{out} already holds a DeepSpeed checkpoint ('latest' exists)")
         out.mkdir(parents=True, exist_ok=True)
-        _run(_train_cmd(out, **cmd_args), timeout, log=out / "train.log")
+        _run(train_cmd(out), timeout, log=out / "train.log")
         return out
 
     from tools.peers.deepspeed_train import HARNESS_VERSION  # light: no deepspeed import
@@ -300,7 +302,7 @@ def make_checkpoint(
             return final
         tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=cache))
         try:
-            _run(_train_cmd(tmp, **cmd_args), timeout, log=tmp / "train.log")
+            _run(train_cmd(tmp), timeout, log=tmp / "train.log")
             (tmp / "harness.json").write_text(json.dumps(params, indent=1))
             if final.exists():  # an incomplete leftover from a killed run
                 shutil.rmtree(final)

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,7 +114,7 @@ def skip_shm_op() -> None:
 
     # `import deepspeed.comm.torch as m` would bind the real torch: deepspeed.comm has a `torch`
     # attribute of its own. Fetch the submodule by its full name instead.
-    backend = importlib.import_module("deepspeed.comm.torch")
+    backend: Any = importlib.import_module("deepspeed.comm.torch")
     backend.build_shm_op = lambda: None
 
 
