@@ -39,11 +39,11 @@ _AMBIGUOUS = {"k": ("KB", "KiB"), "m": ("MB", "MiB"), "g": ("GB", "GiB"), "t": (
 _SIZE = re.compile(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
-def parse_size(value: int | float | str, *, what: str = "size") -> int:
-    """Bytes (at least 1) from ``4096``, ``"1e9"``, ``"2GB"`` (2*10^9) or ``"512MiB"`` (512*2^20).
+def parse_size(value: int | float | str, *, what: str = "size", minimum: int = 1) -> int:
+    """Bytes (at least ``minimum``) from ``4096``, ``"1e9"``, ``"2GB"`` (2*10^9) or ``"512MiB"`` (512*2^20).
 
     A fractional result is rounded down (``"1.5B"`` is 1 byte). ValueError naming ``what`` and the
-    value for anything else: an unknown or ambiguous suffix, a negative, zero, NaN or a bool.
+    value for anything else: an unknown or ambiguous suffix, a negative, NaN, a bool, or too few bytes.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{what}: expected a size in bytes, got {value!r}")
@@ -60,8 +60,10 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
         number = float(m.group(1)) * _UNITS[unit]
     else:
         number = float(value)
-    if not math.isfinite(number) or number < 1:
-        raise ValueError(f"{what}: a size must be at least 1 byte, got {value!r}")
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{what}: cannot read {value!r} as a size ({SIZE_HELP})")
+    if int(number) < minimum:
+        raise ValueError(f"{what} {value}: the size must be at least {format_size(minimum)}")
     return int(number)
 
 
@@ -69,11 +71,9 @@ def format_size(n: int) -> str:
     """``n`` bytes in IEC units to three significant digits: ``"512 B"``, ``"4 KiB"``, ``"1.5 GiB"``, ``"12.3 MiB"``."""
     if n < 1024:
         return f"{n} B"
-    value, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024:
-            break
+    units = ("KiB", "MiB", "GiB", "TiB", "PiB")
+    power = min(len(units), (n.bit_length() - 1) // 10)
+    value, unit = n / 1024**power, units[power - 1]
     decimals = 0 if value >= 100 else 1 if value >= 10 else 2
     text = f"{value:.{decimals}f}"
     if "." in text:

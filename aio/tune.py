@@ -17,7 +17,6 @@ what was read with what was written), because it is the lowest layer that needs 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import statistics
 import time
@@ -28,9 +27,10 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from .buffers import AlignedBuffer
-from .config import GIB, KIB, MIB, AioConfig, EngineName
+from .config import GIB, MIB, AioConfig, EngineName
 from .engines import libaio_status
 from .handle import AioHandle
+from .sizes import format_size
 from .workdir import WorkDir
 
 # -- shared measuring helpers -----------------------------------------------------------
@@ -117,14 +117,6 @@ def first_mismatch(
     return None
 
 
-def parse_size(text: str) -> int:
-    """``"512K"``, ``"8M"``, ``"1G"`` or a plain byte count -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512K, 8M, 1G)")
-    return int(m.group(1)) * {"": 1, "k": KIB, "m": MIB, "g": GIB}[m.group(2).lower()]
-
-
 # AioConfig fields DeepSpeed has no key for: a flat object naming one is UCP's own config.
 UCP_ONLY_KEYS = frozenset({"engine", "use_direct", "alignment", "fsync"})
 
@@ -154,13 +146,6 @@ def config_from_json(data: Any) -> AioConfig:
     if "aio" not in data and UCP_ONLY_KEYS & data.keys():
         return AioConfig.model_validate(data)
     return AioConfig.from_deepspeed(data)
-
-
-def format_size(n: int) -> str:
-    for unit, scale in (("G", GIB), ("M", MIB), ("K", KIB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 # -- the search -----------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 from typer.testing import CliRunner
 
 from aio import AioConfig, libaio_status
@@ -17,7 +16,6 @@ from aio.tune import (
     config_from_json,
     fill_random,
     first_mismatch,
-    parse_size,
     poison,
     run_tune,
 )
@@ -79,11 +77,11 @@ def test_cli_tune_table_output(tmp_path: Path) -> None:
     from ucp.cli.main import app
 
     result = CliRunner().invoke(
-        app, ["tune", "--size-gib", "0.001", "--dir", str(tmp_path), "--engines", "threads", "--block-sizes", "256K",
+        app, ["tune", "--size-gib", "0.001", "--dir", str(tmp_path), "--engines", "threads", "--block-sizes", "256KiB",
               "--queue-depths", "4", "--threads", "2,4"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "threads bs=256K qd=4 threads=2" in result.stdout
+    assert "threads bs=256 KiB qd=4 threads=2" in result.stdout
     assert '"intra_op_parallelism"' in result.stdout
 
 
@@ -95,13 +93,14 @@ def test_cli_tune_rejects_bad_block_size(tmp_path: Path) -> None:
     assert "block_size must be a positive multiple of 4096" in result.output
 
 
-def test_parse_size() -> None:
-    assert parse_size("512K") == 512 * 1024
-    assert parse_size("8M") == 8 * MIB
-    assert parse_size("1GiB") == 2**30
-    assert parse_size("4096") == 4096
-    with pytest.raises(ValueError, match="not a size"):
-        parse_size("8 potatoes")
+def test_cli_tune_reads_sizes_by_the_one_rule(tmp_path: Path) -> None:
+    """``--block-sizes`` uses aio.sizes: 1MB is 10^6 bytes (not a multiple of 4096), a bare 8M is refused."""
+    from ucp.cli.main import app
+
+    result = CliRunner().invoke(app, ["tune", "--dir", str(tmp_path), "--block-sizes", "1MB"])
+    assert result.exit_code == 1 and "block_size must be a positive multiple of 4096" in result.output
+    result = CliRunner().invoke(app, ["tune", "--dir", str(tmp_path), "--block-sizes", "8M"])
+    assert result.exit_code == 1 and "'8M' is ambiguous: write 8MB (powers of 10) or 8MiB" in result.output
 
 
 def test_config_from_json_shapes() -> None:

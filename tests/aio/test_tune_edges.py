@@ -167,7 +167,7 @@ def test_empty_grid_is_refused_with_a_message(disk_dir: Path) -> None:
 def test_cli_empty_grid_is_a_clean_error(tmp_path: Path, grid_args: list[str]) -> None:
     work = tmp_path / "w"
     result = _cli(["tune", "--dir", str(work), "--size-gib", "0.0002", "--engines", "threads",
-                   "--block-sizes", "64K", *grid_args])  # fmt: skip
+                   "--block-sizes", "64KiB", *grid_args])  # fmt: skip
     _clean_exit(result, "candidate")
     assert not work.exists()  # refused before anything was made
 
@@ -207,7 +207,7 @@ def test_block_sizes_larger_than_the_file_are_not_recommended(disk_dir: Path) ->
 
 def test_block_sizes_larger_than_the_file_are_measured_once_with_a_note(tmp_path: Path) -> None:
     args = ["tune", "--dir", str(tmp_path), "--size-gib", "0.0002", "--engines", "threads",
-            "--block-sizes", "64K,1M,16M", "--queue-depths", "4", "--threads", "2"]  # fmt: skip
+            "--block-sizes", "64KiB,1MiB,16MiB", "--queue-depths", "4", "--threads", "2"]  # fmt: skip
     doc = json.loads(_cli(args + ["--json"]).stdout)
     res = TuneResult.model_validate(doc["tune"])
     assert [t.config.block_size for t in sorted(res.trials, key=lambda t: t.config.block_size)] == [
@@ -216,7 +216,7 @@ def test_block_sizes_larger_than_the_file_are_measured_once_with_a_note(tmp_path
     ]
     assert res.collapsed_block_sizes == [MIB, 16 * MIB]
     table = _cli(args)
-    assert table.exit_code == 0 and "block sizes 1M, 16M exceed the" in table.stdout
+    assert table.exit_code == 0 and "block sizes 1 MiB, 16 MiB exceed the" in table.stdout
 
 
 def test_size_smaller_than_the_alignment_is_refused(tmp_path: Path) -> None:
@@ -244,7 +244,7 @@ def test_one_refused_drop_makes_the_run_not_cold(monkeypatch: pytest.MonkeyPatch
 def test_cli_json_stays_pure_when_reads_are_warm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(tune_mod, "drop_page_cache", lambda: (False, "cannot write /proc/sys/vm/drop_caches: denied"))
     args = ["tune", "--dir", str(tmp_path), "--size-gib", "0.0002", "--engines", "threads",
-            "--block-sizes", "64K", "--queue-depths", "4", "--threads", "2"]  # fmt: skip
+            "--block-sizes", "64KiB", "--queue-depths", "4", "--threads", "2"]  # fmt: skip
     result = _cli(args + ["--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)  # nothing but the JSON on stdout
@@ -305,7 +305,7 @@ def test_too_little_free_space_is_refused_before_writing(monkeypatch: pytest.Mon
 
 def test_cli_unwritable_output_is_a_clean_error(tmp_path: Path) -> None:
     result = _cli(["tune", "--dir", str(tmp_path / "w"), "--size-gib", "0.0002", "--engines", "threads",
-                   "--block-sizes", "64K", "--queue-depths", "4", "--threads", "2",
+                   "--block-sizes", "64KiB", "--queue-depths", "4", "--threads", "2",
                    "--output", str(tmp_path / "missing" / "best.json")])  # fmt: skip
     _clean_exit(result, "best.json")
 
@@ -328,7 +328,7 @@ def test_tune_output_feeds_bench_io(tmp_path: Path) -> None:
     (tmp_path / "t").mkdir()
     (tmp_path / "b").mkdir()
     tuned = _cli(["tune", "--dir", str(tmp_path / "t"), "--size-gib", "0.0002", "--engines", "threads",
-                  "--block-sizes", "64K,128K", "--queue-depths", "4", "--threads", "2", "--aio-config",
+                  "--block-sizes", "64KiB,128KiB", "--queue-depths", "4", "--threads", "2", "--aio-config",
                   str(_write(tmp_path / "base.json", {"alignment": 8192, "use_direct": False})),
                   "-o", str(best_file), "--json"])  # fmt: skip
     assert tuned.exit_code == 0, tuned.output

@@ -6,6 +6,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from aio.sizes import format_size
 from ucp.bench.io import BenchIoResult, Check, MethodResult
 
 
@@ -66,14 +67,10 @@ def _check_line(c: Check) -> str:
     return f"{mark}  {c.description}: {got}"
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"
-
-
 def notes(result: BenchIoResult) -> list[str]:
     """The context a reader needs to trust the numbers."""
     lines = [
-        f"{_size(result.size_bytes)} per file, {result.rounds} round(s) interleaved, medians; "
+        f"{format_size(result.size_bytes)} per file, {result.rounds} round(s) interleaved, medians; "
         f"dir {result.directory} ({result.environment.get('filesystem', '?')})",
         f"device limit: {result.raw_note}",
         f"cold reads: {'yes' if result.cold_reads else 'NO'} ({result.cold_note})",

@@ -124,31 +124,3 @@ def progress_bar(
             progress.update(task, completed=done, total=total, what=what)
 
         yield update
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(text: str, option: str) -> int:
-    """A byte count from '512MiB', '2GB', '1e9' or '4096' (decimal units are powers of 1000)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _SIZE_UNITS:
-        raise fail(f"{option}: cannot read {text!r} as a size (examples: 512MiB, 2GB, 1e9)", code=2)
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])

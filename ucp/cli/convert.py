@@ -55,7 +55,8 @@ def convert_cmd(
         )
     with prefetching(_source_folder(src, source_format), marker=None):
         import ucp
-        from ucp.cli.inspect import _one_line, human_bytes
+        from aio.sizes import format_size
+        from ucp.cli.inspect import _one_line
         from ucp.convert.importers import convert
 
         source_reads_start()
@@ -75,7 +76,7 @@ def convert_cmd(
         rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
         out.print(
             f"[bold green]converted[/bold green] {report.format} {report.src} -> {report.dst}: "
-            f"{report.tensors} tensors, {human_bytes(report.bytes)}, step {report.step}, "
+            f"{report.tensors} tensors, {format_size(report.bytes)}, step {report.step}, "
             f"{report.seconds:.2f} s ({rate:.2f} GB/s)",
             highlight=False,
         )

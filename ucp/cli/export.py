@@ -14,8 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from aio.sizes import SIZE_HELP, format_size
 from ucp.cli.common import fail, out, prefetching, progress_bar, source_reads_start
-from ucp.cli.inspect import EXIT_BAD_INPUT, _one_line, human_bytes, parse_storage_options
+from ucp.cli.inspect import EXIT_BAD_INPUT, _one_line, parse_storage_options
 
 
 class ExportFormat(str, enum.Enum):
@@ -52,12 +53,16 @@ def export_cmd(
     max_shard_size: Annotated[
         Optional[str],
         typer.Option(
-            "--max-shard-size", help="hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB)."
+            "--max-shard-size",
+            help=f"hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB; {SIZE_HELP}).",
         ),
     ] = None,
     memory_budget: Annotated[
         str,
-        typer.Option("--memory-budget", help="Tensor bytes held in memory at once (a larger tensor is read alone)."),
+        typer.Option(
+            "--memory-budget",
+            help=f"Tensor bytes held in memory at once (a larger tensor is read alone); {SIZE_HELP}.",
+        ),
     ] = "512MiB",
     compressor: Annotated[
         CompressorName, typer.Option("--compressor", help="zarr: chunk compression.")
@@ -81,7 +86,7 @@ def export_cmd(
     options = parse_storage_options(storage_options)
     with prefetching(src):
         import ucp
-        from ucp.convert.exporters import ExportError, export, parse_size
+        from ucp.convert.exporters import ExportError, export, size_option
         from ucp.convert.exporters.output import check_destination
 
         source_reads_start()
@@ -102,8 +107,8 @@ def export_cmd(
             if given:
                 raise fail(f"{', '.join(given)} apply to --format zarr only", EXIT_BAD_INPUT)
         try:
-            budget = parse_size(memory_budget, option="--memory-budget")
-            shard = None if max_shard_size is None else parse_size(max_shard_size, option="--max-shard-size")
+            budget = size_option(memory_budget, option="--memory-budget")
+            shard = None if max_shard_size is None else size_option(max_shard_size, option="--max-shard-size")
         except ExportError as exc:
             raise fail(str(exc), EXIT_BAD_INPUT) from None
         try:
@@ -140,7 +145,7 @@ def export_cmd(
         what = f"section {report.section!r}" if report.section else "all tensors"
         out.print(
             f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
-            f"{human_bytes(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
+            f"{format_size(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
             f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s",
             highlight=False,
         )

@@ -21,6 +21,7 @@ import typer
 from pydantic import BaseModel, Field
 from rich.markup import escape
 
+from aio.sizes import format_size
 from ucp.cli.common import err, fail, out
 
 EXIT_BAD_INPUT = 2  # not a checkpoint, unreadable or invalid manifest
@@ -199,13 +200,6 @@ def build_report(path: str, manifest: Any) -> InspectReport:
     )
 
 
-def human_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def _short(value: Any, limit: int = 80) -> str:
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -221,10 +215,10 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
         f"step {report.step if report.step is not None else '-'}, world size {report.world_size}{mesh}",
         highlight=False,
     )
-    dtype_text = ", ".join(f"{d} {human_bytes(b)}" for d, b in report.dtypes.items()) or "none"
+    dtype_text = ", ".join(f"{d} {format_size(b)}" for d, b in report.dtypes.items()) or "none"
     out.print(
-        f"{report.tensor_count} tensors in {report.piece_count} pieces, {human_bytes(report.tensor_bytes)} "
-        f"({dtype_text}); {len(report.files)} data files, {human_bytes(report.file_bytes)}",
+        f"{report.tensor_count} tensors in {report.piece_count} pieces, {format_size(report.tensor_bytes)} "
+        f"({dtype_text}); {len(report.files)} data files, {format_size(report.file_bytes)}",
         highlight=False,
     )
 
@@ -236,7 +230,7 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
         if len(t.pieces) > max_pieces:
             shown.append(f"… (+{len(t.pieces) - max_pieces} more)")
         table.add_row(
-            escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)), human_bytes(t.bytes)
+            escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)), format_size(t.bytes)
         )
     out.print(table)
 
@@ -244,7 +238,7 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
     for col in ("file", "rank", "size", "pieces", "tensor bytes"):
         files.add_column(col, justify="left" if col == "file" else "right")
     for f in report.files:
-        files.add_row(escape(f.name), str(f.rank), human_bytes(f.size), str(f.pieces), human_bytes(f.tensor_bytes))
+        files.add_row(escape(f.name), str(f.rank), format_size(f.size), str(f.pieces), format_size(f.tensor_bytes))
     out.print(files)
 
     if report.state:

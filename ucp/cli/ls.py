@@ -18,20 +18,12 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from aio.sizes import format_size
 from ucp.cli.common import out
 from ucp.cli.inspect import bad_input
 
 if TYPE_CHECKING:
     from ucp.manager import CheckpointInfo
-
-
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def resume_latest(
@@ -113,7 +105,7 @@ def ls_cmd(
         status = f"[{styles[i.status]}]{i.status}[/]"
         created = i.created.strftime("%Y-%m-%d %H:%M:%S") if i.created else ""
         mark = "← latest" if i.latest else ""
-        table.add_row(str(i.step), escape(i.name), human_size(i.size), status, created, mark)
+        table.add_row(str(i.step), escape(i.name), format_size(i.size), status, created, mark)
     out.print(table)
     if note:
         out.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)

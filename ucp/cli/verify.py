@@ -19,8 +19,9 @@ import typer
 from pydantic import BaseModel, Field
 from rich.markup import escape
 
+from aio.sizes import format_size
 from ucp.cli.common import err, out
-from ucp.cli.inspect import EXIT_BAD_INPUT, human_bytes, load_storage_options, unreadable_message
+from ucp.cli.inspect import EXIT_BAD_INPUT, load_storage_options, unreadable_message
 
 EXIT_OK, EXIT_PROBLEMS = 0, 1
 # Problems that mean "this is not a readable checkpoint" rather than "its data is damaged".
@@ -123,7 +124,7 @@ def _print(result: VerifyOutput) -> None:
         rate = result.bytes_checked / result.seconds / 1e9 if result.seconds > 0 else 0.0
         out.print(
             f"[bold green]OK[/bold green] {result.path}: {result.files_checked} files, {result.tensors} tensors, "
-            f"{result.pieces_checked} pieces, {human_bytes(result.bytes_checked)} checked in {result.seconds:.2f} s "
+            f"{result.pieces_checked} pieces, {format_size(result.bytes_checked)} checked in {result.seconds:.2f} s "
             f"({rate:.2f} GB/s)",
             highlight=False,
         )

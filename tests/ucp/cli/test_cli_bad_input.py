@@ -416,7 +416,7 @@ def test_reshape_bad_targets(ckpt: Path, tmp_path: Path) -> None:
 
 def test_reshape_memory_budget_below_minimum(ckpt: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["reshape", str(ckpt), str(tmp_path / "o"), "--memory-budget", "512KiB"])
-    cli_error_line(result, 2, "memory budget")
+    cli_error_line(result, 2, "--memory-budget 512KiB", "at least 1 MiB")
     assert not (tmp_path / "o").exists()
 
 

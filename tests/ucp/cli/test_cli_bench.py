@@ -112,7 +112,7 @@ def test_bench_io_raw_dd_option_and_table_output(tmp_path: Path) -> None:
     result = runner.invoke(
         app,
         ["bench", "io", "--size-gib", "0.004", "--rounds", "1", "--dir", str(tmp_path), "--raw", "dd",
-         "--methods", "raw,threads", "--no-drop-caches", "--block-size", "1M"],
+         "--methods", "raw,threads", "--no-drop-caches", "--block-size", "1MiB"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "dd" in result.stdout and "ucp aio threads" in result.stdout and "must hold" in result.stdout

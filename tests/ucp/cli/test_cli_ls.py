@@ -48,7 +48,7 @@ def test_ls_table(tmp_path):
     assert "complete" in row200 and "latest" in row200
     row300 = next(line for line in lines if "step-00000300" in line)
     assert "temp" in row300 and "latest" not in row300
-    assert "4.0 KiB" in row300
+    assert "4 KiB" in row300
 
 
 def test_ls_warns_when_latest_is_not_complete(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -10,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from repo_paths import SUPPORT
+from safetensors import safe_open
 from safetensors.torch import load_file
 from ucp_helpers import random_tensor, same_bytes, save_ranks
 
 import ucp
 import ucp.convert.exporters.stream as stream
-from ucp.convert.exporters import ExportError, export, parse_dtype, parse_size, plan_batches, select_tensors
+from ucp.convert.exporters import ExportError, export, parse_dtype, plan_batches, select_tensors, size_option
 from ucp.convert.exporters.hf import INDEX, file_layout, plan_shards
 
 DTYPES = [
@@ -287,11 +288,12 @@ def test_destination_rules(ckpt, tmp_path: Path) -> None:
 
 
 def test_option_parsing() -> None:
-    assert parse_size("2GB") == 2 * 10**9 and parse_size("512MiB") == 512 << 20 and parse_size("1e9") == 10**9
-    assert parse_size(4096) == 4096 and parse_size("1.5 KiB") == 1536 and parse_size("7") == 7
-    for bad in ("2XB", "", "-1", "0", "GB"):
-        with pytest.raises(ExportError, match="size"):
-            parse_size(bad)
+    size = functools.partial(size_option, option="max_shard_size")
+    assert size("2GB") == 2 * 10**9 and size("512MiB") == 512 << 20 and size("1e9") == 10**9
+    assert size(4096) == 4096 and size("1.5 KiB") == 1536 and size("7") == 7
+    for bad in ("2XB", "", "-1", "0", "GB", "2G"):
+        with pytest.raises(ExportError, match=f"max_shard_size.*{bad}"):
+            size(bad)
     assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype("fp32") is torch.float32 and parse_dtype(None) is None
     with pytest.raises(ExportError, match="not a floating dtype"):
         parse_dtype(torch.int8)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from ucp.convert.exporters.options import ExportError, parse_dtype, parse_size
+from ucp.convert.exporters.options import ExportError, parse_dtype, size_option
 from ucp.convert.exporters.output import check_destination, staged_dir
 from ucp.convert.exporters.selection import Selection, select_tensors
 from ucp.convert.exporters.stream import DEFAULT_MEMORY_BUDGET, plan_batches
@@ -81,10 +81,10 @@ def export(
     if format == "zarr" and max_shard_size is not None:
         raise ExportError("max_shard_size applies to format 'hf' only")
     cast = parse_dtype(dtype)
-    budget = parse_size(memory_budget, option="memory_budget")
-    shard = None if max_shard_size is None else parse_size(max_shard_size, option="max_shard_size")
+    budget = size_option(memory_budget, option="memory_budget")
+    shard = None if max_shard_size is None else size_option(max_shard_size, option="max_shard_size")
     if "chunk_bytes" in zarr_options:
-        zarr_options["chunk_bytes"] = parse_size(zarr_options["chunk_bytes"], option="chunk_bytes")
+        zarr_options["chunk_bytes"] = size_option(zarr_options["chunk_bytes"], option="chunk_bytes")
     if format == "zarr":
         from ucp.convert.exporters.zarr_export import codecs
 
@@ -151,7 +151,7 @@ __all__ = [
     "Selection",
     "export",
     "parse_dtype",
-    "parse_size",
+    "size_option",
     "plan_batches",
     "select_tensors",
 ]

@@ -1,54 +1,25 @@
-"""Parsing of the exporters' user-facing options: byte sizes ("2GB", "512MiB", "1e9") and dtype names.
+"""Parsing of the exporters' user-facing options: byte sizes ("2GB", "512MiB", "1e9"; see aio.sizes) and dtype names.
 
 Kept apart from the exporters so that the CLI and ``ucp.convert.exporters.export`` accept the same spellings.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from aio.sizes import parse_size
 from ucp.errors import ExportError  # defined with the rest of the hierarchy; re-exported for the exporters
 
-__all__ = ["ExportError", "parse_dtype", "parse_size"]
+__all__ = ["ExportError", "parse_dtype", "size_option"]
 
 
-# Decimal units as Hugging Face uses them ("5GB" = 5e9 bytes); binary units spelled with "i".
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: int | float | str, *, option: str = "size") -> int:
-    """Bytes from an int or a string like ``"2GB"`` (10^9), ``"512MiB"`` (2^20) or ``"1e9"``."""
-    if isinstance(value, bool):
-        raise ExportError(f"{option}: expected a size in bytes, got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    else:
-        m = _SIZE.match(value)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ExportError(f"{option}: cannot read {value!r} as a size (examples: 2GB, 512MiB, 1e9)")
-        number, unit = float(m.group(1)), m.group(2).lower()
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ExportError(f"{option}: the size must be positive, got {value!r}")
-    return size
+def size_option(value: int | float | str, *, option: str) -> int:
+    """Bytes from a size option (``aio.sizes.parse_size``: ``"2GB"`` is 2*10^9, ``"512MiB"`` 512*2^20);
+    a bad value raises the ExportError that ``export`` promises, naming the option and the value."""
+    try:
+        return parse_size(value, what=option)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
 
 
 _DTYPES: dict[str, torch.dtype] = {
