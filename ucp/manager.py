@@ -43,7 +43,7 @@ from ucp.errors import CheckpointError, NotACheckpointError
 from ucp.format.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
 from ucp.loading.loader import load as _load
 from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot, wait_all
-from ucp.saving.background import PostCommit
+from ucp.saving.background.job import PostCommit
 from ucp.saving.sync_save import save as _save
 from ucp.store.commit import dir_in_use
 from ucp.store.reader import read_regular_file

@@ -339,7 +339,7 @@ def test_run_rejects_bad_arguments_with_a_usage_error(
 def test_run_fails_when_an_async_save_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import ucp.saving.background as bg
+    import ucp.saving.background.execute as bg
 
     original = bg.write_image
 

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 from aio import AioConfig
 from ucp.dist import Group, resolve_group
-from ucp.errors import CommitError, UnsupportedStateError
-from ucp.format.manifest import Manifest, now_utc
+from ucp.errors import UnsupportedStateError
+from ucp.format.manifest import Manifest
 from ucp.format.tree import encode_state
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
 from ucp.saving.snapshot import replica_checksums, snapshot
@@ -98,7 +98,7 @@ def _fail_together(group: Group, error: BaseException) -> None:
     so that every rank gives up at once instead of waiting for it until the collective times out."""
     group.broadcast(None)  # rank 0: "no temporary directory", which fails the others' writes too
     group.gather(_commit.RankReport(rank=group.rank, error=_describe(error)).model_dump_json())
-    group.broadcast((None, f"rank {group.rank}: {_describe(error)}") if group.rank == 0 else None)
+    group.broadcast((None, f"rank {group.rank}: {_describe(error)}", (group.rank,)) if group.rank == 0 else None)
 
 
 def _check_args(step: Any, metadata: Any, mesh: Any, group: Group) -> None:
@@ -237,32 +237,14 @@ def _write_and_commit(
     elif temp is None:
         report = _commit.RankReport(rank=group.rank, error="rank 0 could not create the temporary directory")
 
-    reports = group.gather(report.model_dump_json() if group.distributed else report)
-    outcome: tuple[str | None, str | None] = (None, None)  # (manifest json, error)
-    manifest: Manifest | None = None
-    if group.rank == 0:
-        assert reports is not None
-        parsed = [
-            r if isinstance(r, _commit.RankReport) else _commit.RankReport.model_validate_json(r) for r in reports
-        ]
-        try:
-            manifest = _commit.build_manifest(
-                parsed, world_size=group.world_size, step=step, metadata=metadata, mesh=mesh, created=now_utc()
-            )
-            data = _commit.commit(storage, temp, name, manifest, before_swap=before_swap)  # type: ignore[arg-type]
-            outcome = (data.decode() if group.distributed else None, None)
-        except BaseException as exc:
-            _commit.abort(storage, temp)
-            if not group.distributed:
-                raise
-            outcome = (None, _describe(exc))
-    outcome = group.broadcast(outcome)
-    if local_error is not None:
+    committer = _commit.CollectiveCommit(
+        storage, temp, name, group, step=step, metadata=metadata, mesh=mesh, before_swap=before_swap
+    )
+    try:
+        manifest = committer.commit(report)
+    except BaseException:
+        if local_error is None:
+            raise
+    if local_error is not None:  # this rank's own error says more than "the save failed"
         raise local_error
-    text, error = outcome
-    if manifest is not None and error is None:
-        return manifest
-    if error is not None or text is None:
-        raise CommitError(f"saving {storage.describe(name)} failed: {error}")
-    # rank 0 checked it before committing; here it only needs to become a Manifest again
-    return Manifest.model_validate_json(text)
+    return manifest

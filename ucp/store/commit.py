@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ucp.errors import CheckpointError, CommitError, ManifestError
 from ucp.format.manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
     BoxModel,
     FileInfo,
@@ -43,6 +44,7 @@ from ucp.format.manifest import (
     TensorEntry,
     Topology,
     check_manifest,
+    now_utc,
 )
 from ucp.format.tree import merge_trees
 from ucp.store.storage import Storage
@@ -137,7 +139,7 @@ def build_manifest(
     }
     files = {r.file: FileInfo(rank=r.rank, size=r.file_size) for r in reports if r.file is not None}
     manifest = Manifest(
-        format_version=1,
+        format_version=FORMAT_VERSION,
         creator=creator(),
         created=created,
         step=step,
@@ -257,17 +259,16 @@ class CollectiveCommit(Committer):
         step: int | None,
         metadata: dict[str, Any],
         mesh: dict[str, int] | None,
-        created: datetime,
         before_swap: Callable[[], None] | None = None,
     ) -> None:
         self.storage, self.temp, self.name, self.group = storage, temp, name, group
-        self.step, self.metadata, self.mesh, self.created = step, metadata, mesh, created
+        self.step, self.metadata, self.mesh = step, metadata, mesh
         self.before_swap = before_swap
 
     def commit(self, report: RankReport) -> Manifest:
         group, storage = self.group, self.storage
         reports = group.gather(report.model_dump_json() if group.distributed else report)
-        outcome: tuple[str | None, str | None] = (None, None)  # (manifest json, error)
+        outcome: tuple[str | None, str | None, tuple[int, ...]] = (None, None, ())  # (manifest json, error, ranks)
         manifest: Manifest | None = None
         if group.rank == 0:
             assert reports is not None
@@ -279,20 +280,21 @@ class CollectiveCommit(Committer):
                     step=self.step,
                     metadata=self.metadata,
                     mesh=self.mesh,
-                    created=self.created,
+                    created=now_utc(),
                 )
                 data = commit(storage, self.temp, self.name, manifest, before_swap=self.before_swap)  # type: ignore[arg-type]
-                outcome = (data.decode() if group.distributed else None, None)
+                outcome = (data.decode() if group.distributed else None, None, ())
             except BaseException as exc:
                 abort(storage, self.temp)
                 if not group.distributed:
                     raise
-                outcome = (None, f"{type(exc).__name__}: {exc}")
-        text, error = group.broadcast(outcome)
+                ranks = exc.ranks if isinstance(exc, CommitError) else (group.rank,)
+                outcome = (None, f"{type(exc).__name__}: {exc}", ranks)
+        text, error, ranks = group.broadcast(outcome)
         if manifest is not None and error is None:
             return manifest
         if error is not None or text is None:
-            raise CommitError(f"saving {storage.describe(self.name)} failed: {error}")
+            raise CommitError(f"saving {storage.describe(self.name)} failed: {error}", ranks=ranks, reason=str(error))
         # rank 0 checked it before committing; here it only needs to become a Manifest again
         return Manifest.model_validate_json(text)
 

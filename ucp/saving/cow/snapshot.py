@@ -36,8 +36,9 @@ from typing import Any, Sequence
 
 import torch
 
+from ucp.errors import CowUnavailable
 from ucp.format.tree import Leaf
-from ucp.saving import background as _bg
+from ucp.saving.background.image import Progress, SnapshotAborted
 from ucp.saving.cow.helper import receive_message, send_message
 from ucp.saving.cow.userfaultfd import PAGE, WriteProtector, unavailable
 from ucp.saving.plan import SavePlan
@@ -53,10 +54,6 @@ CLOSE_TIMEOUT = 10.0  # seconds for the helper to exit when its saver closes
 _PR_SET_PTRACER = 0x59616D61  # prctl: let the helper read our memory under Yama ptrace_scope=1
 
 
-class CowUnavailable(RuntimeError):
-    """Copy-on-write snapshots cannot run here (the reason says why); saves copy before returning instead."""
-
-
 def cow_unavailable() -> str | None:
     """Why this process cannot take copy-on-write snapshots, or None when it can."""
     if os.environ.get("UCP_COW", "1") == "0":
@@ -68,7 +65,7 @@ def cow_unavailable() -> str | None:
 class _Pending:
     """A snapshot the helper is copying: what to tell when it progresses, ends or fails."""
 
-    progress: _bg.Progress
+    progress: Progress
     done: Future
     names: list[str]  # the plan's piece names, in file order (the helper's errors give a piece index)
     protected: threading.Event = field(default_factory=threading.Event)
@@ -217,7 +214,7 @@ class CowSnapshots:
         else:
             p.progress.fail(error)  # the writer gives up; the save fails naming this
             if not p.done.done():
-                p.done.set_exception(_bg.SnapshotAborted(error))
+                p.done.set_exception(SnapshotAborted(error))
 
     def prepare(self, arena: MemfdArena) -> None:
         """Start the helper and have it map ``arena`` now, so the first snapshot does not wait for either."""
@@ -261,7 +258,7 @@ class CowSnapshots:
             sock.close()
 
     # -- one snapshot ----------------------------------------------------------------------------------
-    def start(self, plan: SavePlan, leaves: Sequence[Leaf], arena: MemfdArena, progress: _bg.Progress) -> Future:
+    def start(self, plan: SavePlan, leaves: Sequence[Leaf], arena: MemfdArena, progress: Progress) -> Future:
         """Take the snapshot of ``plan``'s pieces into ``arena``; returns when it is protected.
 
         The returned future completes once every byte is in the arena (``progress`` says how far
@@ -347,7 +344,7 @@ class CowSnapshots:
             pending.protect_error = pending.protect_error or why
             pending.keep.clear()
             if not pending.done.done():
-                pending.done.set_exception(_bg.SnapshotAborted(why))  # frees the arena (arena.busy)
+                pending.done.set_exception(SnapshotAborted(why))  # frees the arena (arena.busy)
 
 
 def _protectable(t: torch.Tensor) -> bool:
