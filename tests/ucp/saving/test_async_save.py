@@ -337,7 +337,7 @@ def test_a_rank_failing_to_write_fails_the_save_everywhere(tmp_path, monkeypatch
 
     from ucp_helpers import run_ranks
 
-    from ucp.saving import background
+    from ucp.saving.background import execute as background
 
     real = background.write_image
 
@@ -508,7 +508,7 @@ def test_a_save_cancelled_while_queued_gives_everything_back(tmp_path, monkeypat
     """The writer runs saves one at a time; one cancelled before its turn frees its tensors and temp dir."""
     import threading
 
-    import ucp.saving.background as bg
+    import ucp.saving.background.execute as bg
 
     gate, real = threading.Event(), bg.write_rank_file
 

@@ -1,4 +1,4 @@
-"""Liveness locks of asynchronous commits (ucp.saving.background): a dead rank is told from a slow one."""
+"""Liveness locks of asynchronous commits (ucp.saving.background.handshake): a dead rank is told from a slow one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ucp.saving import background as bg
+from ucp.saving.background import handshake as bg
 from ucp.store.storage import LocalStorage
 
 
@@ -28,7 +28,7 @@ def test_a_held_lock_is_alive_a_released_one_dead_a_missing_one_unknown(tmp_path
     assert bg.rank_dead(storage, Job("t", 0), 1) is False  # not started: keep waiting
     # rank 1 is another process that takes its lock, then dies
     code = (
-        "import sys; from ucp import background as bg; from ucp.store.storage import LocalStorage\n"
+        "import sys; from ucp.saving.background import handshake as bg; from ucp.store.storage import LocalStorage\n"
         "class J: temp, rank = 't', 1\n"
         f"fd = bg.hold_alive(LocalStorage({str(tmp_path)!r}), J()); assert fd is not None\n"
         "print('locked', flush=True); sys.stdin.read()\n"

@@ -9,7 +9,7 @@ from ucp_helpers import random_tensor, run_ranks, same_bytes, save_ranks
 
 import ucp
 from ucp import AsyncSaver
-from ucp.saving.background import WriteJob
+from ucp.saving.background.job import WriteJob
 from ucp.store import commit as _commit
 
 

@@ -15,7 +15,7 @@ from ucp_helpers import assert_same_state, random_tensor
 import ucp
 from ucp.format.tree import encode_state
 from ucp.saving.async_save import AsyncSaver, snapshot_into
-from ucp.saving.background import Progress
+from ucp.saving.background.image import Progress
 from ucp.saving.plan import plan_save
 from ucp.saving.snapshot import ChangeWatch
 from ucp.saving.staging import HostArena
@@ -63,7 +63,7 @@ def test_a_change_before_the_background_copy_fails_the_save_and_keeps_the_previo
 
 
 def test_a_change_before_a_tensor_snapshot_is_written_fails_the_save(tmp_path, monkeypatch):
-    background = sys.modules["ucp.saving.background"]
+    background = sys.modules["ucp.saving.background.execute"]
     real, release = background.write_rank_file, threading.Event()
 
     def held_back(*args, **kw):  # the writer reads the tensors only when the test says so

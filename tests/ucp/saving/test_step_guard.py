@@ -65,7 +65,10 @@ def _slow(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, started:
 
 @pytest.mark.parametrize(
     "snapshot, module_name, attr",
-    [("background", "ucp.saving.async_save", "snapshot_into"), ("none", "ucp.saving.background", "write_rank_file")],
+    [
+        ("background", "ucp.saving.async_save", "snapshot_into"),
+        ("none", "ucp.saving.background.execute", "write_rank_file"),
+    ],
 )
 def test_a_step_right_after_save_waits_and_the_saved_state_is_the_one_asked_for(
     tmp_path, monkeypatch, snapshot, module_name, attr

@@ -361,7 +361,7 @@ def _body_failure_after_send_releases_pages(tmp: str) -> None:
 def _body_failed_save_is_not_committed(tmp: str) -> None:
     """save() raised (an error after the helper took the job, e.g. Ctrl-C in the wait for its ack); the
     writer started late (busy disk): the helper's completion must not make it commit that save anyway."""
-    import ucp.saving.background as bg
+    import ucp.saving.background.thread_backend as bg
     import ucp.saving.cow.snapshot as cow
 
     real_send, real_execute = cow.send_message, bg.execute
@@ -434,7 +434,7 @@ def _body_failure_before_send_does_not_leak(tmp: str) -> None:
 def _body_abandoned_job_writes_into_reused_arena(tmp: str) -> None:
     """A snapshot that failed after the helper took it: its arena goes back to the pool at once, yet the
     helper still copies into it later; the next save (same layout, other tensors) must not get those bytes."""
-    import ucp.saving.background as bg
+    import ucp.saving.background.thread_backend as bg
     import ucp.saving.cow.snapshot as cow
 
     real_send, real_execute = cow.send_message, bg.execute
