@@ -74,6 +74,7 @@ def _read_manifest_bytes(storage: Storage, rel: str) -> bytes:
     """The manifest's bytes. A local manifest must be a regular file: opening a FIFO named
     manifest.json would block forever, a device would never end. So the file is opened without
     blocking and checked (fstat) before it is read; a directory counts as no manifest."""
+    storage.check_contained(rel)  # a manifest linked from outside the checkpoint is not its manifest
     path = storage.local_path(rel)
     if path is None:
         return storage.read_small(rel)
@@ -124,6 +125,7 @@ def check_file_size(storage: Storage, name: str, file: str, expected: int) -> No
     """The data file exists, is a regular file (locally: not a directory, FIFO, ...) and has the
     manifest's size."""
     rel = f"{name}/{file}"
+    storage.check_contained(rel)  # a data file linked from outside the checkpoint holds foreign bytes
     try:
         path = storage.local_path(rel)
         if path is not None:

@@ -22,7 +22,7 @@ import threading
 from typing import Any, Iterable, Protocol
 
 from aio import AioConfig, AioHandle, as_bytes_view, fsync_dir, shared_handle
-from ucp.errors import CheckpointError
+from ucp.errors import CheckpointError, CorruptCheckpointError
 
 
 class ByteWriter(Protocol):
@@ -53,6 +53,14 @@ class Storage(abc.ABC):
     def remove_file(self, rel: str) -> None:
         """Delete one file; backends without a single-file delete remove it as a tree (missing is fine)."""
         self.remove_tree(rel)
+
+    def check_contained(self, rel: str) -> None:
+        """Refuse a member ``<checkpoint>/<file>`` that resolves outside its checkpoint directory.
+
+        A no-op where entries cannot be symbolic links (URLs, object stores); see
+        :meth:`LocalStorage.member_path`.
+        """
+        return None
 
     def describe(self, rel: str) -> str:
         """A human-readable location for messages."""
@@ -149,6 +157,30 @@ class LocalStorage(Storage):
         """``os.unlink``: a missing file raises FileNotFoundError."""
         os.unlink(self.path(rel))
 
+    def member_path(self, rel: str) -> str:
+        """The resolved path of ``rel`` (``<checkpoint>/<file>``), refused when it lies outside ``<checkpoint>``.
+
+        Why: a data file or manifest that is a symlink to ``/etc/...`` or another run's checkpoint
+        would make load and verify succeed on bytes that are not the checkpoint's. Links that stay
+        inside the checkpoint directory keep working. Raises CorruptCheckpointError naming the file
+        and where it points. A ``rel`` of one component (the checkpoint itself) is not checked.
+        """
+        path = self.path(rel)
+        head, sep, _ = rel.partition("/")
+        if not sep:
+            return path
+        target = escapes(self.path(head), path)
+        if target is not None:
+            raise CorruptCheckpointError(
+                f"{self.describe(rel)} resolves to {target}, outside the checkpoint directory "
+                f"{os.path.realpath(self.path(head))}; refusing to read it",
+                file=rel.split("/", 1)[1],
+            )
+        return os.path.realpath(path)
+
+    def check_contained(self, rel: str) -> None:
+        self.member_path(rel)
+
     def exists(self, rel: str) -> bool:
         return os.path.exists(self.path(rel))
 
@@ -162,7 +194,7 @@ class LocalStorage(Storage):
         return sorted(os.listdir(self.path(rel)))
 
     def size(self, rel: str) -> int:
-        return os.stat(self.path(rel)).st_size
+        return os.stat(self.member_path(rel)).st_size
 
     def open_writer(self, rel: str, size_hint: int) -> ByteWriter:
         return self.io.writer(self.path(rel), size_hint=size_hint)
@@ -179,14 +211,14 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def read_small(self, rel: str) -> bytes:
-        with open(self.path(rel), "rb") as f:
+        with open(self.member_path(rel), "rb") as f:
             return f.read()
 
     def read_into(self, rel: str, offset: int, dest: memoryview) -> None:
-        self.io.read_into(self.path(rel), offset, dest)
+        self.io.read_into(self.member_path(rel), offset, dest)
 
     def read_ranges(self, rel: str, ranges: Iterable[tuple[int, memoryview]]) -> None:
-        self.io.read_ranges(self.path(rel), ranges)
+        self.io.read_ranges(self.member_path(rel), ranges)
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.path(src), self.path(dst))
@@ -201,6 +233,20 @@ class LocalStorage(Storage):
     def close(self) -> None:
         with self._io_lock:
             self._io = None  # the shared handle lives on for the next storage
+
+
+def escapes(base: str | os.PathLike[str], path: str | os.PathLike[str]) -> str | None:
+    """Where ``path`` really points when that is outside directory ``base`` (symlinks resolved), else None.
+
+    The one containment check for files a checkpoint (or a foreign checkpoint being imported)
+    names: both sides are resolved with ``os.path.realpath``, so a link inside ``base`` pointing
+    elsewhere inside ``base`` passes, and ``base`` itself may be a link.
+    """
+    real_base = os.path.realpath(base)
+    real = os.path.realpath(path)
+    if real == real_base or real.startswith(real_base.rstrip(os.sep) + os.sep):
+        return None
+    return real
 
 
 def remove_path(path: str | os.PathLike[str]) -> None:

@@ -13,18 +13,38 @@ import bisect
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ucp.convert.importers.errors import ForeignCheckpointError
 from ucp.convert.importers.stored import StoredTensor, is_stored
 from ucp.format.sharding import FlatShard, Shards, is_tensor_like
 from ucp.format.tree import MAX_DEPTH
+from ucp.store.storage import escapes
 
 if TYPE_CHECKING:  # torch is imported by the functions that build torch tensors, so reading on disk never needs it
     import torch
 
 # progress(done, total, what) — the signature of ucp.cli.common.progress_bar's update.
 Progress = Callable[[int, int, str], None]
+
+
+def inside(root: str | os.PathLike[str], file: str | os.PathLike[str]) -> Path:
+    """``file`` as a Path, refused unless it resolves inside the source folder ``root``.
+
+    Every importer passes each file the source names (index shards, tag folders, rank files,
+    ``.metadata`` data files) through this before opening it: a symlink leading out of the source
+    would import bytes that are not the checkpoint's. Links within ``root`` are fine. Raises
+    ForeignCheckpointError naming the file and where it points.
+    """
+    target = escapes(root, file)
+    if target is not None:
+        raise ForeignCheckpointError(
+            f"file {os.fspath(file)!r} resolves to {target}, outside the source checkpoint folder "
+            f"{os.path.realpath(root)}; refusing to read it",
+            file=os.fspath(file),
+        )
+    return Path(file)
 
 
 @dataclass
@@ -96,9 +116,11 @@ def cast_leaf(value: torch.Tensor | Shards, dtype: torch.dtype) -> torch.Tensor 
 
     if isinstance(value, torch.Tensor):
         return value if value.dtype == dtype else value.to(dtype)
-    return Shards(
-        [FlatShard(p.local if p.dtype == dtype else p.local.to(dtype), p.global_shape, p.start) for p in value.parts]
-    )  # type: ignore[union-attr]
+    parts = []
+    for p in value.parts:
+        assert isinstance(p, FlatShard)  # an importer's Shards hold flat pieces only (see leaf)
+        parts.append(FlatShard(p.local if p.dtype == dtype else p.local.to(dtype), p.global_shape, p.start))
+    return Shards(parts)
 
 
 def plain(value: Any, *, file: str | os.PathLike[str]) -> Any:

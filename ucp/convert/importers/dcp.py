@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ucp.convert.importers.common import Imported, Progress
+from ucp.convert.importers.common import Imported, Progress, inside
 from ucp.convert.importers.errors import ForeignCheckpointError, UnknownFormatError
 from ucp.convert.importers.pickles import load_pickle_allowlisted, load_torch_bytes
 from ucp.format.sharding import ShardedTensor, Shards
@@ -78,7 +78,9 @@ def read_metadata(folder: Path, *, trust_pickle: bool = False) -> Any:
     from torch.distributed.checkpoint import metadata as md
 
     file = folder / METADATA
-    if not file.is_file():
+    if file.is_file():
+        inside(folder, file)
+    else:
         raise UnknownFormatError(f"no {METADATA} file in {str(folder)!r} (not a DCP checkpoint)", file=str(file))
     meta = load_pickle_allowlisted(file, _allowed_globals(), trust_pickle=trust_pickle)
     if not isinstance(meta, md.Metadata):
@@ -219,7 +221,7 @@ def _check_location(folder: Path, info: Any) -> str:
 def _open(folder: Path, name: str) -> BinaryIO:
     """A data file, opened without blocking on it and refused unless it is a regular file (a FIFO or a
     device named in ``.metadata`` would block or never end, a folder cannot be read)."""
-    path = folder / name
+    path = inside(folder, folder / name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from ucp.convert.importers.common import Imported, Progress, Segments, cast_leaf, json_plain, leaf, plain
+from ucp.convert.importers.common import Imported, Progress, Segments, cast_leaf, inside, json_plain, leaf, plain
 from ucp.convert.importers.errors import ForeignCheckpointError, UnknownFormatError
 from ucp.convert.importers.stored import NeedsTorch, StoredTensor, stored_leaf
 from ucp.convert.importers.torch_archive import read_archive
@@ -135,12 +135,12 @@ def tag_dir(path: str | os.PathLike[str]) -> Path:
         raise UnknownFormatError(f"{str(p)!r} is not a directory (a DeepSpeed checkpoint is a folder)", file=str(p))
     latest = p / "latest"
     if latest.is_file():
-        tag = read_tag(latest)
+        tag = read_tag(inside(p, latest))
         if not (p / tag).is_dir():
             raise ForeignCheckpointError(
                 f"file {str(latest)!r} names tag {tag!r}, but {str(p / tag)!r} is missing", file=str(latest)
             )
-        return p / tag
+        return inside(p, p / tag)
     return p
 
 
@@ -198,7 +198,7 @@ def find_files(path: str | os.PathLike[str]) -> DeepSpeedFiles:
             raise ForeignCheckpointError(
                 f"{str(d)!r}: {what} files for ranks {sorted(files)}, expected 0..{len(files) - 1}", file=str(d)
             )
-    return DeepSpeedFiles(d, [model[r] for r in sorted(model)], [optim[r] for r in sorted(optim)])
+    return DeepSpeedFiles(d, [inside(d, model[r]) for r in sorted(model)], [inside(d, optim[r]) for r in sorted(optim)])
 
 
 def require(mapping: Mapping[str, Any], key: str, file: Path) -> Any:
@@ -372,7 +372,7 @@ def _zero12(
         tail = [int(require(o, "group_paddings", f)[g]) for o, f in zip(osds, files.optim)]
         part = fp32[0].numel() + tail[0]  # every rank's partition has this many elements
         offsets, total = [], 0
-        for i, (name, shape) in enumerate(group.items()):
+        for i, shape in enumerate(group.values()):
             offsets.append(total)
             total += math.prod(shape) + (int(pads[i]) if i < len(pads) else 0)
         if sum(t.numel() for t in fp32) != total:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ucp.convert.importers.common import Imported, Progress
+from ucp.convert.importers.common import Imported, Progress, inside
 from ucp.convert.importers.errors import ForeignCheckpointError, UnknownFormatError
 from ucp.format.dtypes import torch_dtype
 
@@ -27,12 +27,12 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
     p = Path(path)
     if p.is_dir():
         if (p / INDEX).is_file():
-            return weight_files(p / INDEX)
+            return weight_files(inside(p, p / INDEX))
         if (p / "model.safetensors").is_file():
-            return [p / "model.safetensors"]
+            return [inside(p, p / "model.safetensors")]
         found = sorted(p.glob("*.safetensors"))
         if len(found) == 1:
-            return found
+            return [inside(p, found[0])]
         raise UnknownFormatError(
             f"{str(p)!r} holds no model.safetensors or {INDEX} ({len(found)} other .safetensors files)", file=str(p)
         )
@@ -51,7 +51,7 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
         for n in names:
             if "/" in n or n.startswith(".."):
                 raise ForeignCheckpointError(f"file {str(p)!r} names a shard outside its folder: {n!r}", file=str(p))
-        return [p.parent / n for n in names]
+        return [inside(p.parent, p.parent / n) for n in names]
     if p.suffix == ".safetensors":
         return [p]
     raise UnknownFormatError(f"{str(p)!r} is not a safetensors file, index or folder", file=str(p))
@@ -79,7 +79,7 @@ def _mapped(file: Path) -> dict[str, torch.Tensor]:
         ) from None
     size = file.stat().st_size
     storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
-    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]  # torch types from_file as _StorageBase
     out: dict[str, torch.Tensor] = {}
     for key in keys:
         entry = header[key]

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ucp.convert.importers.common import Imported, Progress
+from ucp.convert.importers.common import Imported, Progress, inside
 from ucp.convert.importers.deepspeed import (
     _MODEL,
     MOMENTS,
@@ -46,9 +46,9 @@ def universal_dir(path: str | os.PathLike[str]) -> Path:
         return p
     latest = p / "latest_universal"
     if latest.is_file():
-        target = p / read_tag(latest)
+        target = p / read_tag(inside(p, latest))
         if (target / "zero").is_dir():
-            return target
+            return inside(p, target)
         raise ForeignCheckpointError(
             f"file {str(latest)!r} names {str(target)!r}, which has no zero/ folder", file=str(latest)
         )
@@ -57,11 +57,12 @@ def universal_dir(path: str | os.PathLike[str]) -> Path:
     )
 
 
-def _param_tensor(file: Path, shape: tuple[int, ...], trust_pickle: bool, tensors: Tensors) -> Any:
+def _param_tensor(udir: Path, file: Path, shape: tuple[int, ...], trust_pickle: bool, tensors: Tensors) -> Any:
     if not file.is_file():
         raise ForeignCheckpointError(f"file {str(file)!r} is missing", file=str(file))
+    inside(udir, file)
     value = tensors.open(file, trust_pickle)
-    t = value.get("param") if isinstance(value, dict) else value
+    t: Any = value.get("param") if isinstance(value, dict) else value  # an unpickled value, checked below
     if not tensors.is_tensor(t):
         raise ForeignCheckpointError(
             f"file {str(file)!r} holds neither a tensor nor {{'param': tensor}}", file=str(file)
@@ -91,14 +92,13 @@ def read_universal(
 
 
 def _read(udir: Path, tensors: Tensors, trust_pickle: bool, progress: Progress | None) -> Imported:
-    model_files = sorted(
-        (f for f in udir.iterdir() if _MODEL.match(f.name)), key=lambda f: int(_MODEL.match(f.name).group(1) or 0)
-    )  # type: ignore[union-attr]
+    found = [(f, hit) for f in udir.iterdir() if (hit := _MODEL.match(f.name))]
+    model_files = [f for f, _ in sorted(found, key=lambda fh: int(fh[1].group(1) or 0))]
     if not model_files:
         raise ForeignCheckpointError(f"no *model_states.pt file in {str(udir)!r}", file=str(udir))
-    states = tensors.open(model_files[0], trust_pickle)
+    states = tensors.open(inside(udir, model_files[0]), trust_pickle)
     opt_file = udir / "zero" / "optimizer_state.pt"
-    osd = tensors.open(opt_file, trust_pickle) if opt_file.is_file() else {}
+    osd = tensors.open(inside(udir, opt_file), trust_pickle) if opt_file.is_file() else {}
     stage = int(osd.get("zero_stage", 3 if len(model_files) > 1 else 2))
     shapes = param_shapes(states, model_files[0])
     module = require(states, "module", model_files[0])
@@ -110,14 +110,16 @@ def _read(udir: Path, tensors: Tensors, trust_pickle: bool, progress: Progress |
     steps: list[tuple[Any, Path]] = []
     for i, name in enumerate(order):
         folder = udir / "zero" / name
-        masters[name] = _param_tensor(folder / "fp32.pt", all_shapes[name], trust_pickle, tensors)
+        masters[name] = _param_tensor(udir, folder / "fp32.pt", all_shapes[name], trust_pickle, tensors)
         for m in MOMENTS:
-            moments[m][name] = _param_tensor(folder / f"{m}.pt", all_shapes[name], trust_pickle, tensors)
+            moments[m][name] = _param_tensor(udir, folder / f"{m}.pt", all_shapes[name], trust_pickle, tensors)
         if (folder / "step.pt").is_file():
-            steps.append((tensors.open(folder / "step.pt", trust_pickle), folder / "step.pt"))
+            steps.append((tensors.open(inside(udir, folder / "step.pt"), trust_pickle), folder / "step.pt"))
         if progress:
             progress(i + 1, len(order), name)
-    inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), dict) else {}
+    inner = osd.get("optimizer_state_dict")
+    if not isinstance(inner, dict):
+        inner = {}
     if not steps:
         steps = [(s["step"], opt_file) for s in inner.get("state", {}).values() if isinstance(s, dict) and "step" in s]
     step = int(states.get("global_steps", 0) or 0)
