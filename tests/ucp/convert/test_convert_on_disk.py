@@ -6,7 +6,7 @@ it can (and not import torch there), fall back to torch where it cannot, and fai
 path does: UnsafePickleError for a global outside the allow-list, ForeignCheckpointError naming a
 damaged file, no partial checkpoint after a failed write, the source never touched.
 
-Uses the DeepSpeed checkpoints tools/peers/deepspeed_ckpt.py cached under $UCP_PEER_CACHE.
+Uses real DeepSpeed checkpoints, built on first use (tests/support/peer_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from peer_checkpoints import CI_CONFIGS, config_id, deepspeed_checkpoint, deepspeed_universal  # noqa: E402
 from repo_paths import REPO  # noqa: E402
 from ucp_helpers import assert_same_state  # noqa: E402
 
@@ -36,25 +37,7 @@ from ucp.convert.importers import ForeignCheckpointError, UnsafePickleError, con
 from ucp.convert.importers.common import count_stored  # noqa: E402
 from ucp.format.sharding import Shards  # noqa: E402
 
-PEER_CACHE = Path(os.environ.get("UCP_PEER_CACHE", "/tmp/ucp-peer-cache"))
-MAX_PEER_BYTES = 100 << 20  # the gpt-100m checkpoint (1.5 GB) is not converted here
 PY = sys.executable
-
-
-def _cached() -> dict[str, Path]:
-    """Small cached DeepSpeed checkpoints by their cache name."""
-    out: dict[str, Path] = {}
-    if PEER_CACHE.is_dir():
-        for d in sorted(PEER_CACHE.glob("ds-z*")):
-            if d.is_dir() and (d / "latest").is_file() and (d / "harness.json").is_file():
-                tag = d / (d / "latest").read_text().strip()
-                if tag.is_dir() and sum(f.stat().st_size for f in tag.iterdir()) <= MAX_PEER_BYTES:
-                    out[d.name] = d
-    return out
-
-
-CACHED = _cached()
-needs_cache = pytest.mark.skipif(not CACHED, reason=f"no DeepSpeed checkpoints cached under {PEER_CACHE}")
 
 
 def harness(ckpt: Path) -> dict[str, Any]:
@@ -62,11 +45,8 @@ def harness(ckpt: Path) -> dict[str, Any]:
 
 
 def find(stage: int, dtype: str, world: int | None = None) -> Path:
-    for ckpt in CACHED.values():
-        h = harness(ckpt)
-        if h["zero_stage"] == stage and h["dtype"] == dtype and (world is None or h["world_size"] == world):
-            return ckpt
-    pytest.skip(f"no ZeRO-{stage} {dtype} checkpoint cached")
+    """A real DeepSpeed checkpoint of that stage and dtype, built on first use (tests/support/peer_checkpoints.py)."""
+    return deepspeed_checkpoint(stage, dtype, world)
 
 
 def tag_of(ckpt: Path) -> Path:
@@ -146,10 +126,11 @@ def add_top_level_value(path: Path, key: str, value: Any) -> None:
 # -- 3. the on-disk conversion equals the torch one ----------------------------------------------------
 
 
-@needs_cache
-@pytest.mark.parametrize("name", sorted(CACHED))
-def test_on_disk_convert_equals_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    ckpt = CACHED[name]
+@pytest.mark.parametrize("config", CI_CONFIGS, ids=config_id)
+def test_on_disk_convert_equals_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: tuple[int, str, int]
+) -> None:
+    ckpt = find(*config)
     h = harness(ckpt)
     before = digest(tag_of(ckpt))
     _, on_disk = read(ckpt, on_disk=True)
@@ -179,14 +160,11 @@ def test_on_disk_convert_equals_torch_path(tmp_path: Path, monkeypatch: pytest.M
     assert digest(tag_of(ckpt)) == before  # the source is only read
 
 
-UNIVERSAL = {name: u for name, ckpt in CACHED.items() for u in sorted(ckpt.glob("*_universal")) if u.is_dir()}
-
-
-@pytest.mark.parametrize("name", sorted(UNIVERSAL) or [pytest.param("none", marks=pytest.mark.skip("none cached"))])
-def test_universal_on_disk_convert_equals_torch_path(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("config", [(2, "fp32", 2), (3, "bf16", 4)], ids=config_id)
+def test_universal_on_disk_convert_equals_torch_path(tmp_path: Path, config: tuple[int, str, int]) -> None:
     """ds_to_universal's per-parameter files take the same two paths (ZeRO-3 bf16: torch, for the cast)."""
-    udir = UNIVERSAL[name]
-    h = harness(CACHED[name])
+    udir = deepspeed_universal(*config)
+    h = harness(find(*config))
     _, on_disk = read(udir, on_disk=True)
     _, with_torch = read(udir)
     tensors = tensor_leaves(with_torch.state)
@@ -201,7 +179,6 @@ def test_universal_on_disk_convert_equals_torch_path(tmp_path: Path, name: str) 
     assert_same_state(ucp.load(tmp_path / "on-disk"), ucp.load(tmp_path / "torch"))
 
 
-@needs_cache
 def test_cli_convert_and_verify(tmp_path: Path) -> None:
     ckpt = find(1, "bf16")
     dst = tmp_path / "cli"
@@ -223,7 +200,6 @@ print(report.tensors, 'torch' in sys.modules)
 """
 
 
-@needs_cache
 @pytest.mark.parametrize(
     "config", [(2, "fp32"), (1, "bf16"), (3, "fp32"), (3, "bf16")], ids=["z2-fp32", "z1-bf16", "z3-fp32", "z3-bf16"]
 )
@@ -241,7 +217,6 @@ def test_on_disk_convert_does_not_import_torch(tmp_path: Path, config: tuple) ->
     assert ucp.verify(tmp_path / "out").ok
 
 
-@needs_cache
 def test_cli_convert_does_not_import_torch(tmp_path: Path) -> None:
     ckpt = find(2, "fp32")
     run = subprocess.run(
@@ -257,7 +232,6 @@ def test_cli_convert_does_not_import_torch(tmp_path: Path) -> None:
     assert "torch" not in modules
 
 
-@needs_cache
 def test_relative_source_and_destination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = copy_ckpt(find(2, "fp32"), tmp_path / "src")
     monkeypatch.chdir(tmp_path)
@@ -269,7 +243,6 @@ def test_relative_source_and_destination(tmp_path: Path, monkeypatch: pytest.Mon
     assert ucp.read_manifest(tmp_path / "out").metadata["source"]["path"] == str(tag_of(src).resolve())
 
 
-@needs_cache
 def test_tag_folder_given_directly_and_url_destination(tmp_path: Path) -> None:
     ckpt = find(2, "fp32", 2)
     convert(tag_of(ckpt), tmp_path / "from-tag")
@@ -288,7 +261,6 @@ def test_tag_folder_given_directly_and_url_destination(tmp_path: Path) -> None:
             fs.rm(url, recursive=True)
 
 
-@needs_cache
 def test_progress_reaches_total(tmp_path: Path) -> None:
     calls: list[tuple[int, int, str]] = []
     convert(find(2, "fp32"), tmp_path / "out", progress=lambda d, t, w: calls.append((d, t, w)))
@@ -300,7 +272,6 @@ def test_progress_reaches_total(tmp_path: Path) -> None:
 # -- 4. fallbacks and failures -----------------------------------------------------------------------
 
 
-@needs_cache
 def test_unknown_global_in_optim_file_is_unsafe(tmp_path: Path) -> None:
     src = copy_ckpt(find(2, "fp32", 2), tmp_path / "src")
     optim = tag_of(src) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -312,7 +283,6 @@ def test_unknown_global_in_optim_file_is_unsafe(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@needs_cache
 def test_unknown_global_with_trust_pickle_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = find(2, "fp32", 2)
     src = copy_ckpt(ckpt, tmp_path / "src")
@@ -328,10 +298,9 @@ def test_unknown_global_with_trust_pickle_converts(tmp_path: Path, monkeypatch: 
     assert sa.pop("path") != sb.pop("path") and sa == sb
 
 
-@needs_cache
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "no-storage"])
 def test_damaged_file_names_the_file(tmp_path: Path, damage: str) -> None:
-    src = copy_ckpt(find(1, "fp32", 2), tmp_path / "src")
+    src = copy_ckpt(find(2, "fp32", 2), tmp_path / "src")
     bad = tag_of(src) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bad.read_bytes()
     if damage == "truncated":
@@ -364,7 +333,6 @@ def build_on_first_storage(path: Path, state: dict) -> None:
     write_zip(path, out)
 
 
-@needs_cache
 def test_crafted_archive_cannot_copy_another_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = copy_ckpt(find(2, "fp32", 2), tmp_path / "src")
     secret = tmp_path / "secret" / "id_rsa"
@@ -379,7 +347,6 @@ def test_crafted_archive_cannot_copy_another_file(tmp_path: Path, monkeypatch: p
     assert_same_state(ucp.load(tmp_path / "on-disk"), ucp.load(tmp_path / "torch"))
 
 
-@needs_cache
 def test_pickle_crc_mismatch_fails_cleanly(tmp_path: Path) -> None:
     src = copy_ckpt(find(2, "fp32", 2), tmp_path / "src")
     bad = tag_of(src) / "mp_rank_00_model_states.pt"
@@ -395,7 +362,6 @@ def test_pickle_crc_mismatch_fails_cleanly(tmp_path: Path) -> None:
     assert ucp.verify(tmp_path / "out").ok
 
 
-@needs_cache
 def test_existing_destination_without_overwrite(tmp_path: Path) -> None:
     ckpt = find(2, "fp32")
     other = tmp_path / "other"
@@ -413,7 +379,6 @@ def test_existing_destination_without_overwrite(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "ucp"]
 
 
-@needs_cache
 def test_overwrite_replaces_a_ucp_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first, second = find(1, "bf16"), find(2, "fp32")
     dst = tmp_path / "dst"
@@ -426,7 +391,6 @@ def test_overwrite_replaces_a_ucp_checkpoint(tmp_path: Path, monkeypatch: pytest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ref"]
 
 
-@needs_cache
 def test_destination_holding_the_source_is_refused(tmp_path: Path) -> None:
     src = copy_ckpt(find(2, "fp32"), tmp_path / "src")
     (tmp_path / "src" / "manifest.json").write_text("{}")  # looks like a UCP checkpoint
@@ -436,7 +400,6 @@ def test_destination_holding_the_source_is_refused(tmp_path: Path) -> None:
     assert digest(src) == before
 
 
-@needs_cache
 def test_overwrite_through_a_symlink_keeps_its_target(tmp_path: Path) -> None:
     target, link = tmp_path / "target", tmp_path / "link"
     convert(find(1, "bf16"), target)
@@ -521,7 +484,6 @@ def _fail_halfway(exc: BaseException):
     return progress
 
 
-@needs_cache
 @pytest.mark.parametrize("exc", [Boom("disk on fire"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
 def test_failed_write_leaves_nothing(tmp_path: Path, exc: BaseException) -> None:
     ckpt = find(2, "fp32")
@@ -536,7 +498,6 @@ def test_failed_write_leaves_nothing(tmp_path: Path, exc: BaseException) -> None
     assert ucp.verify(out / "dst").ok
 
 
-@needs_cache
 def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path: Path) -> None:
     dst = tmp_path / "dst"
     convert(find(1, "bf16"), dst)
@@ -547,7 +508,6 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
-@needs_cache
 def test_write_error_from_the_disk_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An OSError inside the data file writer (ENOSPC-like), not from a callback."""
     import ucp.convert.reshape as reshape
@@ -590,7 +550,6 @@ convert(sys.argv[1], sys.argv[2], progress=progress)
 """
 
 
-@needs_cache
 def test_killed_write_leaves_no_checkpoint(tmp_path: Path) -> None:
     ckpt = find(2, "fp32")
     before = digest(tag_of(ckpt))

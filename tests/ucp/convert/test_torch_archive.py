@@ -22,16 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from peer_checkpoints import CI_CONFIGS, config_id, deepspeed_checkpoint, deepspeed_universal  # noqa: E402
 from ucp_helpers import random_tensor  # noqa: E402
 
 from ucp.convert.importers.pickles import DEEPSPEED_STAND_INS  # noqa: E402
 from ucp.convert.importers.stored import MAX_VALUE_BYTES, NeedsTorch, StoredLeaf, StoredTensor, stored_leaf  # noqa: E402
 from ucp.convert.importers.torch_archive import STORAGE_DTYPES, AttributeBag, read_archive  # noqa: E402
 from ucp.format.dtypes import dtype_name, torch_dtype  # noqa: E402
-
-PEER_CACHE = Path(os.environ.get("UCP_PEER_CACHE", "/tmp/ucp-peer-cache"))
-MAX_PEER_BYTES = 100 << 20  # skip the big (gpt-100m) checkpoints: comparing them reads GBs
-
 
 # -- comparing the two readings -----------------------------------------------------------------
 
@@ -206,22 +203,12 @@ def floats(n: int, start: float = 0.0) -> bytes:
 # -- 1. the same values as torch.load --------------------------------------------------------------
 
 
-def _peer_dirs() -> list[Any]:
-    if not PEER_CACHE.is_dir():
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no peer cache at {PEER_CACHE}"))]
-    out = []
-    for d in sorted(PEER_CACHE.glob("ds-*")):
-        if not d.is_dir():
-            continue
-        files = sorted(d.rglob("*.pt"))
-        if files and sum(f.stat().st_size for f in files) <= MAX_PEER_BYTES:
-            out.append(pytest.param(d, id=d.name))
-    return out or [pytest.param(None, marks=pytest.mark.skip(reason="no small DeepSpeed checkpoints cached"))]
-
-
-@pytest.mark.parametrize("ckpt", _peer_dirs())
-def test_real_deepspeed_archives_match_torch_load(ckpt: Path) -> None:
-    """Every .pt file of a real DeepSpeed checkpoint (native tag and universal conversion)."""
+@pytest.mark.parametrize("config", CI_CONFIGS, ids=config_id)
+def test_real_deepspeed_archives_match_torch_load(config: tuple[int, str, int]) -> None:
+    """Every .pt file of a real DeepSpeed checkpoint (native tag, and for ZeRO-2 its universal conversion)."""
+    ckpt = deepspeed_checkpoint(*config)
+    if config == (2, "fp32", 2):
+        deepspeed_universal(*config)
     files = sorted(ckpt.rglob("*.pt"))
     tensors = 0
     for f in files:
@@ -319,10 +306,9 @@ def test_same_tensor_twice_and_two_storages(tmp_path: Path) -> None:
 
 def test_deepspeed_stand_ins_read_like_torch_path() -> None:
     """The real DeepSpeed optimizer files hold a LossScaler, fragment addresses and the stage enum."""
-    optim = sorted(PEER_CACHE.glob("ds-z2-fp32-w2-s3-*/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    if not optim:
-        pytest.skip("no ZeRO-2 fp32 checkpoint cached")
-    ours = read_archive(optim[0])
+    ours = read_archive(
+        deepspeed_checkpoint(2, "fp32", 2) / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
     osd = ours["optimizer_state_dict"]
     assert isinstance(osd["loss_scaler"], AttributeBag)
     assert int(osd["zero_stage"]) == 2
