@@ -10,7 +10,7 @@ every rank resumes from the same checkpoint even when a manager falls back on on
 failed.
 
 The two-rank cases run in real gloo processes: this file is also their worker
-(``python test_training_edges.py RANK WORLD INIT OUT SCENARIOS``, as training_helpers.run_world starts it).
+(``python test_training_run_and_resume.py RANK WORLD INIT OUT SCENARIOS``, as training_helpers.run_world starts it).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ than one tensor, odd names, sections by key path. Import: Hugging Face index inc
 optimizer state, bytes items and a 2-rank sharded save, DeepSpeed universal folders with a missing
 fragment; import -> export round trips.
 
-This file is also the 2-rank DCP worker: ``python test_import_export_edges.py RANK INIT OUT``.
+This file is also the 2-rank DCP worker: ``python test_import_export_data.py RANK INIT OUT``.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def run_body(name: str, tmp_path: Path, timeout: float = 120.0) -> str:
         "import faulthandler, sys\n"
         f"faulthandler.dump_traceback_later({timeout - 10!r}, exit=True)\n"  # a hang shows every thread's stack
         f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-        "import test_cow_review as m\n"
+        "import test_cow_failures as m\n"
         f"m._body_{name}(sys.argv[1])\n"
         "print('BODY-OK', flush=True)\n"
     )

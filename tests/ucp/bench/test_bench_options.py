@@ -44,7 +44,7 @@ QUIET = ["--rounds", "1", "--no-drop-caches"]
 
 def _tool(name: str) -> ModuleType:
     """Import tools/<name>.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_edges_{name}", REPO / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_options_{name}", REPO / "tools" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

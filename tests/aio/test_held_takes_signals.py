@@ -1,4 +1,4 @@
-"""Review of the held takes (aio.engines.base.signals_held, aio.handle._take, LibaioEngine._start).
+"""The held takes (aio.engines.base.signals_held, aio.handle._take, LibaioEngine._start).
 
 Every scenario runs in a child process with a timeout: signal handlers are process state (a handler
 left swapped must not leak into the rest of the test run) and a deadlock must fail, not hang. Each

@@ -1,4 +1,4 @@
-"""Review tests of the planned read path (aio.scatter + AioHandle._read_all): bytes land exactly in the
+"""The planned read path (aio.scatter + AioHandle._read_all): bytes land exactly in the
 caller's memory and nowhere else, for adversarial layouts, every vector length, buffered and O_DIRECT files,
 partial completions, errors and Ctrl-C part way through."""
 
