@@ -23,18 +23,21 @@ import io
 import logging
 import os
 import pickle
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ucp.convert.importers.errors import ForeignCheckpointError, UnsafePickleError
-from ucp.convert.importers.torch_archive import DEEPSPEED_NAMES
+from ucp.convert.importers.torch_archive import DEEPSPEED_NAMES, check_member_sizes
 
 log = logging.getLogger(__name__)
 
 
 # (stand-in, the global name the pickle uses): torch >= 2.5 resolves the name to the stand-in.
-DEEPSPEED_STAND_INS: list[tuple[type, str]] = [(cls, name) for name, cls in DEEPSPEED_NAMES.items()]
+# Typed as torch.serialization.safe_globals takes them (a list is invariant).
+DEEPSPEED_STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    (cls, name) for name, cls in DEEPSPEED_NAMES.items()
+]
 
 
 def _unsafe_globals(path: str | os.PathLike[str] | io.BytesIO) -> list[str]:
@@ -93,6 +96,7 @@ def _load_archive(source: str | io.BytesIO, *, where: str, file: str, trust_pick
         raise ForeignCheckpointError(
             f"{where} is not a readable torch.save archive (neither a zip archive nor a legacy torch file)", file=file
         )
+    check_member_sizes(source, where=where, file=file)  # before torch.load sizes buffers from the members' claims
     try:
         with torch.serialization.safe_globals(DEEPSPEED_STAND_INS):
             return _torch_load(source, where=where, file=file, weights_only=True, mmap=mmap)

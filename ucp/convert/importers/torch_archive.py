@@ -28,6 +28,7 @@ import struct
 import zipfile
 from typing import Any
 
+from ucp.convert.importers.errors import ForeignCheckpointError
 from ucp.convert.importers.stored import NeedsTorch, StoredTensor
 from ucp.format.dtypes import itemsize
 
@@ -66,6 +67,14 @@ STORAGE_DTYPES: dict[str, str] = {
     "ByteStorage": "U8",
     "BoolStorage": "BOOL",
 }
+
+# How far a zip's members may inflate: ``INFLATE_RATIO`` times the archive's size plus ``INFLATE_SLACK``,
+# per member and for the compressed members together. torch.save writes every member stored (not
+# compressed), so a real archive's members never exceed its size; the slack leaves room for small
+# hand-made archives. Without the bound, a 2 MB archive whose data.pkl is 2 GiB of deflated zeros
+# made the readers (zipfile here, torch.load's miniz) allocate the 2 GiB, several times over.
+INFLATE_RATIO = 4
+INFLATE_SLACK = 16 << 20
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip member's local file header (30 bytes)
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -178,12 +187,61 @@ class _ArchiveUnpickler(pickle.Unpickler):
         return self.archive.storage(pid[2], pid[1].dtype, pid[4])
 
 
+def inflate_limit(archive_size: int) -> int:
+    """The most bytes one member, or all compressed members together, may inflate to (see INFLATE_RATIO)."""
+    return INFLATE_RATIO * archive_size + INFLATE_SLACK
+
+
+def check_member_sizes(source: str | io.BytesIO, *, where: str, file: str) -> None:
+    """Refuse a zip archive whose members would inflate beyond :func:`inflate_limit` of its size.
+
+    Judged from the central directory before any member is read: a stored member must declare the
+    size it stores, a compressed one at most the limit (and all compressed ones together too). The
+    readers then never allocate more than that, whatever a member claims: zipfile stops at the
+    declared size (and a bomb's CRC then fails), and torch.load sizes its buffers from it.
+    ForeignCheckpointError names ``where`` and the member. A source that is not a zip (a legacy
+    torch file) is left to its reader.
+    """
+    if isinstance(source, io.BytesIO):
+        size = len(source.getbuffer())
+    else:
+        size = os.path.getsize(source)
+    try:
+        with zipfile.ZipFile(source) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return
+    finally:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+    limit = inflate_limit(size)
+    inflated = 0
+    for info in infos:
+        if info.compress_type == zipfile.ZIP_STORED:
+            if info.file_size != info.compress_size:
+                raise ForeignCheckpointError(
+                    f"{where}: zip member {info.filename!r} is stored uncompressed but declares "
+                    f"{info.file_size} bytes for the {info.compress_size} it holds",
+                    file=file,
+                )
+            continue
+        inflated += info.file_size
+        if info.file_size > limit or inflated > limit:
+            raise ForeignCheckpointError(
+                f"{where}: zip member {info.filename!r} inflates to {info.file_size} bytes "
+                f"({inflated} for the compressed members so far), more than the {limit} allowed "
+                f"for a {size}-byte archive (a zip bomb?); torch.save never compresses its members",
+                file=file,
+            )
+
+
 class _Archive:
     """The zip's members, and where each storage's bytes start in the file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.storages: dict[str, _Storage] = {}
+        check_member_sizes(path, where=f"file {path!r}", file=path)
         with zipfile.ZipFile(path) as zf:
             infos = zf.infolist()
         self.members = {i.filename: i for i in infos}
@@ -193,14 +251,22 @@ class _Archive:
         if len(pickles) != 1:
             raise NeedsTorch("no single <prefix>/data.pkl member")
         self.prefix = pickles[0][: -len("data.pkl")]
+        self.size = os.path.getsize(path)
         order = self.members.get(self.prefix + "byteorder")
         if order is not None and self.read(order) != b"little":
             raise NeedsTorch("a big-endian archive")
-        self.size = os.path.getsize(path)
 
     def read(self, info: zipfile.ZipInfo) -> bytes:
-        with zipfile.ZipFile(self.path) as zf:
-            return zf.read(info)
+        """A member's bytes, read no further than :func:`inflate_limit` whatever the member claims."""
+        limit = inflate_limit(self.size)
+        with zipfile.ZipFile(self.path) as zf, zf.open(info) as fh:
+            data = fh.read(limit + 1)
+        if len(data) > limit:
+            raise ForeignCheckpointError(
+                f"file {self.path!r}: zip member {info.filename!r} inflates past {limit} bytes (a zip bomb?)",
+                file=self.path,
+            )
+        return data
 
     def data_offset(self, info: zipfile.ZipInfo) -> int:
         """Where a stored member's bytes start: after its local header, name and extra field."""
@@ -241,7 +307,7 @@ def read_archive(path: str | os.PathLike[str]) -> Any:
         archive = _Archive(os.fspath(path))
         data = archive.read(archive.members[archive.prefix + "data.pkl"])
         return _ArchiveUnpickler(io.BytesIO(data), archive).load()
-    except NeedsTorch:
+    except (NeedsTorch, ForeignCheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged zip or pickle: let torch's reader give its error
         raise NeedsTorch(f"not read here ({type(exc).__name__}: {exc})") from None
