@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from .errors import LayoutError
-from .layout import Pipeline
 from .names import layer_index, name_matches
+from .spec import Pipeline
 
 
 def contiguous_stages(num_layers: int, pp: int) -> list[list[int]]:

@@ -15,10 +15,10 @@ from typing import Callable, Mapping, Sequence
 
 from .box import Box, FlatRange, check_exact_cover
 from .errors import LayoutError, PatternError
-from .layout import Layout, RankCoord
 from .pattern import Pattern
 from .pipeline import assign_stages
 from .shard import shard
+from .spec import LayoutSpec, RankCoord
 from .zero import group_partition, local_flat_to_global, param_partition
 
 Region = Box | FlatRange
@@ -116,7 +116,7 @@ class _Info:
 class Resolver:
     """A layout applied to a model's tensor shapes; cheap to ask for many ranks."""
 
-    def __init__(self, layout: Layout, shapes: Mapping[str, Sequence[int]]) -> None:
+    def __init__(self, layout: LayoutSpec, shapes: Mapping[str, Sequence[int]]) -> None:
         self.layout = layout
         self.shapes = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
         names = list(self.shapes)
@@ -287,7 +287,7 @@ def merge_slots(slots: Sequence[Slot]) -> list[Slot]:
     return out
 
 
-def check_layout(layout: Layout, shapes: Mapping[str, Sequence[int]]) -> None:
+def check_layout(layout: LayoutSpec, shapes: Mapping[str, Sequence[int]]) -> None:
     """Raise LayoutError unless the regions saved (replica 0) by all ranks tile every tensor exactly once.
 
     Checked separately for the weights and, where ZeRO partitions them, for the optimizer state.
