@@ -7,16 +7,16 @@ This file is also the 2-rank worker: ``python test_import_dcp.py RANK WORLD INIT
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from dcp_sharded_save_worker import FULL
+from repo_paths import SUPPORT
+from world import run_world
 
 import ucp
 from ucp.convert.importers import UnsafePickleError, convert, detect
@@ -106,46 +106,13 @@ def test_missing_data_file_names_it(tmp_path: Path) -> None:
 
 # -- a 2-rank save of row-sharded DTensors ---------------------------------------------------------
 
-FULL = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) / 7  # 7 rows: uneven split over 2 ranks
-
-
-def _worker(rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        state = {"model": {"w": distribute_tensor(FULL.clone(), mesh, [Shard(0)]), "b": torch.ones(3)}, "step": 5}
-        dcp.save(state, checkpoint_id=out)
-    finally:
-        dist.destroy_process_group()
-
 
 def test_two_rank_sharded_save(tmp_path: Path) -> None:
     out = tmp_path / "dcp"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(r), "2", str(tmp_path / "init"), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    run_world(SUPPORT / "dcp_sharded_save_worker.py", lambda r: [r, 2, tmp_path / "init", out], 2, timeout=120)
     convert(out, tmp_path / "ucp")
     manifest = ucp.read_manifest(tmp_path / "ucp")
     boxes = sorted(tuple(p.box.offsets) for p in manifest.tensors["model.w"].pieces)
     assert boxes == [(0, 0), (4, 0)]  # one piece per rank's chunk, no concatenation
     got = ucp.load(tmp_path / "ucp")
     assert torch.equal(got["model"]["w"], FULL) and torch.equal(got["model"]["b"], torch.ones(3)) and got["step"] == 5
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
