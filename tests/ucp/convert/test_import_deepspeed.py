@@ -11,15 +11,13 @@ This file is also the Engine worker: ``python test_import_deepspeed.py RANK WORL
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from repo_paths import REPO  # noqa: E402
+from repo_paths import SUPPORT  # noqa: E402
+from world import run_world  # noqa: E402
 
 import ucp  # noqa: E402
 from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint, reference_fp32, reference_universal  # noqa: E402
@@ -211,25 +209,6 @@ ENGINE_CASES = [  # (DeepSpeed config, Engine mesh, Engine ZeRO stage)
 ]
 
 
-def _worker(rank: int, world: int, init: str, spec_file: str) -> None:
-    import torch.distributed as dist
-
-    from training import Engine
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        for case in json.loads(Path(spec_file).read_text()):
-            engine = Engine(
-                "tiny", mesh=case["mesh"], zero_stage=case["zero_stage"], dtype=case["dtype"], data_seed=1234
-            )  # the peer run's data stream (recorded in the import)
-            start = engine.load(case["src"])
-            assert start == 3 and engine.optimizer.adam_step == 3, (start, engine.optimizer.adam_step)
-            ucp.save(engine.state_dict_for_checkpoint(), case["out"], step=engine.step)
-    finally:
-        dist.destroy_process_group()
-
-
 @needs_ds
 def test_engine_resumes_import_at_other_meshes(imports: Imports, tmp_path: Path) -> None:
     cases = []
@@ -246,33 +225,10 @@ def test_engine_resumes_import_at_other_meshes(imports: Imports, tmp_path: Path)
         )
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(cases))
-    init = tmp_path / "init"
-    env = {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(r), "2", str(init), str(spec)],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    run_world(SUPPORT / "engine_resume_worker.py", lambda r: [r, 2, tmp_path / "init", spec], 2, timeout=180)
     for (config, _, _), case in zip(ENGINE_CASES, cases):
         imported, resaved = imports.get(config)["state"], ucp.load(case["out"])
         assert resaved["step"] == 3
         for section in ("fp32_master", "exp_avg", "exp_avg_sq"):
             _assert_same(resaved["optimizer"][section], imported["optimizer"][section], section, ordered=False)
         _assert_same(resaved["model"], imported["model"], "model", ordered=False)
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
