@@ -268,15 +268,23 @@ def region_boxes(region: Region, shape: Sequence[int]) -> list[Box]:
     return [b for _, b in region_blocks(region, shape)]
 
 
+# The exact-cover check lists 2**d signed corners per piece (d: the dimensions the pieces split);
+# past this many it falls back to a sweep. Naming two overlapping pieces compares at most
+# OVERLAP_BUDGET pairs, so a hostile piece list costs seconds, not hours.
+CORNER_BUDGET = 1 << 22
+OVERLAP_BUDGET = 1 << 22
+
+
 def check_exact_cover(
     regions: Sequence[Region], shape: Sequence[int], labels: Sequence[str] | None = None
 ) -> str | None:
     """Why ``regions`` do not tile an array of ``shape`` exactly once, or None when they do.
 
     Every region must lie inside the array, no two may share an element, and together they
-    must hold every element. Runs a sweep over the first dimension, so grid and row layouts
-    cost about O(n log n) rather than O(n²). ``labels`` name the regions in the answer
-    (e.g. with the file holding each); by default "piece <index>".
+    must hold every element. The test is linear in the number of pieces (:func:`_tiles`); only
+    when it fails is a sweep run to name two overlapping pieces, and that sweep gives up after
+    ``OVERLAP_BUDGET`` comparisons, saying what it knows. ``labels`` name the regions in the
+    answer (e.g. with the file holding each); by default "piece <index>".
     """
     shape = tuple(shape)
     total = math.prod(shape)
@@ -294,18 +302,49 @@ def check_exact_cover(
             return f"{label(i)} flat range [{region.start}, {region.stop}) lies outside [0, {total})"
         covered += region.numel
         boxes.extend((b, i) for b in region_boxes(region, shape))
-    overlap = _find_overlap(boxes)
-    if overlap is not None:
+    exact = _tiles([b for b, _ in boxes], shape)
+    if exact:
+        return None
+    overlap = _find_overlap(boxes, OVERLAP_BUDGET)
+    if isinstance(overlap, tuple):
         if labels is None:
             return f"pieces {overlap[0]} and {overlap[1]} overlap"
         return f"{label(overlap[0])} and {label(overlap[1])} overlap"
     if covered != total:
         return f"pieces cover {covered} of {total} elements"
-    return None
+    if overlap is None:  # no overlap and every element's count: an exact cover (known now if _tiles could not say)
+        return None
+    return f"pieces overlap: {len(regions)} pieces hold {covered} elements but not each of the {total} once"
 
 
-def _find_overlap(boxes: Iterable[tuple[Box, int]]) -> tuple[int, int] | None:
-    """Indices of two overlapping boxes, or None: a sweep along the most finely split dimension."""
+def _tiles(boxes: Sequence[Box], shape: tuple[int, ...]) -> bool | None:
+    """Do ``boxes`` (inside ``shape``) hold every element exactly once? None: too many corners to tell.
+
+    The indicator of a box ``[a, b)`` is a signed sum of orthant indicators at its 2**d corners
+    (``+`` at a corner with an even number of ``b`` coordinates, ``-`` at odd), and orthant
+    indicators at distinct points are linearly independent. So the boxes tile the array exactly
+    when their signed corners, summed point by point, equal the array's own. Dimensions that
+    every box spans whole drop out first, leaving d small for real layouts (rows, grids).
+    """
+    ndim = len(shape)
+    live = [(b.offsets, b.shape) for b in boxes if 0 not in b.shape]  # empty boxes hold nothing
+    dims = [d for d in range(ndim) if any(o[d] != 0 or n[d] != shape[d] for o, n in live)]
+    if (len(live) + 1) << len(dims) > CORNER_BUDGET:
+        return None
+    signs = [(-1) ** bin(k).count("1") for k in range(1 << len(dims))]  # k's set bits: the corner's b's
+    weights: dict[tuple[int, ...], int] = {}
+    get = weights.get
+    for o, n in live:
+        for sign, point in zip(signs, itertools.product(*[(o[d], o[d] + n[d]) for d in dims])):
+            weights[point] = get(point, 0) + sign
+    for sign, point in zip(signs, itertools.product(*[(0, shape[d]) for d in dims])):  # minus the array's own
+        weights[point] = get(point, 0) - sign
+    return not any(weights.values())
+
+
+def _find_overlap(boxes: Iterable[tuple[Box, int]], budget: int) -> tuple[int, int] | None | bool:
+    """Indices of two overlapping boxes; None when there are none; False when ``budget``
+    comparisons did not settle it. A sweep along the most finely split dimension."""
     items = [b for b in boxes if not b[0].empty]
     if not items:
         return None
@@ -316,6 +355,9 @@ def _find_overlap(boxes: Iterable[tuple[Box, int]]) -> tuple[int, int] | None:
     items.sort(key=lambda t: t[0].offsets[dim])
     active: list[tuple[Box, int]] = []
     for box, idx in items:
+        budget -= 2 * len(active) + 1
+        if budget < 0:
+            return False
         active = [a for a in active if a[0].stop[dim] > box.offsets[dim]]
         for other, oidx in active:
             if other.intersect(box) is not None:

@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from aio import AioConfig, fsync_dir
 from ucp.dist import resolve_group
 from ucp.errors import CheckpointError, NotACheckpointError
-from ucp.format.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, parse_manifest
+from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, READABLE_VERSIONS, Manifest, parse_manifest
 from ucp.loading.loader import load as _load
 from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot, wait_all
 from ucp.saving.background.job import PostCommit
@@ -176,6 +176,8 @@ def looks_complete(path: str) -> bool:
     try:
         with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
             st = os.fstat(f.fileno())
+            if st.st_size > MAX_MANIFEST_BYTES:  # not one UCP wrote: never read it whole
+                return False
             key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
             sizes = _MANIFEST_FILES.get(key)
             if sizes is None:
@@ -197,7 +199,7 @@ def _manifest_files(data: bytes) -> dict[str, int] | Literal[False]:
         doc = json.loads(data)
         files = doc["files"]
         sizes = {str(name): int(info["size"]) for name, info in files.items()}
-        if doc["format_version"] != FORMAT_VERSION or any("/" in n or n.startswith(".") for n in sizes):
+        if doc["format_version"] not in READABLE_VERSIONS or any("/" in n or n.startswith(".") for n in sizes):
             return False
     except (ValueError, KeyError, TypeError, AttributeError):
         return False

@@ -31,7 +31,7 @@ import ucp
 from ucp.convert.importers import ForeignCheckpointError, UnsafePickleError, convert, read
 from ucp.convert.importers.pickles import load_torch
 from ucp.errors import CorruptCheckpointError, ManifestError
-from ucp.format.manifest import parse_manifest
+from ucp.format.manifest import parse_manifest, seal
 
 RANK0 = "rank-00000.safetensors"
 
@@ -46,7 +46,8 @@ def _manifest(path: Path) -> dict[str, Any]:
 
 
 def _write_manifest(path: Path, m: dict[str, Any]) -> None:
-    (path / "manifest.json").write_text(json.dumps(m))
+    """Write an edited manifest sealed with its fresh checksum, as a forger would."""
+    (path / "manifest.json").write_bytes(seal(m))
 
 
 class Evil:
@@ -216,7 +217,7 @@ def test_checking_the_state_tree_takes_memory_linear_in_the_manifest(tmp_path: P
     for i in range(95):  # within pydantic's JSON depth limit and the tree's own depth limit
         node = {"dict": {chr(97 + i % 26) * 20_000: node}}
     m["state"]["dict"]["x"] = node
-    text = json.dumps(m)
+    text = seal(m).decode()  # valid content, sealed: the whole parse runs
     tracemalloc.start()
     try:
         parse_manifest(text)

@@ -1,21 +1,25 @@
 """manifest.json: the pydantic models of docs/format.md, and the reader's checks.
 
-``parse_manifest`` is the only way a reader turns bytes into a :class:`Manifest`:
-it checks the format version first, then the schema (pydantic, strict, unknown
-fields refused), then everything the schema cannot say (file names, bounds,
-exact coverage, the state tree). Whatever the input, it returns a valid manifest
-or raises a :class:`~ucp.errors.ManifestError`.
+``Manifest.to_json`` is the only way a writer turns a :class:`Manifest` into bytes:
+the canonical serialization, sealed (format version 2) by a CRC-32C of those bytes
+in the member ``manifest_crc32c``. ``parse_manifest`` is the only way a reader turns
+bytes into a :class:`Manifest`: it checks the size, the format version, then the
+schema (pydantic, strict, unknown fields refused), then everything the schema cannot
+say (counts, file names, bounds, exact coverage, the state tree), and last the seal.
+Whatever the input, it returns a valid manifest or raises a :class:`~ucp.errors.ManifestError`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Any
 
+import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from reshard.box import Box, FlatRange, check_exact_cover
@@ -23,10 +27,18 @@ from ucp.errors import ManifestError, UnsupportedFormatError, where
 from ucp.format.dtypes import DTYPE_NAMES, itemsize
 from ucp.format.tree import ENTRY_SEP, check_tree, is_reserved
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writers write; 2 added the manifest's own checksum
+READABLE_VERSIONS = (1, 2)  # what readers accept: version 1 is version 2 without the checksum
 MANIFEST_NAME = "manifest.json"
+CHECKSUM_FIELD = "manifest_crc32c"  # the last member of a version-2 manifest (docs/format.md)
 MAX_NDIM = 64
 MAX_BYTES = 1 << 62  # per tensor and per file: anything larger is a corrupt manifest
+# What a manifest may declare: far above any real checkpoint (a 256 MiB manifest holds ~2M pieces),
+# low enough that checking one stays seconds of work whatever it claims.
+MAX_MANIFEST_BYTES = int(os.environ.get("UCP_MAX_MANIFEST_BYTES", 256 << 20))
+MAX_FILES = 1 << 20
+MAX_TENSORS = 1 << 20
+MAX_PIECES = 1 << 22  # all tensors together
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
@@ -133,9 +145,30 @@ class Manifest(BaseModel):
     tensors: dict[str, TensorEntry]
     state: Any
     metadata: dict[str, Any] = Field(default_factory=dict)
+    manifest_crc32c: int | None = Field(
+        None,
+        exclude=True,
+        repr=False,
+        description="the seal as read (version 2): parse_manifest checks it, then clears it; to_json computes it",
+    )
 
     def to_json(self) -> bytes:
-        """The bytes of manifest.json: UTF-8, one line per file, tensor and piece (readable, diffable)."""
+        """The bytes of manifest.json, the one serialization every writer uses: the canonical bytes
+        (:meth:`canonical_bytes`) and, from format version 2 on, their CRC-32C as the last member
+        ``manifest_crc32c`` (so the file minus that member is exactly what the checksum covers)."""
+        body = self.canonical_bytes()
+        if self.format_version < 2:
+            return body
+        assert body.endswith(b"\n}\n")
+        return body[:-3] + f',\n "{CHECKSUM_FIELD}": {_crc32c.crc32c(body)}\n}}\n'.encode()
+
+    def canonical_bytes(self) -> bytes:
+        """The manifest's canonical form, which its checksum covers: UTF-8 JSON, members in schema
+        order, one line per file, tensor and piece (readable, diffable), compact inside a line.
+
+        A function of the content alone: parsing the bytes and serializing again gives them back,
+        whatever the whitespace or string escapes of the file read, so a reader recomputes it.
+        Raises ValueError for content JSON cannot hold (NaN, unpaired surrogates)."""
 
         def dump(v: Any) -> str:
             return json.dumps(v, ensure_ascii=False, allow_nan=False)
@@ -175,7 +208,16 @@ def now_utc() -> datetime:
 
 
 def parse_manifest(data: bytes | str, *, source: str = MANIFEST_NAME) -> Manifest:
-    """Parse and fully check manifest bytes; raises ManifestError (UnsupportedFormatError) on any problem."""
+    """Parse and fully check manifest bytes; raises ManifestError (UnsupportedFormatError) on any problem.
+
+    Version 2 manifests must carry ``manifest_crc32c``, the CRC-32C of their canonical bytes;
+    version 1 manifests (written before it existed) must not. The checksum is checked last:
+    it guards against corruption, not forgery, so every other check runs on any input first
+    and says precisely what is wrong; a mismatch then catches a change that is still valid.
+    """
+    size = len(data.encode() if isinstance(data, str) else data)
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(too_large(source, size))
     try:
         raw = json.loads(data)
     except (ValueError, RecursionError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -183,18 +225,65 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_NAME) -> Manifes
     if not isinstance(raw, dict):
         raise ManifestError(f"{source}: must hold a JSON object, got {type(raw).__name__}")
     version = raw.get("format_version")
+    del raw
     if isinstance(version, bool) or not isinstance(version, int):
         raise ManifestError(f"{source}: 'format_version' must be an integer, got {version!r}"[:300])
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise UnsupportedFormatError(
-            f"{source}: format_version {version} is not supported by this reader (it reads version {FORMAT_VERSION})"
+            f"{source}: format_version {version} is not supported by this reader (it reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
         )
     try:
         manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         raise ManifestError(f"{source}: does not match the schema: {_short(exc)}") from None
+    seal = manifest.manifest_crc32c
+    if (seal is None) != (version < 2):
+        missing = f"lacks '{CHECKSUM_FIELD}'" if seal is None else f"has '{CHECKSUM_FIELD}', which version 1 lacks"
+        raise ManifestError(f"{source}: format_version {version} {missing}")
+    manifest.manifest_crc32c = None  # checked below; a manifest in memory is not tied to its old bytes
+    manifest.model_fields_set.discard(CHECKSUM_FIELD)
     check_manifest(manifest, source=source)
+    if seal is not None:
+        why = _seal_error(manifest, seal, source)
+        if why is not None:
+            raise ManifestError(why)
     return manifest
+
+
+def seal(data: bytes | str | dict[str, Any]) -> bytes:
+    """Manifest JSON (or its parsed dict) as a version-2 writer writes it: canonical, with a fresh
+    ``manifest_crc32c``. For a manifest changed on purpose (metadata fixed by hand, a test building
+    a hostile checkpoint, whose seal a forger would compute too): only the schema is checked, so
+    content the other checks refuse can be sealed and then refused by them on reading."""
+    text = json.dumps(data) if isinstance(data, dict) else data
+    try:
+        manifest = Manifest.model_validate_json(text)
+    except ValidationError as exc:
+        raise ManifestError(f"cannot seal a manifest that does not match the schema: {_short(exc)}") from None
+    return manifest.model_copy(update={"format_version": FORMAT_VERSION, CHECKSUM_FIELD: None}).to_json()
+
+
+def too_large(source: str, size: int) -> str:
+    """The message for a manifest over :data:`MAX_MANIFEST_BYTES` (readers check before reading it)."""
+    return (
+        f"{source}: {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit for a manifest "
+        "(not a manifest UCP wrote; UCP_MAX_MANIFEST_BYTES raises the limit)"
+    )
+
+
+def _seal_error(manifest: Manifest, seal: int, source: str) -> str | None:
+    """Why ``seal`` is not the CRC-32C of ``manifest``'s canonical bytes, or None."""
+    try:
+        actual = _crc32c.crc32c(manifest.canonical_bytes())
+    except (ValueError, TypeError, RecursionError) as exc:
+        return f"{source}: content cannot be serialized again to check {CHECKSUM_FIELD} ({type(exc).__name__})"
+    if actual != seal:
+        return (
+            f"{source}: checksum mismatch: {CHECKSUM_FIELD} says {seal}, the content's CRC-32C is {actual} "
+            "(the file is corrupt, or was edited by hand)"
+        )
+    return None
 
 
 def _short(exc: ValidationError) -> str:
@@ -225,6 +314,12 @@ def check_manifest(m: Manifest, *, source: str = MANIFEST_NAME) -> None:
     def fail(msg: str) -> ManifestError:
         return ManifestError(f"{source}: {msg}")
 
+    pieces = sum(len(t.pieces) for t in m.tensors.values())
+    for what, n, limit in (("files", len(m.files), MAX_FILES), ("tensors", len(m.tensors), MAX_TENSORS)):
+        if n > limit:
+            raise fail(f"lists {n} {what}, over the limit of {limit}")
+    if pieces > MAX_PIECES:
+        raise fail(f"lists {pieces} pieces, over the limit of {MAX_PIECES}")
     topo = m.topology
     if not (1 <= topo.world_size <= 1 << 24):
         raise fail(f"topology.world_size {topo.world_size} is out of range")
@@ -250,7 +345,7 @@ def check_manifest(m: Manifest, *, source: str = MANIFEST_NAME) -> None:
     for fname, spans in by_file.items():
         spans.sort()
         seen: set[str] = set()
-        for (start, end, name, entry), nxt in zip(spans, spans[1:] + [None]):  # type: ignore[operator]
+        for (start, end, name, entry), nxt in zip(spans, spans[1:] + [None]):
             if entry in seen:
                 raise fail(f"{where(name, fname)}: two pieces of the tensor in one file use header entry {entry!r}")
             seen.add(entry)

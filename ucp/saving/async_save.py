@@ -44,8 +44,8 @@ import torch
 
 from aio import AioConfig
 from ucp.dist import Group, resolve_group
-from ucp.errors import CommitError, NotACheckpointError, UnsupportedStateError
-from ucp.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ucp.errors import CommitError, ManifestError, NotACheckpointError, UnsupportedStateError
+from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, too_large
 from ucp.format.tree import Leaf, encode_state
 from ucp.saving import step_guard
 from ucp.saving.background.handshake import abandon, identity, publish_report
@@ -815,7 +815,10 @@ async def aload(
     manifest_path = os.path.join(checkpoint_dir, MANIFEST_NAME)
     try:
         async with aiofiles.open(manifest_path, "rb") as f:
-            data = await f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:  # checked before reading it whole
+                raise ManifestError(too_large(manifest_path, size))
+            data = await f.read(MAX_MANIFEST_BYTES + 1)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise NotACheckpointError(
             f"{storage.describe(name)} is not a checkpoint: no {MANIFEST_NAME} (not a checkpoint, "

@@ -22,7 +22,7 @@ import crc32c as _crc32c
 
 from aio import AlignedBuffer
 from ucp.errors import CorruptCheckpointError, ManifestError, MissingDataError, NotACheckpointError, where
-from ucp.format.manifest import MANIFEST_NAME, Manifest, Piece, parse_manifest
+from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, Piece, parse_manifest, too_large
 from ucp.format.tree import PAD_PREFIX
 from ucp.store.storage import Storage, open_storage
 
@@ -77,22 +77,30 @@ def _read_manifest_bytes(storage: Storage, rel: str) -> bytes:
     storage.check_contained(rel)  # a manifest linked from outside the checkpoint is not its manifest
     path = storage.local_path(rel)
     if path is None:
+        size = storage.size(rel)
+        if size > MAX_MANIFEST_BYTES:  # refused before it is read whole
+            raise ManifestError(too_large(storage.describe(rel), size))
         return storage.read_small(rel)
     return read_regular_file(path, storage.describe(rel))
 
 
-def read_regular_file(path: str, where: str) -> bytes:
-    """A local file's bytes, refusing anything but a regular file without blocking on it
-    (IsADirectoryError for a directory, ManifestError naming ``where`` for a FIFO, device...)."""
+def read_regular_file(path: str, where: str, *, limit: int | None = None) -> bytes:
+    """A local manifest's bytes, refusing anything but a regular file without blocking on it
+    (IsADirectoryError for a directory, ManifestError naming ``where`` for a FIFO, device...) and
+    a file over ``limit`` bytes (default :data:`MAX_MANIFEST_BYTES`), checked before it is read.
+    At most ``limit + 1`` bytes are read, so a file growing meanwhile is refused by the parser."""
+    limit = MAX_MANIFEST_BYTES if limit is None else limit
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(path)
-        if not stat.S_ISREG(mode):
-            raise ManifestError(f"{where}: is not a regular file ({file_type(mode)})")
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{where}: is not a regular file ({file_type(st.st_mode)})")
+        if st.st_size > limit:
+            raise ManifestError(too_large(where, st.st_size))
         os.set_blocking(fd, True)
-        return f.read()
+        return f.read(limit + 1)
 
 
 def file_type(mode: int) -> str:
@@ -183,7 +191,24 @@ def parse_header(file: str, head: memoryview | bytes, file_size: int) -> tuple[i
         raise CorruptCheckpointError(
             f"{where(file=file, offset=8)}: safetensors header is not a JSON object", file=file, offset=8
         )
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        # safetensors reads it as an optional map of strings to strings and refuses the file otherwise
+        raise CorruptCheckpointError(
+            f"{where(file=file, offset=8)}: safetensors header's '__metadata__' must map strings to strings, "
+            f"got {_describe_json(meta)} (safetensors refuses such a file)",
+            file=file,
+            offset=8,
+        )
     return 8 + n, header
+
+
+def _describe_json(value: Any) -> str:
+    """A short description of a JSON value for messages (never its whole text)."""
+    if isinstance(value, dict):
+        bad = next((k for k, v in value.items() if not isinstance(v, str)), None)
+        return f"key {bad!r} holding {type(value[bad]).__name__}"[:200] if bad is not None else "a map"
+    return f"a JSON {type(value).__name__}"
 
 
 def header_length(file: str, head: memoryview | bytes) -> int:

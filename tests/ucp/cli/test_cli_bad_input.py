@@ -22,6 +22,7 @@ from ucp_helpers import cli_error_line
 import ucp
 from ucp.cli.main import app
 from ucp.cli.verify import VerifyOutput
+from ucp.format.manifest import seal
 from ucp.manager import CheckpointManager
 
 runner = CliRunner()
@@ -167,6 +168,7 @@ def test_verify_damaged_data_file_exit_1_names_file(ckpt: Path, damage, words: s
 
 def test_verify_manifest_offset_edit_names_tensor_and_offset(ckpt: Path) -> None:
     _edit_manifest(ckpt, lambda m: m["tensors"]["model.w"]["pieces"][0].update(offset=4000))
+    (ckpt / "manifest.json").write_bytes(seal((ckpt / "manifest.json").read_bytes()))  # as a forger would
     out = VerifyOutput.model_validate(_strict_json(runner.invoke(app, ["verify", str(ckpt), "--json"]).stdout))
     [p] = out.problems
     assert out.exit_code == 1 and (p.tensor, p.file, p.offset) == ("model.w", "rank-00000.safetensors", 4000)

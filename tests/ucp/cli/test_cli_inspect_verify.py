@@ -67,7 +67,7 @@ def test_inspect_json_describes_everything(ckpt: Path) -> None:
     assert result.exit_code == 0, result.output
     rep = InspectReport.model_validate(json.loads(result.stdout))
     m = ucp.read_manifest(ckpt)
-    assert rep.format_version == 1 and rep.step == 7 and rep.creator == m.creator
+    assert rep.format_version == ucp.FORMAT_VERSION and rep.step == 7 and rep.creator == m.creator
     assert rep.world_size == 2 and rep.mesh == {"dp": 2}
     assert rep.metadata == {"run": "unit", "n": 3}
     tensors = {t.name: t for t in rep.tensors}

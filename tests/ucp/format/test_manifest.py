@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.format.manifest import parse_manifest
+from ucp.format.manifest import parse_manifest, seal
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,7 @@ def valid(tmp_path_factory) -> dict:
             "crc32c": 7,
         },
     ]
+    raw = json.loads(seal(raw))  # edited on purpose: sealed again
     parse_manifest(json.dumps(raw))
     return raw
 
@@ -62,7 +63,7 @@ def test_invalid_json(data):
         parse_manifest(data)
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, -1])
+@pytest.mark.parametrize("version", [0, 3, 99, -1])
 def test_unknown_format_version(valid, version):
     with pytest.raises(ucp.UnsupportedFormatError, match=f"format_version {version}"):
         parse(mutate(valid, lambda r: r.update(format_version=version)))
@@ -76,7 +77,7 @@ def test_format_version_must_be_an_int(valid, version):
 
 def test_version_checked_before_schema():
     with pytest.raises(ucp.UnsupportedFormatError):
-        parse_manifest(json.dumps({"format_version": 2, "something": "new"}))
+        parse_manifest(json.dumps({"format_version": 3, "something": "new"}))
 
 
 def _set_piece(i: int, **kw):

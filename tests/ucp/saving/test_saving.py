@@ -30,7 +30,7 @@ def test_rank_files_are_plain_safetensors_of_the_local_pieces(tmp_path):
         with safe_open(tmp_path / "ck" / f"rank-0000{r}.safetensors", "pt") as f:
             assert same_bytes(f.get_tensor("w"), FULL[r * 4 : (r + 1) * 4].contiguous())
             assert same_bytes(f.get_tensor("f"), FULL.reshape(-1)[r * 16 : (r + 1) * 16].contiguous())
-            assert f.metadata() == {"format": "ucp", "ucp_format_version": "1", "rank": str(r)}
+            assert f.metadata() == {"format": "ucp", "ucp_format_version": str(ucp.FORMAT_VERSION), "rank": str(r)}
 
 
 def test_overlapping_replicas_are_refused(tmp_path):

@@ -131,9 +131,9 @@ def test_invalid_manifest_json(ck):
 
 def test_unknown_format_version_on_disk(ck):
     raw = json.loads((ck / "manifest.json").read_text())
-    raw["format_version"] = 2
+    raw["format_version"] = 3
     (ck / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(ucp.UnsupportedFormatError, match="format_version 2"):
+    with pytest.raises(ucp.UnsupportedFormatError, match="format_version 3"):
         ucp.load(ck)
 
 
