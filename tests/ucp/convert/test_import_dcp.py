@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from dcp_sharded_save_worker import FULL
+from dcp_save_worker import FULL
 from repo_paths import SUPPORT
 from world import run_world
 
@@ -109,7 +109,7 @@ def test_missing_data_file_names_it(tmp_path: Path) -> None:
 
 def test_two_rank_sharded_save(tmp_path: Path) -> None:
     out = tmp_path / "dcp"
-    run_world(SUPPORT / "dcp_sharded_save_worker.py", lambda r: [r, 2, tmp_path / "init", out], 2, timeout=120)
+    run_world(SUPPORT / "dcp_save_worker.py", lambda r: ["rows", r, 2, tmp_path / "init", out], 2, timeout=120)
     convert(out, tmp_path / "ucp")
     manifest = ucp.read_manifest(tmp_path / "ucp")
     boxes = sorted(tuple(p.box.offsets) for p in manifest.tensors["model.w"].pieces)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -24,8 +22,12 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from dcp_save_worker import dcp_mixed_state
+from repo_paths import SUPPORT
 from safetensors.torch import load_file, save_file
 from ucp_helpers import random_tensor, same_bytes, save_ranks
+from world import run_world
+from zarr_checks import array, open_group, ucp_attrs, values
 
 import ucp
 from ucp.convert.exporters import ExportError, export
@@ -177,13 +179,13 @@ def test_zarr_every_dtype_through_plain_zarr(dtype_ckpt, tmp_path: Path) -> None
     for compressor, level in [("zstd", None), ("zstd", 19), ("blosc", 0), ("blosc", 9), ("none", None)]:
         out = tmp_path / f"{compressor}{level}"
         export(path, out, format="zarr", compressor=compressor, level=level, chunk_bytes=10)  # chunks (1, 2): ragged
-        group = zarr.open(str(out), mode="r")
-        assert group.attrs["ucp"]["step"] == 4
+        group = open_group(out, mode="r")
+        assert ucp_attrs(group)["step"] == 4
         for name, t in model.items():
-            arr = group[name]
+            arr = array(group, name)
             base = str(t.dtype).removeprefix("torch.")
             assert arr.attrs["ucp_dtype"] == base and arr.shape == tuple(t.shape), name
-            plain = np.array(arr[...])  # what a reader without ucp gets
+            plain = np.array(values(arr))  # what a reader without ucp gets
             assert plain.dtype == (raw_bits[base] if base in raw_bits else t.numpy().dtype), name
             back = torch.from_numpy(plain).view(t.dtype) if base in raw_bits else torch.from_numpy(plain)
             assert same_bytes(back, t) and same_bytes(read_tensor(arr), t), (compressor, level, name)
@@ -201,7 +203,12 @@ def test_zarr_bad_blosc_level_is_refused_up_front(dtype_ckpt, tmp_path: Path, mo
 
     calls: list[int] = []
     original = stream.read_targets
-    monkeypatch.setattr(stream, "read_targets", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return original(*a, **k)
+
+    monkeypatch.setattr(stream, "read_targets", counted)
     with pytest.raises(ExportError, match="level 10"):
         export(path, tmp_path / "z", format="zarr", compressor="blosc", level=10)
     assert not calls  # "bad values fail before any work"
@@ -219,7 +226,7 @@ def test_odd_names_round_trip_hf_and_zarr(tmp_path: Path) -> None:
     assert set(got) == set(model) and all(same_bytes(got[n], t) for n, t in model.items())
     export(tmp_path / "ck", tmp_path / "z", format="zarr")
     group = zarr.open_group(str(tmp_path / "z"), mode="r")
-    mapping = group.attrs["ucp"]["tensors"]
+    mapping = ucp_attrs(group)["tensors"]
     assert set(mapping) == set(model) and len(set(mapping.values())) == len(model)
     assert all(same_bytes(read_tensor(group[mapping[n]]), t) for n, t in model.items())
 
@@ -290,7 +297,7 @@ def test_zarr_tensor_named_like_the_metadata_file(tmp_path: Path) -> None:
     ucp.save({"model": {"zarr.json": t}}, tmp_path / "ck")
     export(tmp_path / "ck", tmp_path / "z", format="zarr")
     group = zarr.open_group(str(tmp_path / "z"), mode="r")
-    assert same_bytes(read_tensor(group[group.attrs["ucp"]["tensors"]["zarr.json"]]), t)
+    assert same_bytes(read_tensor(group[ucp_attrs(group)["tensors"]["zarr.json"]]), t)
 
 
 # -- import: Hugging Face -------------------------------------------------------------------------
@@ -405,66 +412,16 @@ def test_dcp_bytes_item(tmp_path: Path) -> None:
     assert (blob if isinstance(blob, bytes) else blob.numpy().tobytes()) == b"\x80\x04state"
 
 
-def _dcp_full() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return {
-        "rows": torch.randn(7, 3, generator=g),
-        "cols": torch.randn(4, 5, generator=g).bfloat16(),
-        "tiny": torch.randn(1, 4, generator=g),
-        "rep": torch.randn(3, generator=g),
-    }
-
-
-def _dcp_worker(rank: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        f = _dcp_full()
-        state = {
-            "model": {
-                "rows": distribute_tensor(f["rows"], mesh, [Shard(0)]),  # 4 + 3 rows
-                "cols": distribute_tensor(f["cols"], mesh, [Shard(1)]),  # 3 + 2 columns, bf16
-                "tiny": distribute_tensor(f["tiny"], mesh, [Shard(0)]),  # rank 1's chunk is empty
-                "rep": distribute_tensor(f["rep"], mesh, [Replicate()]),
-            },
-            "optim": {
-                "state": {
-                    "rows": {"exp_avg": distribute_tensor(f["rows"] * 2, mesh, [Shard(0)]), "step": torch.tensor(4.0)}
-                }
-            },
-            "step": 4,
-        }
-        dcp.save(state, checkpoint_id=out)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(120)
 def test_dcp_two_rank_sharded_save_with_optimizer_state(tmp_path: Path) -> None:
     out = tmp_path / "dcp"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(r), str(tmp_path / "init"), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=100)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    run_world(SUPPORT / "dcp_save_worker.py", lambda r: ["mixed", r, 2, tmp_path / "init", out], 2, timeout=100)
     report = convert(out, tmp_path / "ucp")
     assert report.step == 4
     m = ucp.read_manifest(tmp_path / "ucp")
-    assert sorted(tuple(p.box.offsets) for p in m.tensors["model.cols"].pieces) == [(0, 0), (0, 3)]
-    f = _dcp_full()
+    boxes = [p.box for p in m.tensors["model.cols"].pieces]
+    assert None not in boxes and sorted(tuple(b.offsets) for b in boxes if b is not None) == [(0, 0), (0, 3)]
+    f = dcp_mixed_state()
     got = ucp.load(tmp_path / "ucp")
     assert all(same_bytes(got["model"][k], v) for k, v in f.items())
     assert same_bytes(got["optim"]["state"]["rows"]["exp_avg"], f["rows"] * 2)
@@ -532,7 +489,3 @@ def test_universal_import_and_missing_fragment(tmp_path: Path) -> None:
     with pytest.raises(ForeignCheckpointError, match=rf"{missing}' is missing"):
         convert(src, tmp_path / "ucp2")
     assert not (tmp_path / "ucp2").exists()
-
-
-if __name__ == "__main__":
-    _dcp_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
