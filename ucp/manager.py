@@ -101,27 +101,48 @@ def read_latest(root: str | os.PathLike[str]) -> tuple[int, str] | None:
     return None
 
 
-def write_latest(root: str | os.PathLike[str], step: int, name: str) -> None:
-    """Point ``root/latest`` at ``name`` atomically and durably."""
+def write_latest(root: str | os.PathLike[str], step: int, name: str) -> bool:
+    """Point ``root/latest`` at ``name`` atomically and durably, never backwards; False when left as it was.
+
+    Under an exclusive ``flock`` of ``root`` (held by every writer of the pointer), the pointer is
+    left alone when it names a complete checkpoint of a higher step: two managers (or an async
+    writer finishing late) committing steps out of order must not move ``latest`` back from 30 to 29.
+    On failure the temporary file is removed before the error propagates.
+    """
     root = os.fspath(root)
     data = (json.dumps({"step": step, "name": name}) + "\n").encode()
-    for attempt in range(3):
-        tmp = os.path.join(root, f".latest.tmp-{secrets.token_hex(6)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # clean_leftovers leaves a pointer being written alone
-            os.write(fd, data)
-            os.fsync(fd)
+    lock = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = read_latest(root)
+        if current is not None and current[0] > step and looks_complete(os.path.join(root, current[1])):
+            return False
+        for attempt in range(3):
+            tmp = os.path.join(root, f".latest.tmp-{secrets.token_hex(6)}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
-                os.replace(tmp, os.path.join(root, LATEST))
-            except FileNotFoundError:  # a cleaner removed it between its creation and our lock: again
-                if attempt == 2:
-                    raise
-                continue
-        finally:
-            os.close(fd)
-        fsync_dir(root)
-        return
+                fcntl.flock(fd, fcntl.LOCK_EX)  # clean_leftovers leaves a pointer being written alone
+                os.write(fd, data)
+                os.fsync(fd)
+                try:
+                    os.replace(tmp, os.path.join(root, LATEST))
+                except FileNotFoundError:  # a cleaner removed it between its creation and our lock: again
+                    if attempt == 2:
+                        raise
+                    continue
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            finally:
+                os.close(fd)
+            fsync_dir(root)
+            return True
+        return False  # unreachable: the last attempt returns or raises
+    finally:
+        os.close(lock)
 
 
 # -- looking at a root ---------------------------------------------------------------------------
@@ -243,13 +264,15 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
 
 
 def resume_choice(infos: list[CheckpointInfo]) -> CheckpointInfo | None:
-    """What a resume loads among ``list_checkpoints``' entries: the one ``latest`` names (marked only
-    when complete), else the newest complete one, else None."""
-    named = next((i for i in infos if i.latest), None)
-    if named is not None:
-        return named
+    """What a resume loads among ``list_checkpoints``' entries: the newest complete one, which is the one
+    ``latest`` names unless the pointer is missing, stale or older (a pointer write that failed after a
+    commit, or an old writer); None when nothing is complete."""
     complete = [i for i in infos if i.status == "complete"]
-    return max(complete, key=lambda i: i.step) if complete else None
+    if not complete:
+        return None
+    newest = max(complete, key=lambda i: i.step)
+    named = next((i for i in complete if i.latest), None)
+    return named if named is not None and named.step >= newest.step else newest
 
 
 def _remove_unlocked(path: str) -> bool:
@@ -333,8 +356,16 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int, *, protect: se
 
 
 def after_commit(root: str, step: int, name: str, keep_last: int | None) -> None:
-    """What follows a committed save: move ``latest``, apply retention (rank 0; the async writer calls it too)."""
-    write_latest(root, step, name)
+    """What follows a committed save: move ``latest``, apply retention (rank 0; the async writer calls it too).
+
+    The checkpoint is complete already, so a pointer that cannot be written is a warning, not a
+    failed save: readers resolve "latest" from the complete checkpoints when the pointer is missing
+    or older (:func:`resume_choice`, :meth:`CheckpointManager.latest`).
+    """
+    try:
+        write_latest(root, step, name)
+    except OSError as exc:
+        log.warning("%s is saved, but %s could not be updated: %s", os.path.join(root, name), LATEST, exc)
     if keep_last is not None:
         apply_retention(root, keep_last, protect={name})
 
@@ -471,10 +502,8 @@ class CheckpointManager:
         return list_checkpoints(self.root)
 
     def latest(self) -> int | None:
-        """The step ``latest`` names if that checkpoint is complete, else the newest complete one, else None."""
-        pointer = read_latest(self.root)
-        if pointer is not None and check_complete(os.path.join(self.root, pointer[1]))[0] == "complete":
-            return pointer[0]
+        """The newest complete checkpoint's step (the one ``latest`` names unless that pointer is missing,
+        stale or older), else None."""
         info = resume_choice(self.list())
         return info.step if info is not None else None
 
@@ -490,9 +519,9 @@ class CheckpointManager:
         else:
             candidates = []
             pointer = read_latest(self.root)
-            if pointer is not None:
-                candidates.append(pointer[0])
             complete = sorted((i.step for i in self.list() if i.status == "complete"), reverse=True)
+            if pointer is not None and pointer[0] >= (complete[0] if complete else -1):
+                candidates.append(pointer[0])  # an older pointer is not "the latest" (see resume_choice)
             candidates += [s for s in complete if s not in candidates]
         if not candidates:
             raise NotACheckpointError(f"no checkpoint under {self.root}")

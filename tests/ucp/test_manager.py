@@ -55,13 +55,14 @@ def test_retention_never_deletes_latest(tmp_path):
     m = CheckpointManager(tmp_path, keep_last=1)
     m.save(state_at(50), 50)
     m.save(state_at(5), 5)  # a lower step saved last (e.g. a restart from an older checkpoint)
-    assert m.latest() == 5
-    assert statuses(tmp_path) == {"step-00000005": "complete"}  # the one kept is latest's, not the highest step
+    assert m.latest() == 50  # latest never moves back past a complete newer checkpoint
+    # neither latest's checkpoint nor the one just saved is deleted, whatever keep_last says
+    assert statuses(tmp_path) == {"step-00000005": "complete", "step-00000050": "complete"}
     m2 = CheckpointManager(tmp_path, keep_last=2)
     m2.save(state_at(70), 70)
     m2.save(state_at(7), 7)
     assert statuses(tmp_path) == {"step-00000007": "complete", "step-00000070": "complete"}
-    assert m2.latest() == 7
+    assert m2.latest() == 70
 
 
 def test_load_falls_back_to_the_newest_complete_checkpoint(tmp_path):
