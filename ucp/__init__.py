@@ -10,6 +10,8 @@
 The format is specified in docs/format.md.
 """
 
+# ruff: noqa: F401 - the TYPE_CHECKING imports are for static tools; __all__ is derived from _EXPORTS
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -59,7 +61,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "verify": ("loading.verify", "verify"),
 }
 
-if TYPE_CHECKING:  # what static tools and IDEs see
+if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from the same places
     from ucp.errors import (
         BenchError,
         CheckpointError,
@@ -89,45 +91,9 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from ucp.saving.sync_save import save
     from ucp.store.reader import read_checkpoint_manifest as read_manifest
 
-__all__ = [
-    "SnapshotAborted",
-    "CowUnavailable",
-    "ForeignCheckpointError",
-    "UnknownFormatError",
-    "UnsafePickleError",
-    "ExportError",
-    "BenchError",
-    "RawToolError",
-    "AsyncSaver",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointManager",
-    "CommitError",
-    "CorruptCheckpointError",
-    "FORMAT_VERSION",
-    "FlatShard",
-    "LayoutMismatchError",
-    "Manifest",
-    "ManifestError",
-    "MissingDataError",
-    "NotACheckpointError",
-    "Problem",
-    "SaveHandle",
-    "ShardedTensor",
-    "Shards",
-    "SnapshotChangedError",
-    "UnsupportedFormatError",
-    "UnsupportedStateError",
-    "VerifyReport",
-    "aload",
-    "asave",
-    "async_save",
-    "load",
-    "parse_manifest",
-    "read_manifest",
-    "save",
-    "verify",
-]
+# The public face is listed once, in _EXPORTS; the TYPE_CHECKING imports above mirror it for static
+# tools (tests/ucp/test_public_exports.py keeps the two equal).
+__all__ = sorted(_EXPORTS)
 
 
 if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve on first use
