@@ -9,6 +9,7 @@ a world that hangs is killed, never left behind.
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -76,10 +77,8 @@ def run_world(
     return wait_world(start_world(script, args, world, env), timeout, allowed_rc)
 
 
-def init_gloo(init_file: str | Path, rank: int, world: int, **options: object) -> None:
+def init_gloo(init_file: str | Path, rank: int, world: int, timeout: datetime.timedelta | None = None) -> None:
     """In a rank: join the world through ``init_file`` (a fresh path shared by the ranks)."""
     import torch.distributed as dist
 
-    dist.init_process_group(  # type: ignore[arg-type]
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, **options
-    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
