@@ -272,7 +272,7 @@ def region_boxes(region: Region, shape: Sequence[int]) -> list[Box]:
 # past this many it falls back to a sweep. Naming two overlapping pieces compares at most
 # OVERLAP_BUDGET pairs, so a hostile piece list costs seconds, not hours.
 CORNER_BUDGET = 1 << 22
-OVERLAP_BUDGET = 1 << 22
+OVERLAP_BUDGET = 1 << 20
 
 
 def check_exact_cover(
@@ -314,6 +314,8 @@ def check_exact_cover(
         return f"pieces cover {covered} of {total} elements"
     if overlap is None:  # no overlap and every element's count: an exact cover (known now if _tiles could not say)
         return None
+    if exact is None:
+        return f"{len(regions)} pieces split too many dimensions to check that they cover the tensor exactly once"
     return f"pieces overlap: {len(regions)} pieces hold {covered} elements but not each of the {total} once"
 
 
