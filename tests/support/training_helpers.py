@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from world import run_world as run_ranks
 
 from reshard import Box, FlatRange, Mesh, check_exact_cover
 from reshard.names import name_matches
@@ -53,28 +51,7 @@ def run_world(world: int, scenarios: list[dict], out: Path, timeout: float = 120
     spec.write_text(json.dumps(scenarios))
     init = out / "init"
     init.unlink(missing_ok=True)  # a stale rendezvous file would hang the file:// store
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(init), str(out), str(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            o, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(o)
-    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r} ---\n{o[-4000:]}" for r, o in failed)
+    run_ranks(WORKER, lambda r: [r, world, init, out, spec], world, timeout=timeout)
 
 
 @dataclass

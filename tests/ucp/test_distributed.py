@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from repo_paths import SUPPORT
 from ucp_helpers import same_bytes
+from world import run_world
 
 import ucp
 
 WORKER = SUPPORT / "ucp_dist_worker.py"
 
 
-def run_world(scenario: str, world: int, ck: Path, tmp: Path) -> None:
+def run_scenario(scenario: str, world: int, ck: Path, tmp: Path) -> None:
+    """Run one scenario of tests/support/ucp_dist_worker.py on ``world`` ranks."""
     init = tmp / f"init-{scenario}-{world}"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(r), str(world), str(init), str(ck)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out)
-    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r} ---\n{o[-3000:]}" for r, o in failed)
+    run_world(WORKER, lambda r: [scenario, r, world, init, ck], world, timeout=180)
 
 
 @pytest.mark.timeout(400)
@@ -48,11 +26,11 @@ def test_two_rank_save_then_four_rank_load_and_save(tmp_path):
     """2 ranks save (and check that one failing rank fails them all); 4 ranks load it re-sharded and save."""
     ck = tmp_path / "ck"
     ck.mkdir()
-    run_world("save2,fail_one", 2, ck, tmp_path)
+    run_scenario("save2,fail_one", 2, ck, tmp_path)
     m = ucp.read_manifest(ck / "two")
     assert m.topology.mesh == {"dp": 2} and m.metadata == {"who": "test"}
     assert {f.rank for f in m.files.values()} == {0, 1}
-    run_world("load4", 4, ck, tmp_path)
+    run_scenario("load4", 4, ck, tmp_path)
     # the 4-rank checkpoint back in this single process, into one full tensor
     from ucp_dist_worker import M, Z  # same seeds
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from repo_paths import SUPPORT
 from safetensors import safe_open
 from safetensors.torch import load_file
 from ucp_helpers import random_tensor, same_bytes, save_ranks
+from world import run_world
 
 import ucp
 import ucp.convert.exporters.stream as stream
@@ -196,19 +195,7 @@ def test_multi_rank_sharded_checkpoint_is_consolidated(tmp_path: Path) -> None:
 def test_two_process_gloo_checkpoint_exports(tmp_path: Path) -> None:
     """A checkpoint written by 2 real processes (tests/support/ucp_dist_worker.py, scenario save2)."""
     worker = SUPPORT / "ucp_dist_worker.py"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), "save2", str(r), "2", str(tmp_path / "init"), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+    run_world(worker, lambda r: ["save2", r, 2, tmp_path / "init", tmp_path], 2, timeout=240)
     from ucp_dist_worker import F, R, S, V, W
 
     export(tmp_path / "two", tmp_path / "hf", section="all", max_shard_size=300)
