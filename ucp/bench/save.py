@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 from aio import AioConfig
 from aio.config import GIB, MIB
 from aio.prefetch import available_memory
+from aio.sizes import format_size
 from aio.tune import drop_page_cache
 from aio.workdir import WorkDir
 from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
@@ -854,12 +855,6 @@ def _gbps(p: Phase, rounds: int) -> str:
     return f"{p.gbps:.2f} ({p.min_gbps:.2f}-{p.max_gbps:.2f})" if rounds > 1 else f"{p.gbps:.2f}"
 
 
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / MIB:.1f} MiB"
-
-
 def _headers(result: BenchSaveResult) -> list[str]:
     raw = result.raw_tool or "fio"
     spread = " (min-max)" if result.rounds > 1 else ""
@@ -895,7 +890,7 @@ def _row(m: MethodResult, rounds: int) -> list[str]:
         _x(m.load_vs_torch),
         _x(m.save_vs_dcp),
         _x(m.load_vs_dcp),
-        _size(m.bytes_on_disk),
+        "-" if m.bytes_on_disk is None else format_size(m.bytes_on_disk),
         {True: "ok", False: "WRONG", None: "n/a"}[m.verified],
     ]
 

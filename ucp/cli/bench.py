@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
+from aio.sizes import SIZE_HELP
 from ucp.bench.common import MAX_SIZE_GIB
 from ucp.cli.common import command_line, err, fail, load_aio_config, out, progress_bar, split_csv
 
@@ -58,7 +59,7 @@ def bench_io(
         typer.Option("--aio-config", help="JSON aio config (e.g. `ucp tune --output` or a DeepSpeed config)."),
     ] = None,
     block_size: Annotated[
-        Optional[str], typer.Option("--block-size", help="Override the aio block size, e.g. 8M.")
+        Optional[str], typer.Option("--block-size", help=f"Override the aio block size, e.g. 8MiB ({SIZE_HELP}).")
     ] = None,
     queue_depth: Annotated[
         Optional[int], typer.Option("--queue-depth", min=1, help="Override the aio queue depth.")
@@ -82,7 +83,7 @@ def bench_io(
 
     Methods run interleaved round by round; reads are cold; the data read back is checked.
     """
-    from aio.tune import parse_size
+    from aio.sizes import parse_size
     from ucp.bench.io import METHOD_CHOICES, BenchIoOptions, run_bench_io
     from ucp.bench.report import print_table
 
@@ -90,7 +91,7 @@ def bench_io(
     overrides: dict[str, object] = {}
     try:
         if block_size is not None:
-            overrides["block_size"] = parse_size(block_size)
+            overrides["block_size"] = parse_size(block_size, what="--block-size")
         if queue_depth is not None:
             overrides["queue_depth"] = queue_depth
         if threads is not None:

@@ -23,7 +23,8 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from ucp.cli.common import command_line, out, parse_size, prefetching, progress_bar, source_reads_start
+from aio.sizes import SIZE_HELP, parse_size
+from ucp.cli.common import command_line, out, prefetching, progress_bar, source_reads_start
 from ucp.cli.inspect import _one_line, bad_input
 
 EXIT_PROBLEMS = 1  # --verify found problems in what was written (bad input: 2, inspect.bad_input)
@@ -51,16 +52,18 @@ def reshape_cmd(
         ),
     ] = None,
     memory_budget: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--memory-budget",
             help=(
                 "Bytes of data buffers (batches read and written, their read staging) held at once; at least 1 MiB "
                 "(a small budget writes fewer files at once). Pieces larger than a batch are read and written part by "
-                "part, so large tensors do not raise the peak (docs/architecture.md)."
+                "part, so large tensors do not raise the peak (docs/architecture.md). "
+                f"Default: reshape()'s DEFAULT_MEMORY_BUDGET, 384 MiB. Sizes: {SIZE_HELP}."
             ),
+            show_default=False,
         ),
-    ] = "512MiB",
+    ] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Target files written in parallel.")] = 2,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it is a checkpoint.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Read DST back and check every CRC.")] = False,
@@ -68,12 +71,17 @@ def reshape_cmd(
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
     from reshard import LayoutError
-    from ucp.convert.reshape import MIN_MEMORY_BUDGET
+    from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
     from ucp.errors import CheckpointError
 
-    budget = parse_size(memory_budget, "--memory-budget")
-    if budget < MIN_MEMORY_BUDGET:
-        raise bad_input(f"--memory-budget {memory_budget}: the memory budget must be at least 1 MiB")
+    try:
+        budget = (
+            DEFAULT_MEMORY_BUDGET
+            if memory_budget is None
+            else parse_size(memory_budget, what="--memory-budget", minimum=MIN_MEMORY_BUDGET)
+        )
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
     try:
         target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
         with prefetching(src):

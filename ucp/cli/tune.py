@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from aio.sizes import SIZE_HELP
 from ucp.bench.common import MAX_SIZE_GIB
 from ucp.cli.common import fail, load_aio_config, out, progress_bar, split_csv
 
@@ -30,7 +31,9 @@ def tune(
         bool, typer.Option("--quick", help="A smaller grid: block 1M/8M, queue depth 8/32, 4 threads.")
     ] = False,
     engines: Annotated[Optional[str], typer.Option("--engines", help="Comma list: libaio, threads.")] = None,
-    block_sizes: Annotated[Optional[str], typer.Option("--block-sizes", help="Comma list, e.g. 1M,4M,8M,16M.")] = None,
+    block_sizes: Annotated[
+        Optional[str], typer.Option("--block-sizes", help=f"Comma list, e.g. 1MiB,4MiB,8MiB,16MiB ({SIZE_HELP}).")
+    ] = None,
     queue_depths: Annotated[Optional[str], typer.Option("--queue-depths", help="Comma list, e.g. 8,32.")] = None,
     thread_counts: Annotated[
         Optional[str], typer.Option("--threads", help="Comma list for the threads engine, e.g. 4,8.")
@@ -53,7 +56,8 @@ def tune(
     total time wins. The output's [bold]deepspeed.aio[/bold] section drops into a DeepSpeed config.
     """
     from aio.config import GIB
-    from aio.tune import TuneGrid, parse_size, run_tune
+    from aio.sizes import parse_size
+    from aio.tune import TuneGrid, run_tune
 
     if not 0 < size_gib <= MAX_SIZE_GIB:  # also refuses nan
         raise fail(f"--size-gib must be a number of GiB up to {MAX_SIZE_GIB:.0f}, got {size_gib}")
@@ -67,7 +71,7 @@ def tune(
         if engines:
             update["engines"] = split_csv(engines)
         if block_sizes:
-            update["block_sizes"] = [parse_size(s) for s in split_csv(block_sizes) or []]
+            update["block_sizes"] = [parse_size(s, what="--block-sizes") for s in split_csv(block_sizes) or []]
         if queue_depths:
             update["queue_depths"] = [int(s) for s in split_csv(queue_depths) or []]
         if thread_counts:
@@ -116,7 +120,8 @@ def _check_writable(output: Path) -> None:
 def _print_trials(result) -> None:  # result: aio.tune.TuneResult
     from rich.table import Table
 
-    from aio.tune import describe, format_size
+    from aio.sizes import format_size
+    from aio.tune import describe
 
     table = Table(title=f"ucp tune: {result.size_bytes / 2**30:g} GiB on {result.directory}", title_justify="left")
     for col in ("rank", "config", "write GB/s", "read GB/s", "write+read s"):

@@ -76,6 +76,7 @@ class ReshapeReport(BaseModel):
     tensors: int
     bytes_written: int
     seconds: float
+    memory_budget: int  # bytes of data buffers it was allowed to hold
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ def reshape(
         tensors=len(new.tensors),
         bytes_written=sum(p.file_size for p in plans),
         seconds=time.perf_counter() - started,
+        memory_budget=memory_budget,
     )
 
 
