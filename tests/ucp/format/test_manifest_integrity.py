@@ -12,11 +12,13 @@ from pathlib import Path
 import crc32c
 import pytest
 import torch
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import ucp
 import ucp.format.manifest as manifest_mod
 from ucp.cli.main import app
+from ucp.convert.importers import convert
 from ucp.convert.reshape import reshape
 from ucp.format.manifest import CHECKSUM_FIELD, MAX_MANIFEST_BYTES, parse_manifest, seal
 from ucp.manager import check_complete, looks_complete
@@ -41,7 +43,9 @@ def test_every_save_path_writes_a_sealed_version_2_manifest(tmp_path: Path) -> N
     ucp.save(_state(), tmp_path / "sync")
     async_save(_state(), tmp_path / "async").result()
     reshape(tmp_path / "sync", tmp_path / "reshaped")
-    for name in ("sync", "async", "reshaped"):
+    save_file({"w": torch.ones(3, 2)}, str(tmp_path / "model.safetensors"))
+    convert(tmp_path / "model.safetensors", tmp_path / "imported")
+    for name in ("sync", "async", "reshaped", "imported"):
         data = (tmp_path / name / "manifest.json").read_bytes()
         raw = json.loads(data)
         assert raw["format_version"] == ucp.FORMAT_VERSION == 2
