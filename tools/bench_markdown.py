@@ -11,13 +11,11 @@ and the exact command to stdout.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
-from ucp.bench.io import BenchIoResult
-from ucp.bench.report import to_markdown as io_markdown
-from ucp.bench.save import BenchSaveResult
-from ucp.bench.save import to_markdown as save_markdown
+from ucp.bench.report import BenchReport, to_markdown
 
 
 def main(argv: list[str]) -> int:
@@ -30,10 +28,7 @@ def main(argv: list[str]) -> int:
     )
     if proc.returncode != 0:
         return proc.returncode
-    if bench == "io":
-        print(io_markdown(BenchIoResult.model_validate_json(proc.stdout)), end="")
-    else:
-        print(save_markdown(BenchSaveResult.model_validate_json(proc.stdout)), end="")
+    print(to_markdown(BenchReport.model_validate(json.loads(proc.stdout)["report"])), end="")
     return 0
 
 

@@ -445,10 +445,10 @@ def test_bench_io_units_agree_across_json_table_and_markdown(disk_dir: Path) -> 
     cpu = [s.write_cpu_s * 2**30 / res.size_bytes for s in m.samples]
     assert m.write_cpu_s_per_gib == pytest.approx(sum(cpu) / 2)  # CPU s per GiB (2^30 B)
     cell = f"{m.write_gbps:.2f} ({rates[0]:.2f}-{rates[1]:.2f})"
-    md = to_markdown(res)
-    assert cell in md and "write GB/s (min-max)" in md and "1 MiB per file" in md
+    md = to_markdown(res.report())
+    assert cell in md and "GB/s (min-max)" in md and "1 MiB per file" in md
     console = Console(width=400, record=True)
-    print_table(res, console)
+    print_table(res.report(), console)
     assert cell in console.export_text()
     assert res.units["gbps"].startswith("10^9 bytes")
     assert res.cold_reads is True and m.verified is True

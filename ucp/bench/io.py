@@ -24,11 +24,13 @@ from pydantic import BaseModel, Field
 
 from aio import AioConfig, AlignedBuffer, libaio_status
 from aio.config import GIB, MIB
+from aio.sizes import format_size
 from aio.tune import drop_page_cache, fill_random
 from aio.workdir import WorkDir
 from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, fio_switched_off
 from ucp.bench.methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
 from ucp.bench.raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
+from ucp.bench.report import BenchReport, ReportCheck, ReportRow, source_commit
 
 METHOD_CHOICES = ("raw", "libaio", "threads", "torch", "safetensors")
 
@@ -123,6 +125,79 @@ class BenchIoResult(BaseModel):
 
     def method(self, name: str) -> MethodResult | None:
         return next((m for m in self.methods if m.name == name), None)
+
+    def report(self) -> BenchReport:
+        """This run as the one report model (ucp.bench.report): a write and a read row per method."""
+        rows: list[ReportRow] = []
+        for m in self.methods:
+            for op, gbps, cpu, vs_raw, vs_torch, seconds in (
+                (
+                    "write",
+                    m.write_gbps,
+                    m.write_cpu_s_per_gib,
+                    m.write_vs_raw,
+                    m.write_vs_torch,
+                    [s.write_s for s in m.samples],
+                ),
+                (
+                    "read",
+                    m.read_gbps,
+                    m.read_cpu_s_per_gib,
+                    m.read_vs_raw,
+                    m.read_vs_torch,
+                    [s.read_s for s in m.samples],
+                ),
+            ):
+                rates = [self.size_bytes / s / 1e9 for s in seconds if s > 0]
+                rows.append(
+                    ReportRow(
+                        name=m.name,
+                        method=m.label,
+                        op=op,
+                        bytes=self.size_bytes,
+                        seconds=statistics.median(seconds) if seconds else 0.0,
+                        gbps=gbps,
+                        min_gbps=min(rates) if len(rates) > 1 else None,
+                        max_gbps=max(rates) if len(rates) > 1 else None,
+                        cpu_s_per_gib=cpu,
+                        vs_device=vs_raw,
+                        vs_peers={"torch": vs_torch},
+                        verified=m.verified,
+                    )
+                )
+        env = self.environment
+        notes = [
+            f"{format_size(self.size_bytes)} per file, {self.rounds} round(s) interleaved, medians; "
+            f"dir {self.directory} ({env.get('filesystem', '?')})",
+            f"device limit: {self.raw_note}",
+            f"cold reads: {'yes' if self.cold_reads else 'NO'} ({self.cold_note})",
+        ]
+        if not self.direct_io:
+            notes.append("O_DIRECT is refused on this file system: every method went through the page cache")
+        notes += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        notes.append(machine_line(env))
+        return BenchReport(
+            bench="ucp bench io",
+            date=self.started_at,
+            commit=env.get("commit"),
+            command=self.command,
+            device=self.raw_tool,
+            peers=["torch"],
+            rows=rows,
+            notes=notes,
+            checks=[
+                ReportCheck(description=c.description, method=c.method, ratio=c.ratio, passed=c.passed)
+                for c in self.checks
+            ],
+        )
+
+
+def machine_line(env: dict[str, Any]) -> str:
+    """The machine and library versions of a run, for a report's notes."""
+    return (
+        f"machine: {env.get('cpus')} CPUs, {env.get('memory_gib')} GiB RAM, Linux {env.get('kernel')}; "
+        f"python {env.get('python')}, torch {env.get('torch')}, safetensors {env.get('safetensors')}"
+    )
 
 
 ProgressFn = Callable[[int, int, str], None]  # (steps done, total steps, what runs next)
@@ -384,6 +459,7 @@ def _environment(workdir: Path) -> dict[str, Any]:
             "kernel": platform.release(),
             "cpus": os.cpu_count(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1),
+            "commit": source_commit(),
         }
     )
     return env

@@ -31,12 +31,12 @@ from pydantic import BaseModel, Field
 from aio import AioConfig
 from aio.config import GIB, MIB
 from aio.prefetch import available_memory
-from aio.sizes import format_size
 from aio.tune import drop_page_cache
 from aio.workdir import WorkDir
 from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
-from ucp.bench.io import _environment
+from ucp.bench.io import _environment, machine_line
 from ucp.bench.raw import Dd, Fio, RawTool, direct_io_supported, fio_available
+from ucp.bench.report import BenchReport, ReportCheck, ReportRow
 from ucp.bench.save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
 
 METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
@@ -221,6 +221,47 @@ class BenchSaveResult(BaseModel):
 
     def method(self, name: str, ranks: int | None) -> MethodResult | None:
         return next((m for m in self.methods if m.name == name and m.ranks == ranks), None)
+
+    def report(self) -> BenchReport:
+        """This run as the one report model (ucp.bench.report): a save and a load row per method and world size."""
+        rows: list[ReportRow] = []
+        for m in self.methods:
+            for op, phase, vs_raw, vs_torch, vs_dcp in (
+                ("save", m.save, m.save_vs_raw, m.save_vs_torch, m.save_vs_dcp),
+                ("load", m.load, m.load_vs_raw, m.load_vs_torch, m.load_vs_dcp),
+            ):
+                rows.append(
+                    ReportRow(
+                        name=m.name,
+                        method=m.label,
+                        ranks=m.ranks,
+                        op=op,
+                        bytes=self.state.bytes,
+                        seconds=phase.seconds,
+                        gbps=phase.gbps,
+                        min_gbps=phase.min_gbps if self.rounds > 1 else None,
+                        max_gbps=phase.max_gbps if self.rounds > 1 else None,
+                        cpu_s_per_gib=phase.cpu_s_per_gib,
+                        vs_device=vs_raw,
+                        vs_peers={"torch": vs_torch, "DCP": vs_dcp},
+                        bytes_on_disk=m.bytes_on_disk,
+                        verified=m.verified,
+                    )
+                )
+        return BenchReport(
+            bench="ucp bench save",
+            date=self.started_at,
+            commit=self.environment.get("commit"),
+            command=self.command,
+            device=self.raw_tool,
+            peers=["torch", "DCP"],
+            rows=rows,
+            notes=[*(_async_line(a) for a in self.async_save), *notes(self), machine_line(self.environment)],
+            checks=[
+                ReportCheck(description=c.description, method=c.method, ratio=c.ratio, passed=c.passed)
+                for c in self.checks
+            ],
+        )
 
 
 # -- the ranks ------------------------------------------------------------------------------------
@@ -840,59 +881,11 @@ def _checks(methods: list[MethodResult], asyncs: list[AsyncResult], ranks: list[
     return checks
 
 
-# -- rendering ------------------------------------------------------------------------------------
+# -- the report ---------------------------------------------------------------------------------
 
 
 def _num(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
-
-
-def _x(x: float | None) -> str:
-    return _num(x, "{:.2f}x")
-
-
-def _gbps(p: Phase, rounds: int) -> str:
-    return f"{p.gbps:.2f} ({p.min_gbps:.2f}-{p.max_gbps:.2f})" if rounds > 1 else f"{p.gbps:.2f}"
-
-
-def _headers(result: BenchSaveResult) -> list[str]:
-    raw = result.raw_tool or "fio"
-    spread = " (min-max)" if result.rounds > 1 else ""
-    return [
-        "method",
-        "ranks",
-        f"save GB/s{spread}",
-        f"load GB/s{spread}",
-        "save CPU s/GiB",
-        "load CPU s/GiB",
-        f"save vs {raw}",
-        f"load vs {raw}",
-        "save vs torch",
-        "load vs torch",
-        "save vs DCP",
-        "load vs DCP",
-        "on disk",
-        "data",
-    ]
-
-
-def _row(m: MethodResult, rounds: int) -> list[str]:
-    return [
-        m.label,
-        "-" if m.ranks is None else str(m.ranks),
-        _gbps(m.save, rounds),
-        _gbps(m.load, rounds),
-        _num(m.save.cpu_s_per_gib),
-        _num(m.load.cpu_s_per_gib),
-        _x(m.save_vs_raw),
-        _x(m.load_vs_raw),
-        _x(m.save_vs_torch),
-        _x(m.load_vs_torch),
-        _x(m.save_vs_dcp),
-        _x(m.load_vs_dcp),
-        "-" if m.bytes_on_disk is None else format_size(m.bytes_on_disk),
-        {True: "ok", False: "WRONG", None: "n/a"}[m.verified],
-    ]
 
 
 def _async_line(a: AsyncResult) -> str:
@@ -909,12 +902,6 @@ def _async_line(a: AsyncResult) -> str:
         f"ucp.save {_num(a.sync_save_s)} s; "
         f"stall/sync {_num(a.stall_vs_sync, '{:.3f}')}{first}"
     )
-
-
-def _check_line(c: Check) -> str:
-    mark = {True: "PASS", False: "FAIL", None: "n/a "}[c.passed]
-    got = "not measured" if c.ratio is None else f"{c.ratio:.2f}x ({c.method})"
-    return f"{mark}  {c.description}: {got}"
 
 
 def notes(result: BenchSaveResult) -> list[str]:
@@ -934,55 +921,3 @@ def notes(result: BenchSaveResult) -> list[str]:
     for name, why in result.skipped.items():
         lines.append(f"skipped {name}: {why}")
     return lines
-
-
-def render_table(result: BenchSaveResult) -> Any:
-    """Two rich tables (throughput; ratios), the async stall, notes and the must-hold checks."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    headers, rows = _headers(result), [_row(m, result.rounds) for m in result.methods]
-    parts: list[Any] = []
-    for title, cols in (
-        ("ucp bench save", [0, 1, 2, 3, 4, 5, 12, 13]),
-        ("ratios (same run)", [0, 1, 6, 7, 8, 9, 10, 11]),
-    ):
-        table = Table(title=title, title_justify="left")
-        for i in cols:
-            table.add_column(headers[i], justify="left" if i == 0 else "right", no_wrap=i == 0)
-        for row in rows:
-            table.add_row(*(row[i] for i in cols))
-        parts.append(table)
-    parts += [Text(_async_line(a)) for a in result.async_save]
-    parts += [Text(line, style="dim") for line in notes(result)]
-    parts.append(Text("must hold (informational):", style="bold"))
-    for c in result.checks:
-        parts.append(Text("  " + _check_line(c), style={True: "green", False: "red", None: "yellow"}[c.passed]))
-    return Group(*parts)
-
-
-def print_table(result: BenchSaveResult, console: Any = None) -> None:
-    from rich.console import Console
-
-    (console or Console()).print(render_table(result))
-
-
-def to_markdown(result: BenchSaveResult) -> str:
-    """A markdown table, notes, checks and the exact command, for docs/benchmarks.md."""
-    headers = _headers(result)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
-    lines += ["| " + " | ".join(_row(m, result.rounds)) + " |" for m in result.methods]
-    lines.append("")
-    lines += [f"- {_async_line(a)}" for a in result.async_save]
-    lines += [f"- {line}" for line in notes(result)]
-    env = result.environment
-    lines.append(
-        f"- machine: {env.get('cpus')} CPUs, {env.get('memory_gib')} GiB RAM, Linux {env.get('kernel')}; "
-        f"python {env.get('python')}, torch {env.get('torch')}, safetensors {env.get('safetensors')}"
-    )
-    lines.append("- must hold (informational):")
-    lines += [f"  - {_check_line(c)}" for c in result.checks]
-    if result.command:
-        lines += ["", "Command:", "", "```", result.command, "```"]
-    return "\n".join(lines) + "\n"

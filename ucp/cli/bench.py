@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -85,7 +86,6 @@ def bench_io(
     """
     from aio.sizes import parse_size
     from ucp.bench.io import METHOD_CHOICES, BenchIoOptions, run_bench_io
-    from ucp.bench.report import print_table
 
     cfg = load_aio_config(aio_config)
     overrides: dict[str, object] = {}
@@ -110,7 +110,7 @@ def bench_io(
     except ValueError as exc:
         raise fail(str(exc)) from exc
 
-    _run_and_report("bench io", run_bench_io, options, print_table, json_output=json_output, rounds=rounds)
+    _run_and_report("bench io", run_bench_io, options, json_output=json_output, rounds=rounds)
 
 
 @bench_app.command("save")
@@ -181,7 +181,7 @@ def bench_save(
 
     Also times ucp.async_save's stall and runs fio (the device limit), interleaved round by round; loads are cold and bit-exact checked.
     """
-    from ucp.bench.save import METHOD_CHOICES, BenchSaveOptions, print_table, run_bench_save
+    from ucp.bench.save import METHOD_CHOICES, BenchSaveOptions, run_bench_save
 
     try:
         world_sizes = [int(x) for x in split_csv(ranks) or []]
@@ -201,13 +201,16 @@ def bench_save(
     except ValueError as exc:
         raise fail(str(exc)) from exc
 
-    _run_and_report("bench save", run_bench_save, options, print_table, json_output=json_output, rounds=rounds)
+    _run_and_report("bench save", run_bench_save, options, json_output=json_output, rounds=rounds)
 
 
-def _run_and_report(title: str, run: Any, options: Any, print_table: Any, *, json_output: bool, rounds: int) -> None:
-    """Run a benchmark under a progress bar; print its JSON or its table (errors exit 1 with one line)."""
+def _run_and_report(title: str, run: Any, options: Any, *, json_output: bool, rounds: int) -> None:
+    """Run a benchmark under a progress bar; print its JSON or its report's table (errors exit 1 with one line).
+
+    The JSON is the bench's detailed result with its report (ucp.bench.report.BenchReport) under ``report``."""
     from ucp.bench.common import BenchError, BenchWarning
     from ucp.bench.raw import RawToolError
+    from ucp.bench.report import print_table
 
     show_warning = warnings.showwarning
 
@@ -225,9 +228,10 @@ def _run_and_report(title: str, run: Any, options: Any, print_table: Any, *, jso
     except (BenchError, RawToolError, OSError, ValueError) as exc:
         raise fail(str(exc)) from exc
     if json_output:
-        typer.echo(result.model_dump_json(indent=2))
+        doc = {**result.model_dump(mode="json"), "report": result.report().model_dump(mode="json")}
+        typer.echo(json.dumps(doc, indent=2))
     else:
-        print_table(result, out)
+        print_table(result.report(), out)
         if rounds < 3:
             err.print("[yellow]note:[/yellow] fewer than 3 rounds; medians are not robust")
 

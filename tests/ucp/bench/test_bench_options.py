@@ -34,7 +34,8 @@ from aio.config import MIB
 from ucp.bench.common import BenchWarning
 from ucp.bench.io import BenchError, BenchIoOptions, run_bench_io
 from ucp.bench.raw import Dd, Fio
-from ucp.bench.save import BenchSaveOptions, OpSample, _check_resources, _raw_tool, _result, _Run, to_markdown
+from ucp.bench.report import to_markdown
+from ucp.bench.save import BenchSaveOptions, OpSample, _check_resources, _raw_tool, _result, _Run
 from ucp.bench.save_workers import gpt_spec
 from ucp.cli.main import app
 
@@ -413,7 +414,7 @@ def test_save_ratios_with_a_method_missing_at_one_rank_count(tmp_path: Path) -> 
     assert checks["ucp_load_vs_torch_1r"].method == "ucp-into"
     assert checks["ucp_save_vs_torch_2r"].passed is None and checks["ucp_save_vs_raw_1r"].passed is None
     assert res.all_checks_passed is None
-    assert "| ucp.save / ucp.load(into=) | 2 |" in to_markdown(res)
+    assert "| ucp.save / ucp.load(into=) | 2 | save |" in to_markdown(res.report())
 
 
 def test_bench_io_json_on_real_stdout_is_pure(tmp_path: Path) -> None:

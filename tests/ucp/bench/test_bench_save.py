@@ -14,7 +14,8 @@ from repo_paths import REPO
 from typer.testing import CliRunner
 
 import ucp
-from ucp.bench.save import BenchSaveResult, print_table, to_markdown
+from ucp.bench.report import print_table, to_markdown
+from ucp.bench.save import BenchSaveResult
 from ucp.bench.save_workers import (
     BYTES_PER_PARAM,
     Worker,
@@ -115,16 +116,16 @@ def test_checks_and_async_are_reported(bench: tuple[BenchSaveResult, Path]) -> N
 
 def test_reports_render(bench: tuple[BenchSaveResult, Path]) -> None:
     res, _ = bench
-    md = to_markdown(res)
-    assert md.startswith("| method | ranks | save GB/s | load GB/s |")
-    assert "| ucp.save / ucp.load(into=) | 2 |" in md and "| DCP save / load (in place) | 1 |" in md
+    md = to_markdown(res.report())
+    assert md.startswith("| method | ranks | op | GB/s | s | CPU s/GiB |") and "| vs torch | vs DCP | on disk |" in md
+    assert "| ucp.save / ucp.load(into=) | 2 | save |" in md and "| DCP save / load (in place) | 1 | load |" in md
     assert "must hold" in md and "async save, 1 rank" in md
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    print_table(res, console)
+    print_table(res.report(), console)
     text = console.export_text()
-    assert "ucp bench save" in text and "ratios (same run)" in text and "torch.save+fsync / torch.load" in text
+    assert "ucp bench save" in text and "vs DCP" in text and "torch.save+fsync / torch.load" in text
 
 
 def test_bad_options_fail_cleanly(tmp_path: Path) -> None:

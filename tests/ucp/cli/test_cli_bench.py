@@ -141,9 +141,9 @@ def test_markdown_report_has_table_and_command(tmp_path: Path) -> None:
         size_gib=0.004, rounds=1, directory=tmp_path, methods=["threads", "torch"], drop_caches=False
     )
     res = run_bench_io(options, command="ucp bench io --size-gib 0.004")
-    md = to_markdown(res)
-    assert md.splitlines()[0].startswith("| method | write GB/s | read GB/s |")
-    assert "| ucp aio threads |" in md and "| torch save/load |" in md
+    md = to_markdown(res.report())
+    assert md.splitlines()[0].startswith("| method | ranks | op | GB/s | s | CPU s/GiB |")
+    assert "| ucp aio threads | - | write |" in md and "| torch save/load | - | read |" in md
     assert "```\nucp bench io --size-gib 0.004\n```" in md
 
 
@@ -166,4 +166,4 @@ def test_report_says_when_caches_cannot_be_dropped(tmp_path: Path, monkeypatch: 
     res = run_bench_io(BenchIoOptions(size_gib=0.004, rounds=2, directory=tmp_path, methods=["threads"]))
     assert res.cold_reads is False
     assert res.cold_note.startswith("reads may be warm: cannot write") and "drop_caches" in res.cold_note
-    assert "cold reads: NO" in to_markdown(res)
+    assert "cold reads: NO" in to_markdown(res.report())
