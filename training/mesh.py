@@ -102,6 +102,7 @@ def build_mesh(mesh: Mesh | dict[str, Any]) -> ParallelMesh:
             g = dist.new_group(list(line))
             if line == mine:
                 groups[axis] = g
+    embed_ranks: tuple[int, ...]
     embed, embed_ranks = None, (rank,)
     if distributed and mesh.pp > 1:
         for tp_i, dp_i in itertools.product(range(mesh.tp), range(mesh.dp)):

@@ -142,11 +142,11 @@ class ZeroOptimizer:
             spec = {}
             for g, plan in enumerate(self.plans):
                 for i, n in enumerate(plan.names):
-                    p = plan.param_part_size(i)
-                    part = self.param_part[g][plan.offsets[i] : plan.offsets[i] + p]
-                    spec[self.params[n]] = (plan.shapes[i], part, p * plan.parts)
+                    size = plan.param_part_size(i)
+                    part = self.param_part[g][plan.offsets[i] : plan.offsets[i] + size]
+                    spec[self.params[n]] = (plan.shapes[i], part, size * plan.parts)
             self.gatherer = ParamGatherer(module, spec, dp, prefetch=prefetch)
-        for n, p in self.params.items():
+        for p in self.params.values():
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     @classmethod
@@ -216,7 +216,7 @@ class ZeroOptimizer:
         self.exp_avg: list[torch.Tensor] = []
         self.exp_avg_sq: list[torch.Tensor] = []
         self.grad_acc: list[torch.Tensor] = []  # stages 0/1: D·P; stages 2/3: the partition
-        for g, plan in enumerate(self.plans):
+        for plan in self.plans:
             dev = next((self.params[n].device for n in plan.names), torch.device("cpu"))
             master = torch.zeros(plan.size, dtype=torch.float32, device=dev)
             if self.stage == 3:
@@ -293,9 +293,10 @@ class ZeroOptimizer:
                 self.grad_acc[g][off : off + plan.numels[i]].add_(flat)
             elif self.stage == 2:
                 for k, a, b, dst in plan.owner_slices(i):
-                    if self._buckets[g][k] is None:
-                        self._buckets[g][k] = torch.zeros(plan.size, dtype=torch.float32, device=flat.device)
-                    self._buckets[g][k][dst : dst + b - a].copy_(flat[a:b])
+                    bucket = self._buckets[g][k]
+                    if bucket is None:
+                        bucket = self._buckets[g][k] = torch.zeros(plan.size, dtype=torch.float32, device=flat.device)
+                    bucket[dst : dst + b - a].copy_(flat[a:b])
                     self._pending[g][k] -= 1
                     if self._pending[g][k] == 0:
                         self._launch_bucket(g, k)

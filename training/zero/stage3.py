@@ -150,7 +150,7 @@ class ParamGatherer:
 
     def release_all(self) -> None:
         """Drop every gathered or prefetched parameter (end of a backward pass)."""
-        for p, (_, work) in list(self.inflight.items()):
+        for _, work in list(self.inflight.values()):
             work.wait()
         self.inflight.clear()
         for p in list(self.full):
@@ -200,7 +200,7 @@ class ParamGatherer:
         if p is None:
             return t
         self.packed += 1
-        return _Packed(p, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return _Packed(p, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, obj: Any) -> torch.Tensor:
         if not isinstance(obj, _Packed):
