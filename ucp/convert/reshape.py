@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel
@@ -292,7 +292,7 @@ def _progress_counter(total: int, progress: Progress | None) -> Callable[[int, s
 def _targets(
     manifest: Manifest,
     layout: Layout | None,
-    shapes: dict[str, Sequence[int]] | None,
+    shapes: Mapping[str, Sequence[int]] | None,
     sections: dict[str, SectionKind] | None,
     src: Any,
 ) -> tuple[list[list[LeafLayout]], dict[str, Any], dict[str, int] | None]:
@@ -471,12 +471,14 @@ class _StreamedViews(Sequence[PieceBytes]):
 
     @staticmethod
     def _group(chunks: Iterator[tuple[_Chunk, memoryview]]) -> Iterator[PieceBytes]:
+        # Each group is read through (its first chunk here, the rest by the writer via _parts) before
+        # groupby moves on: this generator is suspended at the yield until the writer asks for more.
         for _, group in itertools.groupby(chunks, key=lambda cv: cv[0].index):
             chunk, view = next(group)
             if chunk.whole:
                 yield view
                 continue
-            parts = _parts([view], group)
+            parts = _parts([view], group)  # noqa: B031 - the rest of this group, read before groupby moves on
             del view  # this frame waits here while the writer goes through the parts: it must not hold one
             yield parts
 

@@ -12,6 +12,7 @@ ends of one copy are of the same kind.
 
 from __future__ import annotations
 
+from types import EllipsisType
 from typing import Any, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ def target_view(buf: Buffer, region: Box | FlatRange, block: tuple[int, Box], bo
     off, b = block
     rel = box.relative_to(b)
     # The trailing Ellipsis keeps a 0-d numpy box an array view (``a[()]`` would be a scalar copy).
-    index = (*rel.slices(), Ellipsis)
+    index: tuple[slice | EllipsisType, ...] = (*rel.slices(), Ellipsis)
     if isinstance(region, Box):
         return buf[index]
     flat = buf[off : off + b.numel]

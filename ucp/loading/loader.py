@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from aio import AioConfig
-from reshard.box import Box
+from reshard.box import Box, FlatRange
 from ucp.dist import resolve_group
 from ucp.errors import CheckpointError, LayoutMismatchError
 from ucp.format.dtypes import torch_dtype
@@ -249,6 +249,7 @@ def _rebuilt(obj: tuple, node: Any, tensor: Any) -> tuple:
 def _target(m: Manifest, name: str, obj: Any, path: tuple[Any, ...]) -> Target:
     entry = m.tensors[name]
     shape = tuple(entry.shape)
+    region: Box | FlatRange
     if isinstance(obj, ShardedTensor):
         buffer, gshape, region = obj.local, obj.global_shape, obj.box
     elif isinstance(obj, FlatShard):

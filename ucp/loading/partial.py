@@ -456,7 +456,7 @@ def _direct_length(nd: _Need) -> int:
 def buffer_bytes(buf: Buffer) -> memoryview:
     """The bytes of a contiguous host buffer (torch tensor or numpy array), no copy."""
     if isinstance(buf, np.ndarray):
-        return memoryview(buf.reshape(-1).view(np.uint8))
+        return buf.reshape(-1).view(np.uint8).data  # memoryview(buf) without numpy's pre-3.12 Buffer typing gap
     from ucp.saving.snapshot import tensor_bytes
 
     return tensor_bytes(buf)

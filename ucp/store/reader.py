@@ -446,14 +446,15 @@ def stream_file(
         off, n = segs[i]
         if into is not None:
             return into.view(n, off)
-        return scratch[i % len(scratch)].view(n)  # type: ignore[index]
+        assert scratch is not None  # made whenever there is no ``into``
+        return scratch[i % len(scratch)].view(n)
 
     with ThreadPoolExecutor(max_workers=ahead, thread_name_prefix="ucp-read") as pool:
         futures: dict[int, Future] = {}
         try:
             for i in range(min(ahead, len(segs))):
                 futures[i] = pool.submit(storage.read_into, rel, segs[i][0], dest(i))
-            for i, (off, n) in enumerate(segs):
+            for i, (off, _) in enumerate(segs):
                 futures.pop(i).result()
                 view = dest(i)
                 yield off, view

@@ -111,18 +111,22 @@ def read(
     if fmt == "ucp":
         raise UnknownFormatError(f"{str(src)!r} is already a UCP checkpoint", file=str(src))
     if fmt == "deepspeed":
-        from ucp.convert.importers.deepspeed import read_deepspeed as reader
-    elif fmt == "deepspeed-universal":
-        from ucp.convert.importers.universal import read_universal as reader
-    elif fmt == "dcp":
-        from ucp.convert.importers.dcp import read_dcp as reader
-    elif fmt == "hf":
-        from ucp.convert.importers.hf import read_hf as reader
-    else:
-        raise UnknownFormatError(f"unknown source format {fmt!r}; known: auto, {', '.join(FORMATS)}")
-    if fmt in ("deepspeed", "deepspeed-universal"):
-        return fmt, reader(src, trust_pickle=trust_pickle, progress=progress, on_disk=on_disk)
-    return fmt, reader(src, trust_pickle=trust_pickle, progress=progress)
+        from ucp.convert.importers.deepspeed import read_deepspeed
+
+        return fmt, read_deepspeed(src, trust_pickle=trust_pickle, progress=progress, on_disk=on_disk)
+    if fmt == "deepspeed-universal":
+        from ucp.convert.importers.universal import read_universal
+
+        return fmt, read_universal(src, trust_pickle=trust_pickle, progress=progress, on_disk=on_disk)
+    if fmt == "dcp":
+        from ucp.convert.importers.dcp import read_dcp
+
+        return fmt, read_dcp(src, trust_pickle=trust_pickle, progress=progress)
+    if fmt == "hf":
+        from ucp.convert.importers.hf import read_hf
+
+        return fmt, read_hf(src, trust_pickle=trust_pickle, progress=progress)
+    raise UnknownFormatError(f"unknown source format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
 def convert(

@@ -37,6 +37,7 @@ def foreign_manifest(imported: Imported) -> tuple[Manifest, Path]:
     tensors: dict[str, TensorEntry] = {}
     for leaf in encoded.leaves:
         value = leaf.value
+        assert isinstance(value, (StoredTensor, StoredLeaf))  # encode_state(is_leaf=is_stored) kept them whole
         pieces, regions = [], []
         for t, start in parts[leaf.name]:
             rel = os.path.relpath(os.path.abspath(t.file), root)
