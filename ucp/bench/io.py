@@ -10,6 +10,7 @@ removed at the end (see :mod:`aio.workdir`).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import platform
 import resource
@@ -323,7 +324,7 @@ def _run_rounds(
             path = str(_file_for(workdir, m))
             if progress:
                 progress(step, total, f"round {rnd}/{options.rounds}: {m.label} write")
-            write = _timed(lambda: m.write(path))
+            write = _timed(functools.partial(m.write, path))
             step += 1
             if options.drop_caches:
                 dropped, why = drop_page_cache()
@@ -332,7 +333,7 @@ def _run_rounds(
             m.prepare_read()
             if progress:
                 progress(step, total, f"round {rnd}/{options.rounds}: {m.label} read")
-            read = _timed(lambda: m.read(path))
+            read = _timed(functools.partial(m.read, path))
             step += 1
             bad = m.check()
             m.release()

@@ -63,7 +63,7 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def write(self, path: str) -> RawRun | None: ...
 
-    def prepare_read(self) -> None:
+    def prepare_read(self) -> None:  # noqa: B027 - an optional hook: a no-op by default, not abstract
         """Get ready for the next read and its check (every byte is checked). Nothing to do for a
         method whose read returns new memory."""
 
@@ -81,10 +81,10 @@ class Method(abc.ABC):
             return None
         return first_mismatch(self.source.numpy(), got)
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - an optional hook: a no-op by default, not abstract
         """Drop what ``read`` loaded, before the next method runs."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: a no-op by default, not abstract
         """Release the method's resources at the end of the bench."""
 
 

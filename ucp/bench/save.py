@@ -64,6 +64,9 @@ DETAILS = {
 }
 
 
+_ALL_SNAPSHOTS: list[Literal["sync", "background", "cow"]] = ["sync", "background", "cow"]
+
+
 class BenchSaveOptions(BaseModel):
     size_gib: float = Field(
         2.0, gt=0, le=MAX_SIZE_GIB, allow_inf_nan=False, description="training state size (all ranks together), GiB"
@@ -78,7 +81,7 @@ class BenchSaveOptions(BaseModel):
     aio: AioConfig = Field(default_factory=AioConfig, description="UCP's aio config; also fio's block size and depth")
     seed: int = 0
     async_snapshots: list[Literal["sync", "background", "cow"]] = Field(
-        default_factory=lambda: ["sync", "background", "cow"],
+        default_factory=lambda: _ALL_SNAPSHOTS.copy(),
         description="AsyncSaver snapshot modes to time: sync copies before returning; background copies while "
         "the next step computes (it waits for the copy before changing the state); cow (the default "
         "where Linux allows it) write-protects the tensors and copies them from a helper process "
@@ -736,7 +739,7 @@ def _result(
                         label=LABELS[(m, variant)],
                         kind=m,
                         ranks=n,
-                        detail=DETAILS[m],  # type: ignore[arg-type]
+                        detail=DETAILS[m],
                         save=_phase(run.save[(m, n)], nbytes),
                         load=_phase(run.load[(m, variant, n)], nbytes),
                         bytes_on_disk=run.disk.get((m, n)),
@@ -746,12 +749,12 @@ def _result(
         torch_ = next((r for r in rows if r.kind == "torch"), None)
         dcp = next((r for r in rows if r.kind == "dcp"), None)
         for r in rows:
-            r.save_vs_raw, r.load_vs_raw = _ratio(r.save, raw and raw.save), _ratio(r.load, raw and raw.load)
-            r.save_vs_torch, r.load_vs_torch = (
-                _ratio(r.save, torch_ and torch_.save),
-                _ratio(r.load, torch_ and torch_.load),
-            )
-            r.save_vs_dcp, r.load_vs_dcp = _ratio(r.save, dcp and dcp.save), _ratio(r.load, dcp and dcp.load)
+            r.save_vs_raw = _ratio(r.save, raw.save if raw is not None else None)
+            r.load_vs_raw = _ratio(r.load, raw.load if raw is not None else None)
+            r.save_vs_torch = _ratio(r.save, torch_.save if torch_ is not None else None)
+            r.load_vs_torch = _ratio(r.load, torch_.load if torch_ is not None else None)
+            r.save_vs_dcp = _ratio(r.save, dcp.save if dcp is not None else None)
+            r.load_vs_dcp = _ratio(r.load, dcp.load if dcp is not None else None)
         methods += rows
     asyncs = _async_results(options, run, *found_async)
     checks = _checks(methods, asyncs, options.ranks, tool.name if tool is not None else "fio")
