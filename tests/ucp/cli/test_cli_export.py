@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import zarr
 from safetensors.torch import load_file
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 from ucp_helpers import random_tensor, same_bytes, save_ranks
+from zarr_checks import array, open_group
 
 import ucp
 from ucp.cli.main import app
@@ -45,7 +45,7 @@ def ckpt(tmp_path: Path) -> Path:
     return tmp_path / "step-4"
 
 
-def _invoke(*args: str):
+def _invoke(*args: str | Path) -> Result:
     return runner.invoke(app, ["export", *map(str, args)])
 
 
@@ -91,8 +91,8 @@ def test_zarr(ckpt: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = ExportReport.model_validate(json.loads(result.stdout))
     assert sorted(report.files) == ["model.b", "model.n", "model.w", "optimizer.exp_avg.w"]
-    group = zarr.open(str(out))
-    w = group["model.w"]
+    group = open_group(out)
+    w = array(group, "model.w")
     assert w.chunks == (6, 8)  # 0.0002 MiB = 209 B: 6 rows of 32 B
     codecs = json.loads((out / "model.w" / "zarr.json").read_text())["codecs"]
     assert codecs[1]["name"] == "blosc" and codecs[1]["configuration"]["clevel"] == 3

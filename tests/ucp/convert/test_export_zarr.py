@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import zarr
 from ucp_helpers import random_tensor, same_bytes, save_ranks
+from zarr_checks import array, open_group, ucp_attrs, values
 
 import ucp
 from ucp.convert.exporters import ExportError, export
@@ -48,31 +48,6 @@ def ckpt(tmp_path: Path) -> tuple[Path, dict]:
     return tmp_path / "ck", model
 
 
-def _open(path: Path) -> zarr.Group:
-    """The group at ``path`` through plain zarr (no ucp)."""
-    group = zarr.open(str(path))
-    assert isinstance(group, zarr.Group), path
-    return group
-
-
-def _array(group: zarr.Group, name: str) -> zarr.Array:
-    arr = group[name]
-    assert isinstance(arr, zarr.Array), name
-    return arr
-
-
-def _values(arr: zarr.Array) -> np.ndarray:
-    data = arr[...]
-    assert isinstance(data, (np.ndarray, np.generic)), type(data)
-    return np.asarray(data)  # a 0-d array reads back as a numpy scalar
-
-
-def _ucp_attrs(group: zarr.Group) -> dict[str, Any]:
-    attrs = group.attrs["ucp"]
-    assert isinstance(attrs, dict), attrs
-    return attrs
-
-
 def _numpy_bits(t: torch.Tensor) -> np.ndarray:
     raw = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}.get(t.dtype)
     return (t.view(raw) if raw is not None else t).numpy()
@@ -82,22 +57,22 @@ def test_round_trip_through_plain_zarr(ckpt, tmp_path: Path) -> None:
     path, model = ckpt
     report = export(path, tmp_path / "out.zarr", format="zarr")
     assert report.format == "zarr" and sorted(report.files) == sorted(model) and report.section == "model"
-    group = _open(tmp_path / "out.zarr")
+    group = open_group(tmp_path / "out.zarr")
     assert sorted(group.array_keys()) == sorted(model)
     for name, t in model.items():
-        arr = _array(group, name)
+        arr = array(group, name)
         assert arr.shape == tuple(t.shape), name
         assert arr.dtype == np.dtype(RAW.get(t.dtype, _numpy_bits(t).dtype)), name
         assert arr.attrs["ucp_dtype"] == str(t.dtype).removeprefix("torch.") and arr.attrs["ucp_name"] == name
-        data = _values(arr)
+        data = values(arr)
         want = _numpy_bits(t)
         assert data.tobytes() == want.tobytes(), name  # bit-exact, NaN payloads and -0.0 included
         assert same_bytes(read_tensor(arr), t), name
     # bf16 the documented way: the uint16 bits viewed as bfloat16
-    bf = _array(group, "w.bfloat16")
+    bf = array(group, "w.bfloat16")
     assert bf.dtype == np.uint16 and bf.attrs["ucp_dtype"] == "bfloat16"
-    assert same_bytes(torch.from_numpy(_values(bf)).view(torch.bfloat16), model["w.bfloat16"])
-    attrs = _ucp_attrs(group)
+    assert same_bytes(torch.from_numpy(values(bf)).view(torch.bfloat16), model["w.bfloat16"])
+    attrs = ucp_attrs(group)
     assert attrs["step"] == 5 and attrs["format_version"] == 1 and attrs["section"] == "model"
     assert attrs["source"] == str(path) and attrs["tensors"] == {n: n for n in model}
     assert not [p for p in os.listdir(tmp_path) if ".export-" in p]
@@ -119,7 +94,7 @@ def test_compression_codecs(ckpt, tmp_path: Path, compressor: str, codec: str | 
     stored = sum(f.stat().st_size for f in (out / "zeros").rglob("*") if f.is_file() and f.name != "zarr.json")
     raw = model["zeros"].numel() * 4
     assert (stored < raw // 20) if codec else (stored == raw)  # compression is really applied
-    assert same_bytes(read_tensor(_array(_open(out), "zeros")), model["zeros"])
+    assert same_bytes(read_tensor(array(open_group(out), "zeros")), model["zeros"])
 
 
 def test_chunking(tmp_path: Path) -> None:
@@ -131,7 +106,7 @@ def test_chunking(tmp_path: Path) -> None:
     t = random_tensor(torch.bfloat16, (300, 70), seed=3)
     ucp.save({"model": {"t": t}}, tmp_path / "ck")
     export(tmp_path / "ck", tmp_path / "z", format="zarr", chunk_bytes=10_000, memory_budget=1000)
-    arr = _array(_open(tmp_path / "z"), "t")
+    arr = array(open_group(tmp_path / "z"), "t")
     assert arr.chunks == (71, 70)  # 140 B rows, 10 000 B chunks
     assert len(list((tmp_path / "z" / "t" / "c").iterdir())) == 5
     assert same_bytes(read_tensor(arr), t)
@@ -157,18 +132,18 @@ def test_multi_rank_sharded_checkpoint(tmp_path: Path) -> None:
     assert sorted(group.array_keys()) == ["model.f", "model.w", "optimizer.m"] and report.dtype == "float32"
     assert same_bytes(read_tensor(group["model.w"]), w) and same_bytes(read_tensor(group["optimizer.m"]), w)
     assert same_bytes(read_tensor(group["model.f"]), f.to(torch.float32))
-    assert _array(group, "model.f").dtype == np.float32 and _ucp_attrs(group)["cast_dtype"] == "float32"
+    assert array(group, "model.f").dtype == np.float32 and ucp_attrs(group)["cast_dtype"] == "float32"
 
 
 def test_awkward_names_are_escaped(tmp_path: Path) -> None:
     a, b, c = (random_tensor(torch.float32, (2,), seed=i) for i in range(3))
     ucp.save({"model": {"enc/dec": a, "__init": b, "100%": c}}, tmp_path / "ck")
     export(tmp_path / "ck", tmp_path / "z", format="zarr")
-    group = _open(tmp_path / "z")
-    mapping = _ucp_attrs(group)["tensors"]
+    group = open_group(tmp_path / "z")
+    mapping = ucp_attrs(group)["tensors"]
     assert mapping == {"enc/dec": "enc%2Fdec", "__init": "%5F_init", "100%": "100%25"}
     for name, t in {"enc/dec": a, "__init": b, "100%": c}.items():
-        arr = _array(group, mapping[name])
+        arr = array(group, mapping[name])
         assert arr.attrs["ucp_name"] == name and same_bytes(read_tensor(arr), t)
     assert array_name(".") == "%2E" and array_name("") == "%00" and array_name("a.b") == "a.b"
 
@@ -192,5 +167,5 @@ def test_chunks_equal_to_the_fill_value_are_still_written(tmp_path: Path) -> Non
     ucp.save({"model": {"t": t}}, tmp_path / "ck")
     export(tmp_path / "ck", tmp_path / "z", format="zarr", chunk_bytes=400)
     assert len(list((tmp_path / "z" / "t" / "c").iterdir())) == 4
-    got = _values(_array(_open(tmp_path / "z"), "t"))
+    got = values(array(open_group(tmp_path / "z"), "t"))
     assert np.signbit(got).all() and same_bytes(torch.from_numpy(got), t)
