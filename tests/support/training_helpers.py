@@ -44,14 +44,15 @@ def scenario(name: str, model: dict, mesh: dict, steps: int = 5, **options: Any)
     return {"name": name, "model": model, "mesh": mesh, "steps": steps, "options": {**BASE, **options}}
 
 
-def run_world(world: int, scenarios: list[dict], out: Path, timeout: float = 120) -> None:
-    """Run ``scenarios`` on ``world`` fresh processes (gloo); raise with their output if any fails."""
+def run_world(world: int, scenarios: list[dict], out: Path, timeout: float = 120, worker: Path | None = None) -> None:
+    """Run ``scenarios`` on ``world`` fresh processes of ``worker`` (default training_worker.py; gloo); raise
+    with their output if any fails."""
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
     init = out / "init"
     init.unlink(missing_ok=True)  # a stale rendezvous file would hang the file:// store
-    run_ranks(WORKER, lambda r: [r, world, init, out, spec], world, timeout=timeout)
+    run_ranks(worker or WORKER, lambda r: [r, world, init, out, spec], world, timeout=timeout)
 
 
 @dataclass

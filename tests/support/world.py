@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 WORLD_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
@@ -29,18 +29,18 @@ def start_world(
     args: Callable[[int], Sequence[str]],
     world: int,
     env: Mapping[str, str] | None = None,
+    logs: Sequence[IO[str]] | None = None,
     **popen: object,
 ) -> list[subprocess.Popen]:
-    """Start ``python script *args(rank)`` for each rank; stdout and stderr merged into one pipe unless
-    ``popen`` says otherwise. The caller waits (see :func:`wait_world`)."""
-    options: dict[str, object] = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    options.update(popen)
-    return [
-        subprocess.Popen(  # type: ignore[call-overload]
-            [sys.executable, str(script), *map(str, args(rank))], env=world_env(env), **options
-        )
-        for rank in range(world)
-    ]
+    """Start ``python script *args(rank)`` for each rank, stdout and stderr merged into one pipe (or into
+    ``logs[rank]``); ``popen``: more subprocess.Popen options. The caller waits (see :func:`wait_world`)."""
+    procs = []
+    for rank in range(world):
+        out: object = logs[rank] if logs is not None else subprocess.PIPE
+        options: dict[str, object] = {"stdout": out, "stderr": subprocess.STDOUT, "text": True, **popen}
+        cmd = [sys.executable, str(script), *map(str, args(rank))]
+        procs.append(subprocess.Popen(cmd, env=world_env(env), **options))  # type: ignore[call-overload]
+    return procs
 
 
 def wait_world(

@@ -2,8 +2,7 @@
 
 DeepSpeed 0.19.8 trains the reference GPT (``tiny``) in its own processes through
 ``tools.peers.deepspeed_ckpt.make_checkpoint`` (cached under $UCP_PEER_CACHE); our engine trains
-the same run in real gloo processes (this file is also the worker:
-``python test_deepspeed_parity.py RANK WORLD INIT OUT SCENARIOS``). Per-step losses and the final fp32
+the same run in real gloo processes (tests/support/deepspeed_parity_worker.py). Per-step losses and the final fp32
 master weights (ours, gathered from every rank; DeepSpeed's through its own ``zero_to_fp32``)
 must agree.
 
@@ -40,71 +39,28 @@ one step of lr = 1e-3), the same for ZeRO-1, 2 and 3; at world 4 (another gradie
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import training_helpers
+from deepspeed_parity_worker import (
+    BETAS,
+    EPS,
+    LOSS_RTOL,
+    LR,
+    MICRO_BATCH,
+    SEED,
+    STEPS,
+    WEIGHT_DECAY,
+    WEIGHT_TOL,
+    WORLD,
+    engine_options,
+)
+from repo_paths import SUPPORT
 from training_helpers import run_world
 
-STEPS = 5
-SEED = 1234
-WORLD = 2
-# DeepSpeed's run settings (tools/peers/deepspeed_train.py defaults), spelled out for our engine.
-LR, BETAS, EPS, WEIGHT_DECAY, MICRO_BATCH = 1e-3, (0.9, 0.95), 1e-8, 0.01, 2
-LOSS_RTOL = {"fp32": 1e-6, "bf16": 2e-2}
-# Every element within ``atol``; at most ``outliers`` of the elements further than ``bulk`` apart.
-WEIGHT_TOL = {"fp32": dict(atol=1e-4, bulk=1e-6, outliers=2.5e-4), "bf16": dict(atol=2e-2, bulk=2e-3, outliers=1e-2)}
-
-
-def engine_options(zero_stage: int, dtype: str) -> dict[str, Any]:
-    return dict(
-        zero_stage=zero_stage,
-        dtype=dtype,
-        micro_batch=MICRO_BATCH,
-        lr=LR,
-        beta1=BETAS[0],
-        beta2=BETAS[1],
-        eps=EPS,
-        weight_decay=WEIGHT_DECAY,
-        optimizer="adamw",
-        clip=None,
-        seed=SEED,
-        data_seed=SEED,
-        pad_vocab_to=1,
-    )
-
-
-# -- the worker side ---------------------------------------------------------------------------------
-
-
-def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    """Train each scenario's engine, write its losses and (rank 0) its full fp32 masters."""
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-    from training_worker import full_tensors
-
-    from training import Engine
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        for sc in scenarios:
-            engine = Engine("tiny", mesh={"dp": world}, **sc["options"])
-            # DeepSpeed's single AdamW group decays every parameter: give our no-decay group the same decay.
-            engine.optimizer.weight_decay = [WEIGHT_DECAY] * len(engine.optimizer.weight_decay)
-            losses = [engine.train_step(s) for s in range(sc["steps"])]
-            full = full_tensors(engine.checkpoint_targets())
-            if rank == 0:
-                masters = {name: t.contiguous() for (section, name), t in full.items() if section == "fp32_master"}
-                save_file(masters, str(out / f"{sc['name']}.masters.safetensors"))
-                (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+WORKER = SUPPORT / "deepspeed_parity_worker.py"
 
 
 # -- the test side ---------------------------------------------------------------------------------
@@ -120,12 +76,10 @@ def _deepspeed_or_skip() -> Any:
 
 
 def ours(world: int, scenarios: list[dict], out: Path) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    """Run ``scenarios`` on ``world`` gloo processes of this file: (losses, full fp32 masters) by name."""
+    """Run ``scenarios`` on ``world`` gloo processes (tests/support/deepspeed_parity_worker.py): (losses, full fp32 masters) by name."""
     from safetensors.torch import load_file
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(training_helpers, "WORKER", Path(__file__))
-        run_world(world, scenarios, out, timeout=300)
+    run_world(world, scenarios, out, timeout=300, worker=WORKER)
     return {
         sc["name"]: (
             json.loads((out / f"{sc['name']}.losses.json").read_text()),
@@ -243,10 +197,3 @@ def test_zero_fp32_world4_matches_deepspeed(tmp_path: Path, stage: int) -> None:
 def test_zero_bf16_matches_deepspeed(tmp_path: Path, stage: int) -> None:
     mine = ours(WORLD, [{"name": "run", "steps": STEPS, "options": engine_options(stage, "bf16")}], tmp_path)["run"]
     check_parity(f"ZeRO-{stage} bf16 w{WORLD}", "bf16", mine, deepspeed(WORLD, stage, "bf16"))
-
-
-if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)

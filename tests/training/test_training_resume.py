@@ -3,88 +3,35 @@
 An uninterrupted run gives the losses of steps 0..5. Runs on other meshes train steps 0..2, save
 step 3 with a ``ucp.CheckpointManager``, and fresh engines on other meshes and ZeRO stages load it
 (each rank reading only its own regions) and train steps 3..5: their losses must be the
-uninterrupted run's. The multi-process phases run in real gloo processes: this file is also the
-worker (``python test_training_resume.py RANK WORLD INIT OUT SCENARIOS``, as training_helpers.run_world
-starts it).
+uninterrupted run's. The multi-process phases run in real gloo processes of
+tests/support/training_resume_worker.py (started by training_helpers.run_world).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import training_helpers
-from training_helpers import BASE, GQA, rel_close, run_world
+from repo_paths import SUPPORT
+from training_helpers import rel_close, run_world
+from training_resume_worker import DP1, DP2, SPLIT, STEPS, engine
 
 import ucp
 from reshard import Mesh
-from training import Engine
-from training.models.gpt import GPTConfig
 from ucp.convert.placement import place, recorded_layout
 from ucp.convert.reshape import reshape
 
-SPLIT, STEPS = 3, 6
-# Global batch 4 rows on every mesh: micro_batch 2 at dp 2, 4 at dp 1.
-DP2 = {**BASE, "micro_batch": 2}
-DP1 = {**BASE, "micro_batch": 4}
-
-
-def engine(mesh: dict[str, int], **options: Any) -> Engine:
-    return Engine(GPTConfig(**GQA), mesh=mesh, **options)
-
-
-# -- the worker side ---------------------------------------------------------------------------------
-
-
-def run_save(sc: dict) -> list[float]:
-    """Train steps 0..SPLIT-1, save step SPLIT; an async save keeps training while it is written."""
-    e = engine(sc["mesh"], **sc["options"])
-    losses = [e.train_step() for _ in range(SPLIT)]
-    # the async save copies in the background while the next steps' forward/backward run
-    manager = ucp.CheckpointManager(sc["root"], async_save=sc.get("async", False), snapshot=sc.get("snapshot", "sync"))
-    try:
-        e.save(manager, SPLIT)
-        losses += [e.train_step() for _ in range(SPLIT, STEPS)]  # changes the live pieces the save viewed
-    finally:
-        manager.close()
-    return losses
-
-
-def run_load(sc: dict) -> list[float]:
-    e = engine(sc["mesh"], **sc["options"])
-    start = e.load(ucp.CheckpointManager(sc["root"]))
-    assert start == SPLIT and e.optimizer.adam_step == SPLIT, (start, e.optimizer.adam_step)
-    return [e.train_step() for _ in range(start, STEPS)]
-
-
-def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        for sc in scenarios:
-            losses = run_save(sc) if sc["action"] == "save" else run_load(sc)
-            if rank == 0:
-                (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+WORKER = SUPPORT / "training_resume_worker.py"
 
 
 # -- the test side ---------------------------------------------------------------------------------
 
 
 def spawn(world: int, scenarios: list[dict], out: Path) -> dict[str, list[float]]:
-    """Run ``scenarios`` on ``world`` processes of this file; their losses by scenario name."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(training_helpers, "WORKER", Path(__file__))
-        run_world(world, scenarios, out, timeout=60)
+    """Run ``scenarios`` on ``world`` worker processes; their losses by scenario name."""
+    run_world(world, scenarios, out, timeout=60, worker=WORKER)
     return {sc["name"]: json.loads((out / f"{sc['name']}.losses.json").read_text()) for sc in scenarios}
 
 
@@ -200,10 +147,3 @@ def test_single_process_resumes_a_multi_rank_checkpoint(runs: dict[str, Any], ck
     losses = [e.train_step() for _ in range(start, STEPS)]
     assert start == SPLIT
     assert rel_close(losses, runs["losses"]["uninterrupted"][SPLIT:], 1e-5), losses
-
-
-if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)

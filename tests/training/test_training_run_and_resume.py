@@ -1,4 +1,4 @@
-"""Edge cases of the training runtime's resume path, and of ``python -m training.run``.
+"""The training runtime's resume path, and ``python -m training.run``.
 
 What a resume must give back: the same losses as an uninterrupted run (bit-exact in one process,
 within the suite's 1e-5 across meshes), Adam's step count, the fp16 loss scale, the data position.
@@ -9,111 +9,29 @@ every rank resumes from the same checkpoint even when a manager falls back on on
 ``python -m training.run`` rejects bad options with a usage error and fails when a checkpoint save
 failed.
 
-The two-rank cases run in real gloo processes: this file is also their worker
-(``python test_training_run_and_resume.py RANK WORLD INIT OUT SCENARIOS``, as training_helpers.run_world starts it).
+The two-rank cases run in real gloo processes of tests/support/training_run_and_resume_worker.py
+(started by training_helpers.run_world).
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import training_helpers
-from training_helpers import BASE, GQA, PLAIN, rel_close, run_world
+from repo_paths import SUPPORT
+from training_helpers import GQA, PLAIN, rel_close, run_world
+from training_run_and_resume_worker import ONE, engine, save_at
 
 import ucp
 from training import Engine
 from training.models.gpt import GPTConfig
 
-# Global batch of 4 rows everywhere; one process trains with micro_batch 4.
-ONE = {**BASE, "micro_batch": 4}
-
-
-def engine(model: dict = GQA, mesh: dict[str, int] | None = None, **options: Any) -> Engine:
-    return Engine(GPTConfig(**model), mesh=mesh or {}, **{**ONE, **options})
-
-
-def save_at(e: Engine, root: Path, steps: int) -> ucp.CheckpointManager:
-    """Train ``e`` to ``steps`` and save it there with a synchronous manager."""
-    while e.step < steps:
-        e.train_step()
-    manager = ucp.CheckpointManager(root)
-    e.save(manager)
-    return manager
-
-
-# -- the worker side (two ranks) --------------------------------------------------------------------
-
-
-def run_corrupt(sc: dict, rank: int) -> dict[str, Any]:
-    """dp 2 ZeRO-1 saves steps 1 and 2; a byte that only rank 1 reads is flipped in step 2; both ranks resume."""
-    import torch.distributed as dist
-
-    root = Path(sc["root"])
-    e = engine(PLAIN, {"dp": 2}, zero_stage=1, micro_batch=2)
-    manager = ucp.CheckpointManager(root)
-    for _ in range(2):
-        e.train_step()
-        e.save(manager)
-    dist.barrier()
-    if rank == 0:
-        path = Path(manager.path(2))
-        manifest = ucp.read_manifest(path)
-        piece = next(
-            p
-            for name, t in manifest.tensors.items()
-            if name.startswith("optimizer.exp_avg_sq.")
-            for p in t.pieces
-            if p.file == "rank-00001.safetensors" and p.length >= 8
-        )
-        with open(path / piece.file, "r+b") as f:  # bit rot in rank 1's own optimizer partition
-            f.seek(piece.offset + piece.length // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    dist.barrier()
-    fresh = engine(PLAIN, {"dp": 2}, zero_stage=1, micro_batch=2)
-    resumed = ucp.CheckpointManager(root)
-    start = fresh.load(resumed)
-    return {"start": start, "adam_step": fresh.optimizer.adam_step, "loaded_step": resumed.loaded_step}
-
-
-def run_pp2(sc: dict, rank: int) -> dict[str, Any]:
-    """pp 2 (tied embedding on both stages) saves step 3 asynchronously and trains on; then resumes a dp 1 checkpoint."""
-    opts = {"zero_stage": 1, "micro_batch": 2, "grad_accum": 2}
-    e = engine(GQA, {"pp": 2}, **opts)
-    losses = [e.train_step() for _ in range(3)]
-    manager = ucp.CheckpointManager(sc["root"], async_save=True, snapshot="background")
-    try:
-        e.save(manager)
-        losses += [e.train_step() for _ in range(3, 6)]
-    finally:
-        manager.close()
-    f = engine(GQA, {"pp": 2}, **opts)
-    start = f.load(ucp.CheckpointManager(sc["from_dp1"]))
-    resumed = [f.train_step() for _ in range(start, 6)]
-    return {"losses": losses, "resumed": resumed, "start": start, "adam_step": f.optimizer.adam_step}
-
-
-def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        for sc in scenarios:
-            result = {"corrupt": run_corrupt, "pp2": run_pp2}[sc["action"]](sc, rank)
-            (out / f"{sc['name']}.rank{rank}.json").write_text(json.dumps(result))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+WORKER = SUPPORT / "training_run_and_resume_worker.py"
 
 
 # -- single process: what resumes correctly ---------------------------------------------------------
@@ -373,9 +291,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "corrupt", "action": "corrupt", "root": str(base / "corrupt")},
         {"name": "pp2", "action": "pp2", "root": str(base / "pp2"), "from_dp1": str(base / "dp1")},
     ]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(training_helpers, "WORKER", Path(__file__))
-        run_world(2, scenarios, base / "out", timeout=90)
+    run_world(2, scenarios, base / "out", timeout=90, worker=WORKER)
     results = {
         sc["name"]: [json.loads((base / "out" / f"{sc['name']}.rank{r}.json").read_text()) for r in range(2)]
         for sc in scenarios
@@ -398,10 +314,3 @@ def test_every_rank_resumes_from_the_same_checkpoint(two_ranks: dict[str, Any]) 
     """A piece only rank 1 reads is corrupt in step 2: its manager falls back to step 1, so both ranks take step 1."""
     ranks = two_ranks["results"]["corrupt"]
     assert ranks[0] == ranks[1] == {"start": 1, "adam_step": 1, "loaded_step": 1}, ranks
-
-
-if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)
