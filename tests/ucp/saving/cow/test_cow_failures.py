@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -34,6 +36,11 @@ needs_cow = pytest.mark.skipif(
 
 
 # -- running a scenario in a child process -------------------------------------------------------
+
+
+def _text(out: bytes | str | None) -> str:
+    """A TimeoutExpired's output: bytes even under text=True (the subprocess docs say so)."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def run_body(name: str, tmp_path: Path, timeout: float = 120.0) -> str:
@@ -57,7 +64,7 @@ def run_body(name: str, tmp_path: Path, timeout: float = 120.0) -> str:
             cwd=str(REPO),
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"scenario {name} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}")
+        pytest.fail(f"scenario {name} hung for {timeout}s:\n{_text(exc.stdout)}\n{_text(exc.stderr)}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "BODY-OK" in proc.stdout, f"scenario {name} failed (rc {proc.returncode}):\n{out}"
     return out
@@ -96,6 +103,12 @@ def in_thread(fn, timeout: float) -> bool:
     if err:
         raise err[0]
     return ok
+
+
+def cow_of(saver: AsyncSaver) -> ucp_cow.CowSnapshots:
+    """The saver's copy-on-write snapshots (every saver here asks for them)."""
+    assert saver._cow is not None, "no copy-on-write snapshots"
+    return saver._cow
 
 
 def helper_pid(saver: AsyncSaver) -> int:
@@ -149,7 +162,7 @@ def _body_many_tiny_tensors(tmp: str) -> None:
     state["big"] = random_tensor(torch.float32, (1 << 20,), 9)
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 0.5
+        cow_of(saver).pause_before_copy = 0.5
         h = saver.save(state, Path(tmp) / "ck", step=1)
 
         def mutate() -> None:
@@ -177,7 +190,7 @@ def _body_views_of_one_storage(tmp: str) -> None:
     }
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 0.5
+        cow_of(saver).pause_before_copy = 0.5
         h = saver.save(state, Path(tmp) / "ck")
         assert in_thread(lambda: (base.mul_(-2), raw.bitwise_not_()), 60)
         h.result(timeout=60)
@@ -190,7 +203,7 @@ def _body_gil_held_python_writes(tmp: str) -> None:
     state = {"big": big, "small": small}
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 1.0
+        cow_of(saver).pause_before_copy = 1.0
         h = saver.save(state, Path(tmp) / "ck")
         view = memoryview(big.numpy()).cast("B")
         view[-8:] = b"\x11" * 8  # the last block, a pure Python write holding the GIL
@@ -198,7 +211,7 @@ def _body_gil_held_python_writes(tmp: str) -> None:
         view[len(view) // 2 : len(view) // 2 + 8] = b"\x33" * 8
         small.numpy()[:] = 7  # numpy holds the GIL too
         h.result(timeout=60)
-        assert saver._cow.faulted_blocks >= 3
+        assert cow_of(saver).faulted_blocks >= 3
     assert_same_state(expected, ucp.load(Path(tmp) / "ck"))
 
 
@@ -206,8 +219,8 @@ def _body_two_savers_same_tensors(tmp: str) -> None:
     state = {"w": random_tensor(torch.float32, (1 << 21,), 5), "s": random_tensor(torch.int64, (77,), 6)}
     first = clone(state)
     with AsyncSaver(snapshot="cow") as s1, AsyncSaver(snapshot="cow") as s2:
-        s1._cow.pause_before_copy = 0.5
-        s2._cow.pause_before_copy = 0.5
+        cow_of(s1).pause_before_copy = 0.5
+        cow_of(s2).pause_before_copy = 0.5
         h1 = s1.save(state, Path(tmp) / "a")
         h2 = s2.save(state, Path(tmp) / "b")  # the first protects these pages: copied here instead
         assert in_thread(lambda: (state["w"].add_(1), state["s"].zero_()), 60)
@@ -226,7 +239,7 @@ def _body_close_without_wait(tmp: str) -> None:
     state = {"w": random_tensor(torch.float32, (1 << 21,), 7)}
     expected = clone(state)
     saver = AsyncSaver(snapshot="cow")
-    saver._cow.pause_before_copy = 1.0
+    cow_of(saver).pause_before_copy = 1.0
     h = saver.save(state, Path(tmp) / "ck")
     pid = helper_pid(saver)
     assert in_thread(lambda: saver.close(wait=False), 60), "close(wait=False) hung"
@@ -241,13 +254,18 @@ def _body_sigstop_then_kill(tmp: str) -> None:
     ucp.save(state, Path(tmp) / "ck", step=1)
     before = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 0.5
+        cow_of(saver).pause_before_copy = 0.5
         h = saver.save(state, Path(tmp) / "ck", step=2)
         pid = helper_pid(saver)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(0.8)  # past the pause: the copy would run now, but the helper is stopped
         done = threading.Event()
-        threading.Thread(target=lambda: (state["w"].add_(1), done.set()), daemon=True).start()
+
+        def write() -> None:
+            state["w"].add_(1)
+            done.set()
+
+        threading.Thread(target=write, daemon=True).start()
         assert not done.wait(0.5), "a write to a protected page went through while the helper was stopped"
         os.kill(pid, signal.SIGKILL)
         assert done.wait(20), "the write stayed blocked after the helper was killed"
@@ -272,7 +290,7 @@ def _body_caller_frees_storage(tmp: str) -> None:
     state = {"w": w}
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 1.0
+        cow_of(saver).pause_before_copy = 1.0
         h = saver.save(state, Path(tmp) / "ck")
 
         def free_and_reuse() -> None:
@@ -299,7 +317,7 @@ def _body_caller_resizes_tensor(tmp: str) -> None:
     state = {"w": w, "k": random_tensor(torch.int64, (10,), 12)}
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 1.0
+        cow_of(saver).pause_before_copy = 1.0
         h = saver.save(state, Path(tmp) / "ck")
         assert in_thread(lambda: w.resize_(1 << 23), 30)
         with pytest.raises(ucp.CheckpointError, match=r"tensor 'w': "):
@@ -317,7 +335,7 @@ def _body_caller_replaces_entry(tmp: str) -> None:
     state = {"w": random_tensor(torch.float32, (1 << 22,), 13)}
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 1.0
+        cow_of(saver).pause_before_copy = 1.0
         h = saver.save(state, Path(tmp) / "ck")
         state["w"] = torch.zeros(1 << 22)  # the old tensor's last reference of the caller goes
         gc.collect()
@@ -336,7 +354,7 @@ def _body_failure_after_send_releases_pages(tmp: str) -> None:
     real = cow.send_message
     state = {"w": random_tensor(torch.float32, (1 << 21,), 14)}
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 0.5
+        cow_of(saver).pause_before_copy = 0.5
 
         cow.send_message = send_then_raise(real)
         try:
@@ -346,10 +364,10 @@ def _body_failure_after_send_releases_pages(tmp: str) -> None:
             cow.send_message = real
         assert in_thread(lambda: state["w"].add_(1), 30), "a page stayed protected after the failed save"
         for _ in range(100):
-            if not saver._cow._pending:
+            if not cow_of(saver)._pending:
                 break
             time.sleep(0.05)
-        assert not saver._cow._pending, "the failed snapshot stays pending (and keeps its tensors alive)"
+        assert not cow_of(saver)._pending, "the failed snapshot stays pending (and keeps its tensors alive)"
         expected = clone(state)
         h = saver.save(state, Path(tmp) / "ck2")
         assert in_thread(lambda: state["w"].zero_(), 30)
@@ -377,7 +395,7 @@ def _body_failed_save_is_not_committed(tmp: str) -> None:
         return real_execute(*args, **kwargs)
 
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 0.3
+        cow_of(saver).pause_before_copy = 0.3
         cow.send_message, bg.execute = failing, slow_execute
         try:
             with pytest.raises(KeyboardInterrupt):
@@ -393,7 +411,7 @@ def _body_unreadable_tensor_error_names_it(tmp: str) -> None:
     """When the helper cannot read a tensor, the save's error names the tensor (not only an address)."""
     w = random_tensor(torch.float32, (1 << 22,), 26).clone()
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 0.5
+        cow_of(saver).pause_before_copy = 0.5
         h = saver.save({"layer.weight": w}, Path(tmp) / "ck")
         assert in_thread(lambda: w.untyped_storage().resize_(0), 30)
         with pytest.raises(ucp.CheckpointError) as err:
@@ -422,8 +440,8 @@ def _body_failure_before_send_does_not_leak(tmp: str) -> None:
         finally:
             cow.send_message = real
         assert in_thread(lambda: state["w"].add_(1), 30)
-        assert not saver._cow._pending, (
-            f"{len(saver._cow._pending)} snapshot(s) never sent stay pending forever, keeping their tensors"
+        assert not cow_of(saver)._pending, (
+            f"{len(cow_of(saver)._pending)} snapshot(s) never sent stay pending forever, keeping their tensors"
         )
         expected = clone(state)
         h = saver.save(state, Path(tmp) / "ck2")
@@ -442,7 +460,7 @@ def _body_abandoned_job_writes_into_reused_arena(tmp: str) -> None:
     old = {"w": torch.full((n,), 1.0)}
     new = {"w": torch.full((n,), 2.0)}
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 1.5  # the abandoned job copies 1.5 s from now
+        cow_of(saver).pause_before_copy = 1.5  # the abandoned job copies 1.5 s from now
 
         cow.send_message = send_then_raise(real_send)
         try:
@@ -450,7 +468,7 @@ def _body_abandoned_job_writes_into_reused_arena(tmp: str) -> None:
                 saver.save(old, Path(tmp) / "old")
         finally:
             cow.send_message = real_send
-        saver._cow.pause_before_copy = 0.0
+        cow_of(saver).pause_before_copy = 0.0
 
         def slow_execute(*args, **kwargs):  # a slow disk: the data file is written 3 s later
             time.sleep(3.0)
@@ -530,10 +548,10 @@ def _body_no_fd_or_mapping_leaks(tmp: str) -> None:
 
 
 def _body_checkpoint_manager_default(tmp: str) -> None:
-    state = {"model": {"w": random_tensor(torch.float32, (512, 1024), 19)}, "step": 4}
+    state: dict[str, Any] = {"model": {"w": random_tensor(torch.float32, (512, 1024), 19)}, "step": 4}
     with ucp.CheckpointManager(Path(tmp) / "root", keep_last=2, async_save=True) as mgr:
         saver = mgr.saver
-        assert saver.snapshot == "cow"
+        assert saver is not None and saver.snapshot == "cow"
         expected = {"model": {"w": state["model"]["w"].clone()}, "step": 4}
         mgr.save(state, step=4)
         assert in_thread(lambda: state["model"]["w"].zero_(), 30)
@@ -561,23 +579,18 @@ def _body_helper_exits_at_start(tmp: str) -> None:
     """The helper starts but dies at once (broken environment): the save copies before returning."""
     import ucp.saving.cow.snapshot as cow
 
-    real_popen = cow.subprocess.Popen
-
-    class DeadHelper(real_popen):  # type: ignore[misc, valid-type]
+    class DeadHelper(subprocess.Popen):
         def __init__(self, args, **kwargs):
             super().__init__([sys.executable, "-c", "pass"], **kwargs)
             self.wait()
 
-    cow.subprocess.Popen = DeadHelper
     state = {"w": random_tensor(torch.float32, (1 << 16,), 21)}
     expected = clone(state)
-    try:
+    with mock.patch.object(cow.subprocess, "Popen", DeadHelper):
         with AsyncSaver(snapshot="cow") as saver:
             h = saver.save(state, Path(tmp) / "ck")
             state["w"].zero_()
             h.result(timeout=60)
-    finally:
-        cow.subprocess.Popen = real_popen
     assert_same_state(expected, ucp.load(Path(tmp) / "ck"))
 
 
@@ -588,7 +601,7 @@ def _body_shared_memory_tensor_written_by_another_process(tmp: str) -> None:
     state = {"w": w}
     expected = clone(state)
     with AsyncSaver(snapshot="cow") as saver:
-        saver._cow.pause_before_copy = 1.0
+        cow_of(saver).pause_before_copy = 1.0
         h = saver.save(state, Path(tmp) / "ck")
         pid = os.fork()
         if pid == 0:
@@ -612,7 +625,7 @@ def _body_tmpfs_file_tensor_written_through_the_file(tmp: str) -> None:
         state = {"w": w}
         expected = clone(state)
         with AsyncSaver(snapshot="cow") as saver:
-            saver._cow.pause_before_copy = 1.0
+            cow_of(saver).pause_before_copy = 1.0
             h = saver.save(state, Path(tmp) / "ck")
             with open(path, "r+b") as f:
                 f.write(b"\0" * (4 * n))
