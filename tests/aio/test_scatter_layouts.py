@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ class _Arena:
         assert bad.size == 0, f"{bad.size} bytes written outside the destinations"
 
     def check(self, data: np.ndarray) -> None:
-        for (offset, view), (start, n) in zip(self.ranges, self.spans):
+        for (offset, _), (start, n) in zip(self.ranges, self.spans):
             got = self.mem[start : start + n]
             want = data[offset : offset + n]
             if not np.array_equal(got, want):
@@ -103,11 +104,11 @@ def _spy_vectors(io: AioHandle, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     lengths: list[int] = []
     one, many = io.engine.submit_read, io.engine.submit_readv
 
-    def spy_one(f, offset, buf, future=None):  # type: ignore[no-untyped-def]
+    def spy_one(f, offset, buf, future=None):
         lengths.append(1)
         return one(f, offset, buf, future)
 
-    def spy_many(f, offset, buffers, future=None):  # type: ignore[no-untyped-def]
+    def spy_many(f, offset, buffers, future=None):
         lengths.append(len(buffers))
         return many(f, offset, buffers, future)
 
@@ -116,7 +117,7 @@ def _spy_vectors(io: AioHandle, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return lengths
 
 
-def _handle(engine: str, **kw) -> AioHandle:  # type: ignore[no-untyped-def]
+def _handle(engine: str, **kw) -> AioHandle:
     return AioHandle(AioConfig(engine=engine, queue_depth=kw.pop("queue_depth", 4), **kw))
 
 
@@ -384,7 +385,7 @@ class _InlineEngine(Engine):
         self.max_segments = max_segments
         self.most = 0
 
-    def _run(self, move, f, offset, buf, future):  # type: ignore[no-untyped-def]
+    def _run(self, move, f, offset, buf, future):
         future = future or Future()
         future.set_running_or_notify_cancel()
         try:
@@ -393,15 +394,15 @@ class _InlineEngine(Engine):
             future.set_exception(exc)
         return future
 
-    def submit_read(self, f, offset, buf, future=None):  # type: ignore[no-untyped-def]
+    def submit_read(self, f, offset, buf, future=None):
         return self._run(pread_full, f, offset, buf, future)
 
-    def submit_readv(self, f, offset, buffers, future=None):  # type: ignore[no-untyped-def]
+    def submit_readv(self, f, offset, buffers, future=None):
         assert 1 < len(buffers) <= self.max_segments
         self.most = max(self.most, len(buffers))
         return self._run(pread_full, f, offset, list(buffers), future)
 
-    def submit_write(self, f, offset, buf, future=None):  # type: ignore[no-untyped-def]
+    def submit_write(self, f, offset, buf, future=None):
         return self._run(pwrite_full, f, offset, buf, future)
 
 
@@ -470,19 +471,20 @@ def test_a_file_that_shrinks_before_a_vectored_read_is_an_error_not_stale_bytes(
         io.read_ranges(other, dirty.ranges)
         for cut_to in (2 * MIB + 100, 2 * MIB + 128 * KIB + 1):
             path.write_bytes(data.tobytes())
-            one, many, cut = io.engine.submit_read, io.engine.submit_readv, []
+            one, many = io.engine.submit_read, io.engine.submit_readv
+            cut: list[int] = []  # the first submit of either kind truncates the file
 
-            def cutting(real):  # type: ignore[no-untyped-def]
-                def submit(f, offset, buf, future=None):  # type: ignore[no-untyped-def]
-                    if not cut:
-                        os.truncate(path, cut_to)
-                        cut.append(1)
-                    return real(f, offset, buf, future)
+            def cutting(real: Callable[..., Any], size: int, done: list[int]) -> Callable[..., Any]:
+                def submit(f, at, buf, future=None):
+                    if not done:
+                        os.truncate(path, size)
+                        done.append(1)
+                    return real(f, at, buf, future)
 
                 return submit
 
-            monkeypatch.setattr(io.engine, "submit_read", cutting(one))
-            monkeypatch.setattr(io.engine, "submit_readv", cutting(many))
+            monkeypatch.setattr(io.engine, "submit_read", cutting(one, cut_to, cut))
+            monkeypatch.setattr(io.engine, "submit_readv", cutting(many, cut_to, cut))
             arena = _Arena(
                 [
                     (64, MIB, "in"),
@@ -499,7 +501,7 @@ def test_a_file_that_shrinks_before_a_vectored_read_is_an_error_not_stale_bytes(
             arena.outside_untouched()
             # every byte of every range is the file's, untouched, or (memory read straight into past the new
             # end: O_DIRECT zero-fills it) zero; never a staging block's old bytes
-            for (offset, view), (start, n) in zip(arena.ranges, arena.spans):
+            for (offset, _), (start, n) in zip(arena.ranges, arena.spans):
                 got, want = arena.mem[start : start + n], data[offset : offset + n]
                 assert ((got == want) | (got == GUARD) | (got == 0)).all(), f"stale bytes in the range at {offset}"
             assert _pool_settles(io)
@@ -517,7 +519,7 @@ def test_threads_engine_short_preadv_resumes_at_the_right_buffer(
     real = os.preadv
     calls = [0]
 
-    def short_preadv(fd, buffers, offset, *flags):  # type: ignore[no-untyped-def]
+    def short_preadv(fd, buffers, offset, *flags):
         calls[0] += 1
         return real(fd, engine_base._at_most(list(buffers), chunk), offset, *flags)  # noqa: SLF001
 
@@ -555,13 +557,16 @@ def test_libaio_partial_completions_resubmit_the_rest_of_the_vector(
     path, data = _write(disk_dir, SIZE, seed=13)
     submits = [0]
 
-    def cut_rest_of(buffers, done):  # type: ignore[no-untyped-def]
-        submits[0] += 1
-        return engine_base._at_most(rest_of(buffers, done), chunk)  # noqa: SLF001
+    def cutting_at(chunk: int) -> Callable[..., Any]:
+        def cut_rest_of(buffers, done):
+            submits[0] += 1
+            return engine_base._at_most(rest_of(buffers, done), chunk)  # noqa: SLF001
+
+        return cut_rest_of
 
     for direct, chunk in ((True, A), (True, 5 * A), (False, 777)):
         with _handle("libaio", block_size=256 * KIB, use_direct=direct) as io:
-            monkeypatch.setattr(libaio_engine, "rest_of", cut_rest_of)
+            monkeypatch.setattr(libaio_engine, "rest_of", cutting_at(chunk))
             try:
                 specs = _layouts(SIZE)
                 for name in (
@@ -601,19 +606,19 @@ class _Scripted(ThreadEngine):
         self.submits = 0
         self.spans: list[tuple[int, int]] = []  # (file offset, bytes) of each request taken
 
-    def submit_read(self, f, offset, buf, future=None):  # type: ignore[no-untyped-def]
+    def submit_read(self, f, offset, buf, future=None):
         return self._go(f, offset, [buf], future)
 
-    def submit_readv(self, f, offset, buffers, future=None):  # type: ignore[no-untyped-def]
+    def submit_readv(self, f, offset, buffers, future=None):
         return self._go(f, offset, list(buffers), future)
 
-    def _go(self, f, offset, buffers, future):  # type: ignore[no-untyped-def]
+    def _go(self, f, offset, buffers, future):
         k, self.submits = self.submits, self.submits + 1
         if k == self.fail_at and self.how == "before":
             threading.Timer(0.3, self.gate.set).start()
             raise self.exc
 
-        def run(f, offset, buffers) -> int:  # type: ignore[no-untyped-def]
+        def run(f, offset, buffers) -> int:
             self.gate.wait(10)
             if k == self.fail_at and self.how == "device":
                 raise self.exc
@@ -738,6 +743,7 @@ def test_ctrl_c_at_random_moments_of_a_real_read(disk_dir: Path, engine: str) ->
             arena.outside_untouched()
             assert _pool_settles(io)
             if engine == "libaio":
+                assert isinstance(io.engine, libaio_engine.LibaioEngine)
                 assert not io.engine._inflight and io.engine._slots._value == io.engine.queue_depth  # noqa: SLF001
         arena = _Arena(specs)
         io.read_ranges(path, arena.ranges)
