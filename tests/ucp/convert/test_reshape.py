@@ -18,12 +18,13 @@ from typer.testing import CliRunner
 from ucp_helpers import flat
 
 import ucp
-from reshard import LayoutError, Mesh
+from reshard import Layout, LayoutError, Mesh
 from training import Engine
 from training.models.gpt import GPTConfig
 from ucp.cli.main import app
 from ucp.convert.placement import place, recorded_layout
 from ucp.convert.reshape import _batches, reshape
+from ucp.format.manifest import Manifest
 
 # GQA + SwiGLU + tied embeddings + a vocabulary padded under tp; and a plain MLP with an odd d_ff.
 GQA = GPTConfig(
@@ -39,6 +40,20 @@ GQA = GPTConfig(
     bias=False,
 )
 PLAIN = GPTConfig(vocab_size=101, n_layer=2, n_head=4, d_model=32, d_ff=51, max_seq=16)
+
+
+def _layout(manifest: Manifest) -> Layout:
+    """The layout ``manifest`` records (every source here is saved with one)."""
+    layout = recorded_layout(manifest).layout
+    assert layout is not None, "the checkpoint records no layout"
+    return layout
+
+
+def _shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes ``manifest`` records with its layout."""
+    shapes = recorded_layout(manifest).shapes
+    assert shapes is not None, "the checkpoint records no parameter shapes"
+    return shapes
 
 
 def make_source(root: Path, cfg: GPTConfig, **options: Any) -> str:
@@ -89,7 +104,7 @@ def test_reshape_is_bit_exact_and_one_file_per_rank(
 ) -> None:
     src = sources[model]
     before = flat(ucp.load(src))
-    base = recorded_layout(ucp.read_manifest(src)).layout
+    base = _layout(ucp.read_manifest(src))
     target = base.replace(mesh=Mesh(tp=tp, pp=pp, dp=dp), zero=base.zero.model_copy(update={"stage": zero}))
     report = reshape(src, tmp_path / "dst", layout=target, memory_budget=1 << 20)  # many small batches
     manifest = ucp.read_manifest(tmp_path / "dst")
@@ -97,9 +112,8 @@ def test_reshape_is_bit_exact_and_one_file_per_rank(
     assert_same(before, flat(ucp.load(tmp_path / "dst")))
     assert not ucp.verify(tmp_path / "dst").problems
     # every region a target rank saves is in its own file, so it reads one file
-    recorded = recorded_layout(manifest)
-    assert recorded.layout == target
-    for rank, mine in enumerate(place(manifest, target, recorded.shapes).ranks):
+    assert _layout(manifest) == target
+    for rank, mine in enumerate(place(manifest, target, _shapes(manifest)).ranks):
         for p in mine:
             [piece] = [q for q in manifest.tensors[p.tensor].pieces if q.region() == p.region]
             assert piece.file == f"rank-{rank:05d}.safetensors"
@@ -157,7 +171,7 @@ def test_each_source_piece_is_checked_once_and_corruption_is_caught(sources: dic
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x10]))
-    base = recorded_layout(manifest).layout
+    base = _layout(manifest)
     with pytest.raises(ucp.CorruptCheckpointError, match=name.replace(".", r"\.")):
         reshape(src, tmp_path / "dst", layout=base.replace(mesh=Mesh(tp=2)))
     assert not (tmp_path / "dst").exists()
@@ -178,7 +192,7 @@ def test_refuses_to_overwrite_unless_asked(sources: dict[str, str], tmp_path: Pa
 
 
 def test_layout_that_does_not_fit_names_the_tensor(sources: dict[str, str], tmp_path: Path) -> None:
-    base = recorded_layout(ucp.read_manifest(sources["gqa"])).layout
+    base = _layout(ucp.read_manifest(sources["gqa"]))
     with pytest.raises(LayoutError, match="attn.qkv.weight"):
         reshape(sources["gqa"], tmp_path / "dst", layout=base.replace(mesh=Mesh(tp=3)))
     with pytest.raises(LayoutError, match="pp=4|4 stages|layers"):
@@ -188,7 +202,7 @@ def test_layout_that_does_not_fit_names_the_tensor(sources: dict[str, str], tmp_
             sources["gqa"],
             tmp_path / "dst",
             layout=base,
-            shapes={**recorded_layout(ucp.read_manifest(sources["gqa"])).shapes, "layers.0.attn.qkv.weight": (7, 32)},
+            shapes={**_shapes(ucp.read_manifest(sources["gqa"])), "layers.0.attn.qkv.weight": (7, 32)},
         )
     assert not (tmp_path / "dst").exists()
 
@@ -228,7 +242,7 @@ def test_cli_reshape_json_and_verify(sources: dict[str, str], tmp_path: Path) ->
 
 def test_cli_layout_file_and_model_preset(sources: dict[str, str], tmp_path: Path) -> None:
     runner = CliRunner()
-    base = recorded_layout(ucp.read_manifest(sources["gqa"])).layout
+    base = _layout(ucp.read_manifest(sources["gqa"]))
     base.replace(mesh=Mesh(pp=2)).dump(tmp_path / "layout.json")
     res = runner.invoke(
         app,
@@ -304,7 +318,7 @@ def test_each_source_piece_is_verified_once_even_with_parallel_reads(
     monkeypatch.setattr(partial, "check_crc", counting)
     src = sources["plain"]
     manifest = ucp.read_manifest(src)
-    base = recorded_layout(manifest).layout
+    base = _layout(manifest)
     target = base.replace(mesh=Mesh(tp=2, dp=2), zero=base.zero.model_copy(update={"stage": 1}))
     reshape(src, tmp_path / "dst", layout=target, memory_budget=1 << 20, workers=2)  # many small batches in parallel
     pieces = sum(len(t.pieces) for t in manifest.tensors.values())

@@ -16,6 +16,7 @@ import os
 import pickle
 import struct
 import zipfile
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def members_of(path: Path) -> list[tuple[str, bytes]]:
 
 
 def write_zip(
-    path: Path, members: list[tuple[str, bytes]], *, compress: set[str] = frozenset(), align: int = 64
+    path: Path, members: list[tuple[str, bytes]], *, compress: Collection[str] = frozenset(), align: int = 64
 ) -> None:
     """A zip with uncompressed members whose data start at multiples of ``align`` (as torch writes)."""
     with open(path, "wb") as fh, zipfile.ZipFile(fh, "w") as zf:
@@ -127,8 +128,8 @@ def rezip(
     dst: Path,
     *,
     replace: dict[str, bytes] | None = None,
-    compress: set[str] = frozenset(),
-    append: list[tuple[str, bytes]] = (),
+    compress: Collection[str] = frozenset(),
+    append: Sequence[tuple[str, bytes]] = (),
 ) -> None:
     members = [(n, (replace or {}).get(n, d)) for n, d in members_of(src)] + list(append)
     write_zip(dst, members, compress=compress)
@@ -313,7 +314,7 @@ def test_deepspeed_stand_ins_read_like_torch_path() -> None:
     assert isinstance(osd["loss_scaler"], AttributeBag)
     assert int(osd["zero_stage"]) == 2
     frag = next(iter(osd["param_slice_mappings"][0].values()))
-    assert isinstance(frag, AttributeBag) and isinstance(frag.start, int)
+    assert isinstance(frag, AttributeBag) and isinstance(vars(frag)["start"], int)
 
 
 def test_crafted_archive_reads_like_torch(tmp_path: Path, template: list) -> None:
@@ -420,7 +421,7 @@ class MyTensor(torch.Tensor):
 )
 def test_other_globals_are_refused(tmp_path: Path, what: str) -> None:
     p = torch.nn.Parameter(torch.ones(2))
-    p.extra = 3
+    p.extra = 3  # type: ignore[attr-defined]  # an attribute torch does not declare: what the test pickles
     values = {
         "custom-object": Custom(),
         "module": torch.nn.Linear(2, 2),
@@ -598,7 +599,9 @@ def _insert_build_after_persid(data: bytes, state: dict) -> bytes:
     """``data`` with a BUILD of ``state`` applied to the first persistent-loaded object (a storage)."""
     import pickletools
 
-    pos = next(p for op, _, p in pickletools.genops(data) if op.name == "BINPERSID") + 1
+    pos = next(p for op, _, p in pickletools.genops(data) if op.name == "BINPERSID")
+    assert pos is not None  # genops gives positions when reading bytes
+    pos += 1
     body = b"}" + b"".join(pickle.dumps(k, 2)[2:-1] + pickle.dumps(v, 2)[2:-1] + b"s" for k, v in state.items())
     return data[:pos] + body + b"b" + data[pos:]
 
@@ -616,8 +619,9 @@ def test_build_cannot_repoint_a_tensor(tmp_path: Path, template: list, target: s
     path = tmp_path / "build.pt"
     write_zip(path, [("archive/data.pkl", data)] + list(template) + [("archive/data/0", floats(8))])
     if target == "tensor":
-        with pytest.raises(Exception):
-            torch.load(path, weights_only=True)  # torch refuses the BUILD on a tensor...
+        # torch refuses the BUILD on a tensor (the BUILD's set_ fails; a stricter unpickler may refuse it first)...
+        with pytest.raises((TypeError, pickle.UnpicklingError)):
+            torch.load(path, weights_only=True)
     else:  # ...and lets one set harmless attributes of its storage object: the tensor keeps its bytes
         assert torch.equal(torch.load(path, weights_only=True)["t"], torch.arange(8.0))
     try:
