@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, Callable, Literal
 
 import pytest
 import torch
@@ -36,14 +37,14 @@ class _Stage(int):
     """Stand-in for ZeroStageEnum (pickled as ZeroStageEnum(<int>))."""
 
 
-SAFE = [
+SAFE: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [  # as safe_globals takes them
     (_State, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_State, "deepspeed.utils.tensor_fragment.fragment_address"),
     (_Stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
 ]
 
 
-def load(path: Path) -> object:
+def load(path: Path) -> Any:
     with torch.serialization.safe_globals(SAFE):
         return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
 
@@ -153,7 +154,7 @@ def test_zero2_fp32_layout() -> None:
         (3, "bf16", 2, "tiny-gqa", None),
     ],
 )
-def test_layout(stage: int, dtype: str, world: int, preset: str, ds_config: dict | None) -> None:
+def test_layout(stage: int, dtype: Literal["fp32", "bf16"], world: int, preset: str, ds_config: dict | None) -> None:
     ckpt = make_checkpoint(
         world_size=world, zero_stage=stage, dtype=dtype, steps=3, model_config=preset, ds_config=ds_config
     )

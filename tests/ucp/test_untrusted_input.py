@@ -21,7 +21,7 @@ import sys
 import tracemalloc
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -285,7 +285,7 @@ HOSTILE_NAMES = ["../../evil", "/abs/evil", "..", ".", "a/../../b", "../zarr.jso
 
 
 @pytest.mark.parametrize("fmt", ["hf", "zarr"])
-def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, fmt: str) -> None:
+def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, fmt: Literal["hf", "zarr"]) -> None:
     from ucp.convert.exporters import export
 
     work = tmp_path / "work"
@@ -302,17 +302,19 @@ def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, 
             assert (Path(dirpath) / f).resolve().is_relative_to(out)
     if fmt == "zarr":
         import zarr
+        from zarr_checks import ucp_attrs
 
         from ucp.convert.exporters.zarr_export import read_tensor
 
         group = zarr.open_group(str(out), mode="r")
-        mapping = group.attrs["ucp"]["tensors"]
+        mapping = ucp_attrs(group)["tensors"]
         for i, n in enumerate(HOSTILE_NAMES):
             assert torch.equal(read_tensor(group[mapping[n]]), torch.full((2,), float(i)))
 
 
 def test_zarr_export_of_names_with_backslashes(tmp_path: Path) -> None:
     import zarr
+    from zarr_checks import ucp_attrs
 
     from ucp.convert.exporters import export
     from ucp.convert.exporters.zarr_export import read_tensor
@@ -323,7 +325,7 @@ def test_zarr_export_of_names_with_backslashes(tmp_path: Path) -> None:
     assert report.tensors == 3
     assert sorted(os.listdir(tmp_path / "out")) == ["p", "p%5Cq", "x%5C..%5Cy", "zarr.json"]
     group = zarr.open_group(str(tmp_path / "out"), mode="r")
-    mapping = group.attrs["ucp"]["tensors"]
+    mapping = ucp_attrs(group)["tensors"]
     for n, value in state.items():
         assert torch.equal(read_tensor(group[mapping[n]]), value)
 
@@ -571,6 +573,7 @@ def test_process_staging_is_private_and_removed_after_the_writer_is_killed(tmp_p
         for p in staged:  # kept for reuse between saves: readable by this user only
             st = os.stat(p)
             assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid(), p
+        assert saver.writer_pid is not None  # mode="process": a writer process runs once a save started
         os.kill(saver.writer_pid, signal.SIGKILL)
     finally:
         saver.close()
