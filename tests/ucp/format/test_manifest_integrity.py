@@ -167,3 +167,35 @@ def test_declared_counts_are_capped(ck: Path, monkeypatch: pytest.MonkeyPatch) -
 
 def test_manifest_size_cap_is_a_module_constant() -> None:
     assert MAX_MANIFEST_BYTES == int(os.environ.get("UCP_MAX_MANIFEST_BYTES", 256 << 20))
+
+
+def test_oversized_remote_manifest_is_refused_before_it_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
+    import ucp.store.reader as reader_mod
+    from ucp.store.storage import Storage
+
+    url = f"memory://ucp-test-manifest-cap-{os.getpid()}/ck"
+    fs = fsspec.filesystem("memory")
+    try:
+        ucp.save(_state(), url)
+        size = fs.size(f"{url}/manifest.json")
+        monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", size - 1)  # the limit the message states
+        monkeypatch.setattr(reader_mod, "MAX_MANIFEST_BYTES", size - 1)  # the limit the reader applies
+        reads: list[str] = []
+        for cls in {type(s) for s in Storage.__subclasses__()} | set(Storage.__subclasses__()):
+            if "read_small" in vars(cls):
+                original = vars(cls)["read_small"]
+                monkeypatch.setattr(
+                    cls, "read_small", lambda self, rel, _o=original: reads.append(rel) or _o(self, rel)
+                )
+        with pytest.raises(ucp.ManifestError, match=rf"manifest.json: {size} bytes, over the {size - 1} byte limit"):
+            ucp.load(url)
+        assert not [r for r in reads if r.endswith("manifest.json")]
+        monkeypatch.setattr(reader_mod, "MAX_MANIFEST_BYTES", size)  # at the limit: read (the spy sees it)
+        monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", size)
+        assert ucp.load(url)["optimizer"]["step"] == 100
+        assert [r for r in reads if r.endswith("manifest.json")]
+    finally:
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
