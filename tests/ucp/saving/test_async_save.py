@@ -1,6 +1,5 @@
-"""Asynchronous saves: snapshot isolation, both writer modes, errors, asyncio, trainer death, 2 gloo ranks.
-
-Run as a script, this file is one rank of the multi-process test (see ``worker``).
+"""Asynchronous saves: snapshot isolation, both writer modes, errors, asyncio, trainer death, 2 gloo ranks
+(their rank side: tests/support/async_save_worker.py).
 """
 
 from __future__ import annotations
@@ -11,28 +10,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from async_save_worker import ALL, COW, MODES, make_saver  # noqa: E402
 from repo_paths import SUPPORT  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
+from world import run_world  # noqa: E402
 
 import ucp  # noqa: E402
 from ucp.saving.async_save import AsyncSaver, SaveHandle, aload, asave, async_save, default_saver  # noqa: E402
-from ucp.saving.cow import snapshot as ucp_cow  # noqa: E402
-
-HERE = Path(__file__).resolve()
-MODES = ["thread", "process"]  # "thread" copies before returning (snapshot="sync") in these tests
-COW = None if ucp_cow.cow_unavailable() else "cow"  # copy-on-write snapshots, where this machine allows them
-ALL = MODES + ([COW] if COW else [])
-
-
-def make_saver(mode: str, **kw) -> AsyncSaver:
-    """A saver of one test mode: "thread" and "process" copy before returning, "cow" protects and copies later."""
-    if mode == "cow":
-        return AsyncSaver(mode="thread", snapshot="cow", **kw)
-    return AsyncSaver(mode=mode, snapshot="sync", **kw)
 
 
 def awkward_state(seed: int = 0) -> dict:
@@ -405,103 +392,14 @@ def test_writer_process_commits_after_the_trainer_died(tmp_path):
 
 # -- two real ranks (torch.distributed, gloo) -----------------------------------------------------
 
-W = random_tensor(torch.float32, (8, 6), seed=31)
-F = random_tensor(torch.int64, (5, 7), seed=32)
-R = random_tensor(torch.float16, (3, 3), seed=33)
-
-
-def rank_state(rank: int) -> dict:
-    cut = [0, 16, 35]
-    return {
-        "w": ucp.ShardedTensor(W[rank * 4 : (rank + 1) * 4].clone(), (8, 6), (rank * 4, 0)),
-        "f": ucp.FlatShard(F.reshape(-1)[cut[rank] : cut[rank + 1]].clone(), (5, 7), cut[rank]),
-        "r": R.clone(),
-        "step": 7,
-    }
-
-
-def worker(rank: int, world: int, init: str, ck: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    savers = {m: make_saver(m) for m in ALL}
-    savers["process"].start(wait=False)  # its writer process starts up while the thread mode runs
-    for mode in ALL:
-        with savers[mode] as saver:
-            for round_ in range(2):  # the second save replaces the first (the commit's exchange path)
-                state = rank_state(rank)
-                h = saver.save(state, f"{ck}/{mode}", step=7 + round_, mesh={"dp": 2})
-                state["w"].local.zero_()
-                state["f"].local.zero_()
-                state["r"].zero_()
-                dist.barrier()  # training collectives go on while the writers work
-                m = h.result(timeout=120)
-                assert m.step == 7 + round_ and m.topology.world_size == 2, m
-            dist.barrier()
-            if rank == 0:
-                back = ucp.load(f"{ck}/{mode}")
-                assert same_bytes(back["w"], W) and same_bytes(back["f"], F) and same_bytes(back["r"], R)
-                assert sorted(os.listdir(f"{ck}/{mode}")) == [
-                    "manifest.json",
-                    "rank-00000.safetensors",
-                    "rank-00001.safetensors",
-                ]
-            # one rank fails before its snapshot: it raises at once, the other's result() raises
-            bad = rank_state(rank)
-            if rank == 1:
-                bad["oops"] = {1, 2}
-                try:
-                    saver.save(bad, f"{ck}/{mode}-bad", step=1)
-                except ucp.UnsupportedStateError:
-                    pass
-                else:
-                    raise AssertionError("rank 1 should have raised")
-            else:
-                h = saver.save(bad, f"{ck}/{mode}-bad", step=1)
-                try:
-                    h.result(timeout=120)
-                except ucp.CommitError as exc:
-                    assert "rank 1" in str(exc), exc
-                else:
-                    raise AssertionError("rank 0's save should have failed")
-            dist.barrier()
-            leftovers = [n for n in os.listdir(ck) if n.startswith(".")]
-            assert not leftovers, leftovers
-            dist.barrier()
-    dist.destroy_process_group()
-
 
 @pytest.mark.timeout(300)
 def test_two_gloo_ranks_async_save_commit_through_files(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE), str(r), "2", str(tmp_path / "init"), str(ck)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r} ---\n{o[-3000:]}" for r, o in failed)
+    run_world(SUPPORT / "async_save_worker.py", lambda r: [r, 2, tmp_path / "init", ck], 2, timeout=240)
     m = ucp.read_manifest(ck / "process")
     assert m.topology.mesh == {"dp": 2} and m.step == 8
-
-
-if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
 
 
 def test_a_save_cancelled_while_queued_gives_everything_back(tmp_path, monkeypatch):
