@@ -112,7 +112,7 @@ def test_cli_options_agree(tmp_path: Path) -> None:
     assert json.loads(got.stdout)["memory_budget"] == DEFAULT_MEMORY_BUDGET
     # the same spelling in tune: 1GB is 10^9 bytes there too, so not a multiple of 4096
     got = runner.invoke(app, ["tune", "--dir", str(tmp_path), "--block-sizes", "1GB"])
-    assert got.exit_code == 1 and "block_size must be a positive multiple of 4096" in got.output
+    assert got.exit_code != 0 and "block_size must be a positive multiple of 4096" in got.output
     for command in (["reshape"], ["tune"], ["export"], ["bench", "io"]):
         help_text = " ".join(runner.invoke(app, [*command, "--help"]).stdout.replace("│", " ").split())
         assert "KB/MB/GB are powers of 10" in help_text, command

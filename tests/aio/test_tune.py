@@ -98,9 +98,9 @@ def test_cli_tune_reads_sizes_by_the_one_rule(tmp_path: Path) -> None:
     from ucp.cli.main import app
 
     result = CliRunner().invoke(app, ["tune", "--dir", str(tmp_path), "--block-sizes", "1MB"])
-    assert result.exit_code == 1 and "block_size must be a positive multiple of 4096" in result.output
+    assert result.exit_code != 0 and "block_size must be a positive multiple of 4096" in result.output
     result = CliRunner().invoke(app, ["tune", "--dir", str(tmp_path), "--block-sizes", "8M"])
-    assert result.exit_code == 1 and "'8M' is ambiguous: write 8MB (powers of 10) or 8MiB" in result.output
+    assert result.exit_code != 0 and "'8M' is ambiguous: write 8MB (powers of 10) or 8MiB" in result.output
 
 
 def test_config_from_json_shapes() -> None:

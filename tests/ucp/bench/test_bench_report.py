@@ -26,7 +26,7 @@ def _report() -> BenchReport:
         device="fio",
         peers=["torch", "DCP"],
         rows=[
-            ReportRow(name="raw", method="fio", op="save", vs_device=1.0, **row),  # type: ignore[arg-type]
+            ReportRow(name="raw", method="fio", op="save", vs_device=1.0, **row),
             ReportRow(
                 name="ucp",
                 method="ucp.save / ucp.load",
@@ -37,7 +37,7 @@ def _report() -> BenchReport:
                 bytes_on_disk=3 << 30,
                 min_gbps=1.5,
                 max_gbps=2.5,
-                **row,  # type: ignore[arg-type]
+                **row,
             ),
         ],
         notes=["cold loads: yes"],

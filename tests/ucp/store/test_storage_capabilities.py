@@ -89,19 +89,19 @@ def test_liveness_locks_and_identity(tmp_path, mem_root):
     local.makedirs("tmp")
     st = os.stat(tmp_path / "tmp")
     assert bg.identity(local, "tmp") == (st.st_dev, st.st_ino)
-    fd = bg.hold_alive(local, job)  # type: ignore[arg-type]
+    fd = bg.hold_alive(local, job)
     assert fd is not None
-    assert not bg.rank_dead(local, job, 0)  # type: ignore[arg-type]
+    assert not bg.rank_dead(local, job, 0)
     os.close(fd)  # the rank "dies": its lock goes with it
-    assert bg.rank_dead(local, job, 0)  # type: ignore[arg-type]
-    bg.drop_alive_files(local, job)  # type: ignore[arg-type]
+    assert bg.rank_dead(local, job, 0)
+    bg.drop_alive_files(local, job)
     assert local.listdir("tmp") == []
 
     mem, _ = open_storage(f"memory://{mem_root}/ck")
     mem.makedirs("tmp")
     assert bg.identity(mem, "tmp") is None
-    assert bg.hold_alive(mem, job) is None  # type: ignore[arg-type]
-    assert not bg.rank_dead(mem, job, 0)  # type: ignore[arg-type]
+    assert bg.hold_alive(mem, job) is None
+    assert not bg.rank_dead(mem, job, 0)
 
 
 def test_local_checks_refuse_special_files(tmp_path):
