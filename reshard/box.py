@@ -12,6 +12,8 @@ Pure integer math: no tensors, no I/O.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -346,23 +348,42 @@ def _tiles(boxes: Sequence[Box], shape: tuple[int, ...]) -> bool | None:
 
 def _find_overlap(boxes: Iterable[tuple[Box, int]], budget: int) -> tuple[int, int] | None | bool:
     """Indices of two overlapping boxes; None when there are none; False when ``budget``
-    comparisons did not settle it. A sweep along the most finely split dimension."""
+    comparisons did not settle it.
+
+    A sweep along the most finely split dimension. The boxes the sweep line crosses are kept
+    sorted by where they start along the next most finely split one, so a box is compared only
+    with those whose span there can reach it: about one per box for grids and row layouts.
+    """
     items = [b for b in boxes if not b[0].empty]
     if not items:
         return None
-    if items[0][0].ndim == 0:
-        return (items[0][1], items[1][1]) if len(items) > 1 else None
     ndim = items[0][0].ndim
-    dim = max(range(ndim), key=lambda d: len({b.offsets[d] for b, _ in items}))
+    if ndim == 0:
+        return (items[0][1], items[1][1]) if len(items) > 1 else None
+    ranked = sorted(range(ndim), key=lambda d: -len({b.offsets[d] for b, _ in items}))
+    dim, dim2 = ranked[0], ranked[min(1, ndim - 1)]
     items.sort(key=lambda t: t[0].offsets[dim])
-    active: list[tuple[Box, int]] = []
-    for box, idx in items:
-        budget -= 2 * len(active) + 1
+    reach = max(b.shape[dim2] for b, _ in items)  # a box starting further back along dim2 ends before
+    keys: list[tuple[int, int]] = []  # (start along dim2, sequence number) of the boxes crossing the line
+    crossing: dict[tuple[int, int], tuple[Box, int]] = {}
+    ends: list[tuple[int, tuple[int, int]]] = []  # heap: (end along dim, key)
+    for seq, (box, idx) in enumerate(items):
+        at = box.offsets[dim]
+        while ends and ends[0][0] <= at:
+            key = heapq.heappop(ends)[1]
+            del keys[bisect.bisect_left(keys, key)]
+            del crossing[key]
+        lo, hi = box.offsets[dim2], box.offsets[dim2] + box.shape[dim2]
+        first, last = bisect.bisect_left(keys, (lo - reach + 1, -1)), bisect.bisect_left(keys, (hi, -1))
+        budget -= last - first + 1
         if budget < 0:
             return False
-        active = [a for a in active if a[0].stop[dim] > box.offsets[dim]]
-        for other, oidx in active:
+        for key in keys[first:last]:
+            other, oidx = crossing[key]
             if other.intersect(box) is not None:
                 return (min(oidx, idx), max(oidx, idx))
-        active.append((box, idx))
+        key = (lo, seq)
+        bisect.insort(keys, key)
+        crossing[key] = (box, idx)
+        heapq.heappush(ends, (at + box.shape[dim], key))
     return None
