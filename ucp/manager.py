@@ -390,6 +390,8 @@ class CheckpointManager:
     ``"none"`` (asynchronous saves, see :class:`~ucp.AsyncSaver`): :meth:`save` returns before the
     state is copied (or, with "none", written straight from the tensors), and the caller must call
     ``handle.wait_snapshot()`` before changing it (``training.Engine`` does, before its optimizer step).
+    ``mode``, ``max_in_flight``, ``commit_timeout`` and ``snapshot`` left out (None) take the defaults of
+    :class:`~ucp.saving.options.AsyncSaveOptions`.
     """
 
     def __init__(
@@ -398,13 +400,13 @@ class CheckpointManager:
         *,
         keep_last: int | None = None,
         async_save: bool = False,
-        mode: Mode = "thread",
-        max_in_flight: int = 1,
+        mode: Mode | None = None,
+        max_in_flight: int | None = None,
         process_group: Any = None,
         aio_config: AioConfig | dict[str, Any] | None = None,
         saver: AsyncSaver | None = None,
-        commit_timeout: float = 1800.0,
-        snapshot: Snapshot = "auto",
+        commit_timeout: float | None = None,
+        snapshot: Snapshot | None = None,
     ) -> None:
         if "://" in os.fspath(root):
             raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")

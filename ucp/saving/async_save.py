@@ -37,36 +37,32 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Generator, Literal, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Generator, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from aio import AioConfig
 from ucp.dist import Group, resolve_group
 from ucp.errors import CommitError, ManifestError, NotACheckpointError, UnsupportedStateError
 from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, too_large
 from ucp.format.tree import Leaf, encode_state
-from ucp.saving import step_guard
-from ucp.saving.background.handshake import abandon, identity, publish_report
-from ucp.saving.background.image import DirectImage, Progress
+from ucp.saving import snapshot_modes, step_guard
+from ucp.saving.background.handshake import identity, publish_report
+from ucp.saving.background.image import Progress
 from ucp.saving.background.job import PlanSpec, PostCommit, WriteJob, describe, next_job_id
 from ucp.saving.background.process_backend import ProcessBackend
 from ucp.saving.background.thread_backend import ThreadBackend
-from ucp.saving.cow import snapshot as _cow
+from ucp.saving.options import AsyncSaveOptions, Mode, Snapshot
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
-from ucp.saving.snapshot import ChangeWatch, image_sources, local_tensor, replica_checksums
-from ucp.saving.snapshot import snapshot as snapshot_views
+from ucp.saving.snapshot import replica_checksums
 from ucp.saving.staging import Arena, StagingPool
 from ucp.saving.sync_save import _check_args, save
 from ucp.store import commit as _commit
 from ucp.store.storage import Storage, as_aio_config, open_storage
 
 log = logging.getLogger(__name__)
-
-COPY_CHUNK = 64 << 20  # the snapshot reports progress to the writer every this many bytes
-Mode = Literal["thread", "process"]
-Snapshot = Literal["auto", "cow", "sync", "background", "none"]
 
 
 class SaveHandle:
@@ -183,49 +179,62 @@ class AsyncSaver:
     memory bandwidth and CPU with the writer: on our 2-core test VM the stall grew
     from 0.09 s to 0.16 s per GiB, so it is off by default. ``commit_timeout`` bounds how
     long rank 0 waits for the other ranks' reports and they wait for its commit.
+
+    The options are the fields of :class:`~ucp.saving.options.AsyncSaveOptions` (held as :attr:`options`;
+    ``options=`` passes a whole model, keywords go over it, and one left out takes the model's default).
+    ``snapshot`` picks one strategy of :mod:`ucp.saving.snapshot_modes` when the saver is made.
     """
 
     def __init__(
         self,
-        max_in_flight: int = 1,
-        mode: Mode = "thread",
+        max_in_flight: int | None = None,
+        mode: Mode | None = None,
         aio_config: AioConfig | dict[str, Any] | None = None,
         *,
-        staging_dir: str = "/dev/shm",
-        commit_timeout: float = 1800.0,
-        pipeline: bool = False,
-        snapshot: Snapshot = "auto",
-        hold_optimizer_steps: bool = True,
+        staging_dir: str | None = None,
+        commit_timeout: float | None = None,
+        pipeline: bool | None = None,
+        snapshot: Snapshot | None = None,
+        hold_optimizer_steps: bool | None = None,
+        options: AsyncSaveOptions | None = None,
     ) -> None:
-        if mode not in ("thread", "process"):
-            raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
-        if snapshot not in ("auto", "cow", "sync", "background", "none"):
-            raise ValueError(f"snapshot must be 'auto', 'cow', 'sync', 'background' or 'none', got {snapshot!r}")
-        if snapshot in ("none", "cow") and mode != "thread":
-            raise ValueError(f"snapshot={snapshot!r} works on this process's memory: it needs mode='thread'")
-        why_not = _cow.cow_unavailable() if snapshot in ("auto", "cow") and mode == "thread" else "mode='process'"
-        if snapshot == "cow" and why_not is not None:
-            raise _cow.CowUnavailable(f"copy-on-write snapshots are not available here: {why_not}")
-        if snapshot == "auto":
-            snapshot = "cow" if why_not is None else "sync"
-        self.mode = mode
-        self.snapshot: Snapshot = snapshot  # what "auto" chose: "cow" or "sync"
-        self._cow = _cow.CowSnapshots() if snapshot == "cow" else None
+        """Every keyword left out (or None) takes ``options``' value, else :class:`AsyncSaveOptions`' default."""
+        try:
+            self.options = AsyncSaveOptions.build(
+                options,
+                max_in_flight=max_in_flight,
+                mode=mode,
+                aio_config=aio_config,
+                staging_dir=staging_dir,
+                commit_timeout=commit_timeout,
+                pipeline=pipeline,
+                snapshot=snapshot,
+                hold_optimizer_steps=hold_optimizer_steps,
+            )
+        except ValidationError as exc:  # the option's own message, e.g. "mode must be 'thread' or 'process'"
+            raise ValueError("; ".join(str(e.get("ctx", {}).get("error", e["msg"])) for e in exc.errors())) from None
+        opts = self.options
+        self._snapshot_mode = snapshot_modes.choose(opts)
+        self.mode: Mode = opts.mode
+        self.snapshot: Snapshot = self._snapshot_mode.name  # type: ignore[assignment]  # what "auto" chose
+        self._cow = self._snapshot_mode.cow if isinstance(self._snapshot_mode, snapshot_modes.CowSnapshot) else None
         if self._cow is not None:  # a saver dropped without close() still stops its helper process
             weakref.finalize(self, self._cow.close)
-        self.hold_optimizer_steps = hold_optimizer_steps
-        self._copier: ThreadPoolExecutor | None = None
-        self.aio_config = as_aio_config(aio_config)
-        self.commit_timeout = commit_timeout
-        self.pipeline = pipeline
+        self.hold_optimizer_steps = opts.hold_optimizer_steps
+        self.aio_config = opts.aio_config
+        self.commit_timeout = opts.commit_timeout
+        self.pipeline = opts.pipeline
         self.pool = StagingPool(
-            max_in_flight, shared=mode == "process", directory=staging_dir, memfd=self._cow is not None
+            opts.max_in_flight,
+            shared=opts.mode == "process",
+            directory=opts.staging_dir,
+            memfd=self._snapshot_mode.memfd,
         )
-        if self._cow is not None:
-            self.pool.on_drop.append(self._cow.forget)
+        self.pool.on_drop.append(self._snapshot_mode.forget)
         self._backend: ThreadBackend | ProcessBackend = (
-            ThreadBackend(self.pool) if mode == "thread" else ProcessBackend(self.pool)
+            ThreadBackend(self.pool) if opts.mode == "thread" else ProcessBackend(self.pool)
         )
+        self._writer = snapshot_modes.Writer(self._backend, self.pool, opts.pipeline, self._stream_for)
         self._pending: set[SaveHandle] = set()
         self._temps: dict[str, int] = {}  # absolute temp dir -> job id, for saves in flight
         self._lock = threading.Lock()
@@ -306,7 +315,7 @@ class AsyncSaver:
                 if check_replicas
                 else []
             )
-            if plan.file is not None and self.snapshot != "none":
+            if plan.file is not None and self._snapshot_mode.copies:
                 arena = self.pool.acquire(plan.file_size)
         except BaseException as exc:
             local_error = exc
@@ -363,7 +372,10 @@ class AsyncSaver:
                     self.pool.release(arena)
                 _commit.close_fd(lock_fd)
                 raise
-            future, copying, protected = self._run(job, plan, leaves, arena, lock_fd)  # owns the arena and lock
+            progress = Progress(plan.file_size if plan.file is not None else 0)
+            future, copying, protected = self._snapshot_mode.start(  # owns the arena and lock
+                self._writer, job, plan, leaves, arena, lock_fd, progress
+            )
             if copying is not None and not protected and self.hold_optimizer_steps:
                 step_guard.hold_steps_until(copying)
         finally:
@@ -388,7 +400,7 @@ class AsyncSaver:
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
-        if self.snapshot == "none":
+        if not self._snapshot_mode.copies:
             return 0
         group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
         plan = plan_save(encode_state(state_dict).leaves, group.rank, group.world_size, cache=PLAN_CACHE)
@@ -396,8 +408,7 @@ class AsyncSaver:
             return 0
         arena = self.pool.acquire(plan.file_size)
         try:
-            if self._cow is not None:
-                self._cow.prepare(arena)  # type: ignore[arg-type]
+            self._snapshot_mode.prepare(arena)
         finally:
             self.pool.release(arena)
         return plan.file_size
@@ -418,12 +429,9 @@ class AsyncSaver:
             for h in pending:
                 h.exception()
         self._closed = True
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
         self._backend.close()
         self.pool.close()
-        if self._cow is not None:
-            self._cow.close()
+        self._snapshot_mode.close()
         _LIVE.discard(self)
 
     def __enter__(self) -> "AsyncSaver":
@@ -453,140 +461,6 @@ class AsyncSaver:
             raise CommitError(f"saving {storage.describe(name)} failed on rank 0: {error}", ranks=(0,), reason=error)
         return temp
 
-    def _run(
-        self, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], arena: Arena | None, lock_fd: int | None
-    ) -> tuple[Future, Future | None, bool]:
-        """Start the background job and fill its arena (the writer follows the copy when ``pipeline``).
-
-        Owns ``arena`` and ``lock_fd``: they go to the job, or are given back here on failure.
-        Returns the job's future; when the copy runs in the background, the copy's; and whether the
-        tensors may change before that copy is done (copy-on-write protects them).
-        """
-        progress = Progress(plan.file_size if plan.file is not None else 0)
-        if self.snapshot == "none" and plan.file is not None:
-            return (*self._run_from_tensors(job, plan, leaves, lock_fd, progress), False)
-        if self.snapshot == "background" and arena is not None and _on_host(plan, leaves):
-            return (*self._run_in_background(job, plan, leaves, arena, lock_fd, progress), False)
-        if self._cow is not None and arena is not None and _on_host(plan, leaves):
-            future, copying = self._run_copy_on_write(job, plan, leaves, arena, lock_fd, progress)
-            return future, copying, copying is not None
-
-        def give_up() -> None:
-            if arena is not None:
-                self.pool.release(arena)
-            _commit.close_fd(lock_fd)
-            abandon(job)
-
-        def submit() -> Future:
-            try:
-                return self._backend.submit(job, arena, progress, lock_fd)
-            except BaseException:
-                give_up()
-                raise
-
-        future = submit() if self.pipeline or arena is None else None
-        try:
-            if arena is not None:
-                events = snapshot_into(plan, leaves, arena, progress, self._stream_for)
-                if events:
-                    if self.mode == "process":  # another process cannot wait on our CUDA events
-                        for ev in events:
-                            ev.synchronize()
-                        progress.advance(progress.total)
-                    else:
-                        progress.complete_after(events)
-        except BaseException as exc:
-            why = f"snapshot failed: {describe(exc)}"
-            if future is None:
-                give_up()
-            else:  # the job fails, cleans up and gives the arena back
-                progress.fail(why)
-                if isinstance(self._backend, ProcessBackend):
-                    self._backend.abort(job.id, why)
-            raise
-        return (future if future is not None else submit()), None, False
-
-    def _run_from_tensors(
-        self, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None, progress: Progress
-    ) -> tuple[Future, Future]:
-        """No copy: the writer thread writes straight from the tensors (O_DIRECT from their memory where the
-        plan put pieces in phase); the caller keeps them unchanged until the data file is written."""
-        try:
-            watch = ChangeWatch(plan, leaves, aliased_only=True)
-            image = DirectImage(plan, snapshot_views(plan, leaves), watch=watch)
-            future = self._backend.submit(job, image, progress, lock_fd)
-        except BaseException:
-            _commit.close_fd(lock_fd)
-            abandon(job)
-            raise
-        return future, image.written
-
-    def _submit_or_give_back(self, job: WriteJob, arena: Arena, progress: Progress, lock_fd: int | None) -> Future:
-        """Start the writer on ``job`` (it follows ``progress``); if that fails, give back what the job owned."""
-        try:
-            return self._backend.submit(job, arena, progress, lock_fd)
-        except BaseException:
-            self.pool.release(arena)
-            _commit.close_fd(lock_fd)
-            abandon(job)
-            raise
-
-    def _run_in_background(
-        self,
-        job: WriteJob,
-        plan: SavePlan,
-        leaves: Sequence[Leaf],
-        arena: Arena,
-        lock_fd: int | None,
-        progress: Progress,
-    ) -> tuple[Future, Future]:
-        """The writer starts now and follows the copy, which runs on the copier thread."""
-        watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
-        future = self._submit_or_give_back(job, arena, progress, lock_fd)
-
-        def copy() -> None:
-            try:
-                snapshot_into(plan, leaves, arena, progress, self._stream_for, watch=watch)
-            except BaseException as exc:
-                watch.release()
-                why = f"snapshot failed: {describe(exc)}"
-                progress.fail(why)  # the job fails, cleans up and gives the arena back
-                if isinstance(self._backend, ProcessBackend):
-                    self._backend.abort(job.id, why)
-                raise
-
-        with self._lock:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
-            copier = self._copier
-        return future, copier.submit(copy)
-
-    def _run_copy_on_write(
-        self,
-        job: WriteJob,
-        plan: SavePlan,
-        leaves: Sequence[Leaf],
-        arena: Arena,
-        lock_fd: int | None,
-        progress: Progress,
-    ) -> tuple[Future, Future | None]:
-        """The tensors' pages are write-protected and copied by the helper process (:mod:`ucp.saving.cow.snapshot`);
-        the writer starts now and follows it. Where that cannot run, the copy is made here."""
-        assert self._cow is not None
-        future = self._submit_or_give_back(job, arena, progress, lock_fd)
-        try:
-            try:
-                copying: Future | None = self._cow.start(plan, leaves, arena, progress)  # type: ignore[arg-type]
-            except _cow.CowUnavailable as exc:
-                log.info("copy-on-write snapshot of %s not possible (%s); copying now", job.path, exc)
-                copying = None
-                if snapshot_into(plan, leaves, arena, progress, self._stream_for):
-                    raise AssertionError("host tensors gave CUDA copy events") from None
-        except BaseException as exc:
-            progress.fail(f"snapshot failed: {describe(exc)}")  # the job fails, cleans up, gives the arena back
-            raise
-        return future, copying
-
     def _stream_for(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
@@ -614,87 +488,6 @@ def wait_all(handles: Sequence[SaveHandle]) -> None:
 
 def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> WriteJob:
     return WriteJob(id=job_id, path=os.fspath(path), name=name, temp=temp, rank=group.rank, world_size=group.world_size)
-
-
-# -- the snapshot --------------------------------------------------------------------------------
-
-
-def snapshot_into(
-    plan: SavePlan,
-    leaves: Sequence[Leaf],
-    arena: Arena,
-    progress: Progress,
-    stream_for: Callable[[torch.device], Any],
-    *,
-    chunk: int | None = None,
-    watch: ChangeWatch | None = None,
-) -> list[Any]:
-    """Copy the rank file's image (header, then every piece at its offset, zeros between) into ``arena``.
-
-    Host tensors are copied chunk by chunk with ``Tensor.copy_`` (which splits
-    large copies over torch's intra-op threads), advancing ``progress`` so the
-    writer can follow. CUDA tensors are queued on a side stream (returned events mark
-    their completion); the caller's current stream waits for those copies, so
-    later kernels cannot change the bytes before they are copied.
-
-    ``watch`` (deferred snapshots, host tensors only): each piece's tensor is checked after its
-    copy, and all of them once more before the last byte is released to the writer, so a tensor
-    changed before its copy ended fails the save instead of being committed half old, half new.
-    """
-    chunk = chunk or COPY_CHUNK
-    hold = plan.file_size - 1 if watch is not None else plan.file_size  # the writer cannot finish before the check
-
-    def advance(n: int) -> None:
-        progress.advance(min(n, hold))
-
-    events: list[Any] = []
-    for i, src in image_sources(plan, leaves, arena):
-        if i == 0:
-            advance(plan.data_start)
-        p = plan.pieces[i]
-        dst = arena.tensor(p.length, p.offset).view(src.dtype)
-        if src.device.type == "cuda":
-            events.append(_copy_from_cuda(dst.view(src.shape), src, stream_for(src.device)))
-            continue
-        if src.device.type != "cpu":
-            src = src.cpu()
-        if src.is_contiguous() and not events:
-            flat, step = src.reshape(-1), max(1, chunk // max(1, src.element_size()))
-            for a in range(0, flat.numel(), step):
-                b = min(a + step, flat.numel())
-                dst[a:b].copy_(flat[a:b])
-                if watch is not None:
-                    watch.check_piece(i)
-                advance(p.offset + b * src.element_size())
-        else:
-            dst.view(src.shape).copy_(src)
-            if watch is not None:
-                watch.check_piece(i)
-            if not events:
-                advance(p.offset + p.length)
-    if watch is not None:
-        watch.check_all()
-        watch.release()
-    if not events:
-        progress.advance(plan.file_size)
-    return events
-
-
-def _on_host(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
-    """Whether every piece the plan writes comes from a CPU tensor (a background copy needs that)."""
-    return all(local_tensor(leaves[p.leaf], p.part).device.type == "cpu" for p in plan.pieces)
-
-
-def _copy_from_cuda(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:
-    current = torch.cuda.current_stream(src.device)
-    stream.wait_stream(current)  # the copy sees everything queued before async_save
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        src.record_stream(stream)  # the allocator must not reuse src's memory before the copy ran
-        event = torch.cuda.Event()
-        event.record(stream)
-    current.wait_event(event)  # later work on the current stream cannot modify src before it is copied
-    return event
 
 
 # -- the default saver, and the module-level functions -------------------------------------------

@@ -4,12 +4,12 @@ The synchronous save takes views straight onto the tensors' memory (copying only
 what is not already a contiguous CPU tensor), so the bytes must not change until
 the write is done. An asynchronous save replaces :func:`snapshot` with copies into
 staging buffers and returns to training before writing; everything after this
-step only sees ``memoryview``\\ s.
+step only sees ``memoryview``\\ s: :func:`snapshot_into` copies a rank file's image into a staging arena.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -20,7 +20,10 @@ from ucp.format.tree import Leaf
 from ucp.saving.plan import PlannedPiece, SavePlan, assign_replicated, leaf_layouts
 
 if TYPE_CHECKING:
+    from ucp.saving.background.image import Progress
     from ucp.saving.staging import Arena
+
+COPY_CHUNK = 64 << 20  # the snapshot reports progress to the writer every this many bytes
 
 
 def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
@@ -167,3 +170,81 @@ def _check(name: str, t: torch.Tensor, version: int) -> None:
             "tensors, or use snapshot='sync'",
             tensor=name,
         )
+
+
+def snapshot_into(
+    plan: SavePlan,
+    leaves: Sequence[Leaf],
+    arena: Arena,
+    progress: "Progress",
+    stream_for: Callable[[torch.device], Any],
+    *,
+    chunk: int | None = None,
+    watch: ChangeWatch | None = None,
+) -> list[Any]:
+    """Copy the rank file's image (header, then every piece at its offset, zeros between) into ``arena``.
+
+    Host tensors are copied chunk by chunk with ``Tensor.copy_`` (which splits
+    large copies over torch's intra-op threads), advancing ``progress`` so the
+    writer can follow. CUDA tensors are queued on a side stream (returned events mark
+    their completion); the caller's current stream waits for those copies, so
+    later kernels cannot change the bytes before they are copied.
+
+    ``watch`` (deferred snapshots, host tensors only): each piece's tensor is checked after its
+    copy, and all of them once more before the last byte is released to the writer, so a tensor
+    changed before its copy ended fails the save instead of being committed half old, half new.
+    """
+    chunk = chunk or COPY_CHUNK
+    hold = plan.file_size - 1 if watch is not None else plan.file_size  # the writer cannot finish before the check
+
+    def advance(n: int) -> None:
+        progress.advance(min(n, hold))
+
+    events: list[Any] = []
+    for i, src in image_sources(plan, leaves, arena):
+        if i == 0:
+            advance(plan.data_start)
+        p = plan.pieces[i]
+        dst = arena.tensor(p.length, p.offset).view(src.dtype)
+        if src.device.type == "cuda":
+            events.append(_copy_from_cuda(dst.view(src.shape), src, stream_for(src.device)))
+            continue
+        if src.device.type != "cpu":
+            src = src.cpu()
+        if src.is_contiguous() and not events:
+            flat, step = src.reshape(-1), max(1, chunk // max(1, src.element_size()))
+            for a in range(0, flat.numel(), step):
+                b = min(a + step, flat.numel())
+                dst[a:b].copy_(flat[a:b])
+                if watch is not None:
+                    watch.check_piece(i)
+                advance(p.offset + b * src.element_size())
+        else:
+            dst.view(src.shape).copy_(src)
+            if watch is not None:
+                watch.check_piece(i)
+            if not events:
+                advance(p.offset + p.length)
+    if watch is not None:
+        watch.check_all()
+        watch.release()
+    if not events:
+        progress.advance(plan.file_size)
+    return events
+
+
+def on_host(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
+    """Whether every piece the plan writes comes from a CPU tensor (a background copy needs that)."""
+    return all(local_tensor(leaves[p.leaf], p.part).device.type == "cpu" for p in plan.pieces)
+
+
+def _copy_from_cuda(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Any:
+    current = torch.cuda.current_stream(src.device)
+    stream.wait_stream(current)  # the copy sees everything queued before async_save
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        src.record_stream(stream)  # the allocator must not reuse src's memory before the copy ran
+        event = torch.cuda.Event()
+        event.record(stream)
+    current.wait_event(event)  # later work on the current stream cannot modify src before it is copied
+    return event

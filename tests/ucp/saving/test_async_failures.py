@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from ucp_helpers import assert_same_state, random_tensor, same_bytes  # noqa: E402
 
 import ucp  # noqa: E402
-import ucp.saving.async_save as async_mod  # noqa: E402
 import ucp.saving.background.execute as bg  # noqa: E402
+import ucp.saving.snapshot as snapshot_mod  # noqa: E402
 from ucp.errors import CheckpointError, CommitError  # noqa: E402
 from ucp.manager import CheckpointManager, read_latest  # noqa: E402
 from ucp.saving.async_save import AsyncSaver  # noqa: E402
@@ -86,9 +86,9 @@ def failing_snapshot(plan, leaves, arena, progress, stream_for, **kw):
     "mode,snapshot", [("thread", "sync"), ("thread", "background"), ("process", "sync"), ("process", "background")]
 )
 def test_a_snapshot_failing_midway_gives_back_arena_lock_and_temp_dir(tmp_path, monkeypatch, mode, snapshot):
-    real = async_mod.snapshot_into
+    real = snapshot_mod.snapshot_into
     with AsyncSaver(mode=mode, snapshot=snapshot) as saver:
-        monkeypatch.setattr(async_mod, "snapshot_into", failing_snapshot)
+        monkeypatch.setattr(snapshot_mod, "snapshot_into", failing_snapshot)
         if snapshot == "sync":
             with pytest.raises(RuntimeError, match="copy broke"):
                 saver.save(state_of(1), tmp_path / "bad", step=1)
@@ -97,7 +97,7 @@ def test_a_snapshot_failing_midway_gives_back_arena_lock_and_temp_dir(tmp_path, 
             h.wait_snapshot(timeout=30)
             with pytest.raises(CheckpointError, match="copy broke"):
                 h.result(timeout=30)
-        monkeypatch.setattr(async_mod, "snapshot_into", real)
+        monkeypatch.setattr(snapshot_mod, "snapshot_into", real)
         assert os.listdir(tmp_path) == []  # the temporary directory is gone
         assert fds_under(tmp_path) == []  # its lock is closed
         assert arena_is_free(saver)
@@ -136,17 +136,17 @@ def test_no_snapshot_mode_write_failure_frees_the_tensors_and_cleans_up(tmp_path
 def test_max_in_flight_two_with_interleaved_failures_keeps_every_good_save_exact(tmp_path, monkeypatch, mode):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "precious.txt").write_text("user data")
-    real = async_mod.snapshot_into
+    real = snapshot_mod.snapshot_into
     good: dict[str, tuple] = {}
     with AsyncSaver(mode=mode, max_in_flight=2, snapshot="sync") as saver:  # the copy made before returning fails
         for i, kind in enumerate(["ok", "snapshot fails", "ok", "commit fails", "ok", "ok"]):
             state = state_of(10 * i)
             expected = clone(state)
             if kind == "snapshot fails":
-                monkeypatch.setattr(async_mod, "snapshot_into", failing_snapshot)
+                monkeypatch.setattr(snapshot_mod, "snapshot_into", failing_snapshot)
                 with pytest.raises(RuntimeError, match="copy broke"):
                     saver.save(state, tmp_path / f"c{i}", step=i)
-                monkeypatch.setattr(async_mod, "snapshot_into", real)
+                monkeypatch.setattr(snapshot_mod, "snapshot_into", real)
             elif kind == "commit fails":
                 bad = saver.save(state, tmp_path / "taken", step=i)
             else:
@@ -249,13 +249,13 @@ def test_result_timeout_raises_timeout_error_and_the_save_goes_on(tmp_path, monk
 
 
 def test_close_during_a_background_copy_waits_for_it_and_commits(tmp_path, monkeypatch):
-    gate, real = threading.Event(), async_mod.snapshot_into
+    gate, real = threading.Event(), snapshot_mod.snapshot_into
 
     def held(*args, **kw):
         assert gate.wait(30)
         return real(*args, **kw)
 
-    monkeypatch.setattr(async_mod, "snapshot_into", held)
+    monkeypatch.setattr(snapshot_mod, "snapshot_into", held)
     saver = AsyncSaver(snapshot="background")
     state = state_of(12)
     expected = clone(state)

@@ -84,7 +84,7 @@ def savers():
 @pytest.mark.parametrize("mode", ALL)
 def test_checkpoint_holds_the_values_of_the_moment_of_the_call(tmp_path, savers, mode, monkeypatch):
     # many progress steps: the writer follows the copy
-    monkeypatch.setattr(sys.modules["ucp.saving.async_save"], "COPY_CHUNK", 1 << 20)
+    monkeypatch.setattr(sys.modules["ucp.saving.snapshot"], "COPY_CHUNK", 1 << 20)
     saver = savers[mode]
     state = awkward_state()
     expected = clone_state(state)
@@ -177,7 +177,7 @@ def test_errors_after_return_come_from_result_and_clean_up(tmp_path, savers, mod
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_a_failed_snapshot_raises_cleans_up_and_frees_its_staging(tmp_path, savers, mode, pipeline, monkeypatch):
-    module = sys.modules["ucp.saving.async_save"]
+    module = sys.modules["ucp.saving.snapshot"]
     real = module.snapshot_into
 
     def half_then_fail(plan, leaves, arena, progress, stream_for, **kw):
@@ -218,7 +218,7 @@ def test_no_snapshot_writes_from_the_tensors_and_frees_them_once_written(tmp_pat
 
 @pytest.mark.parametrize("mode", MODES)
 def test_background_snapshot_returns_before_the_copy_and_saves_the_values_of_the_call(tmp_path, mode, monkeypatch):
-    module = sys.modules["ucp.saving.async_save"]
+    module = sys.modules["ucp.saving.snapshot"]
     monkeypatch.setattr(module, "COPY_CHUNK", 1 << 20)
     real, release = module.snapshot_into, __import__("threading").Event()
 
@@ -242,7 +242,7 @@ def test_background_snapshot_returns_before_the_copy_and_saves_the_values_of_the
 
 
 def test_a_failed_background_snapshot_fails_the_save_not_the_wait(tmp_path, monkeypatch):
-    module = sys.modules["ucp.saving.async_save"]
+    module = sys.modules["ucp.saving.snapshot"]
     real = module.snapshot_into
 
     def fail(*args, **kw):

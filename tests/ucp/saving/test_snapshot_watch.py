@@ -14,10 +14,10 @@ from ucp_helpers import assert_same_state, random_tensor
 
 import ucp
 from ucp.format.tree import encode_state
-from ucp.saving.async_save import AsyncSaver, snapshot_into
+from ucp.saving.async_save import AsyncSaver
 from ucp.saving.background.image import Progress
 from ucp.saving.plan import plan_save
-from ucp.saving.snapshot import ChangeWatch
+from ucp.saving.snapshot import ChangeWatch, snapshot_into
 from ucp.saving.staging import HostArena
 
 MODES = ["thread", "process"]
@@ -38,7 +38,7 @@ def state(seed: int) -> dict:
 def test_a_change_before_the_background_copy_fails_the_save_and_keeps_the_previous_checkpoint(
     tmp_path, mode, monkeypatch
 ):
-    module = sys.modules["ucp.saving.async_save"]
+    module = sys.modules["ucp.saving.snapshot"]
     real, release = module.snapshot_into, threading.Event()
 
     def held_back(*args, **kw):  # the copy starts only when the test says so

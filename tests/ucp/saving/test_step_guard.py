@@ -66,7 +66,7 @@ def _slow(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, started:
 @pytest.mark.parametrize(
     "snapshot, module_name, attr",
     [
-        ("background", "ucp.saving.async_save", "snapshot_into"),
+        ("background", "ucp.saving.snapshot", "snapshot_into"),
         ("none", "ucp.saving.background.execute", "write_rank_file"),
     ],
 )
@@ -92,7 +92,7 @@ def test_a_step_right_after_save_waits_and_the_saved_state_is_the_one_asked_for(
 def test_without_the_guard_the_same_loop_fails_its_save(tmp_path, monkeypatch):
     model, opt = _model_and_optimizer(0)
     _train_step(model, opt, 1)
-    _slow(monkeypatch, "ucp.saving.async_save", "snapshot_into", threading.Event())
+    _slow(monkeypatch, "ucp.saving.snapshot", "snapshot_into", threading.Event())
     with AsyncSaver(snapshot="background", hold_optimizer_steps=False) as saver:
         h = saver.save(_state(model, opt), tmp_path / "ck", step=1)
         _train_step(model, opt, 2)

@@ -13,6 +13,7 @@ from aio import AioConfig
 from reshard.box import Box, FlatRange
 from ucp import errors as _errors
 from ucp.errors import CheckpointError, CommitError
+from ucp.saving.options import DEFAULTS
 from ucp.saving.plan import SavePlan
 from ucp.store import commit as _commit
 from ucp.store.storage import Storage, open_storage
@@ -98,7 +99,7 @@ class WriteJob(BaseModel):
     mesh: dict[str, int] | None = None
     arena_path: str | None = None  # process mode: the shared-memory file holding the image
     arena_capacity: int = 0
-    commit_timeout: float = 1800.0
+    commit_timeout: float = DEFAULTS.commit_timeout
     post_commit: PostCommit | None = None
     replicas: list[_commit.Replica] = []  # check_replicas: checksums taken when the save was asked for
 

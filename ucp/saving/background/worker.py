@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -96,6 +97,10 @@ class _WriterProcess:
             self.arenas[job.arena_path] = arena
         return arena
 
+    def arena_free(self, job_id: int) -> None:
+        """Tell the trainer the job's data file is written: its arena may be reused."""
+        self.send({"op": "arena_free", "id": job_id})
+
     def run_jobs(self) -> None:
         while True:
             item = self.queue.get()
@@ -106,9 +111,7 @@ class _WriterProcess:
                 storage, owned = self.storages.open(job)
                 try:
                     arena = self.arena(job)
-                    manifest = execute(
-                        job, storage, arena, progress, lambda job=job: self.send({"op": "arena_free", "id": job.id})
-                    )
+                    manifest = execute(job, storage, arena, progress, functools.partial(self.arena_free, job.id))
                 finally:
                     if owned:
                         storage.close()

@@ -204,7 +204,7 @@ def read_process_memory(pid: int, copies: Sequence[tuple[int, int, int]]) -> Non
             continue
         err = ctypes.get_errno() if got < 0 else errno.EFAULT
         done = max(got, 0)
-        for at, (dst, src, n) in enumerate(batch):  # name the range where the copy stopped
+        for at, (_dst, src, n) in enumerate(batch):  # name the range where the copy stopped
             if done < n:
                 raise ReadError(err, f"reading {n} bytes at 0x{src:x} of process {pid}: {os.strerror(err)}", first + at)
             done -= n

@@ -1,0 +1,301 @@
+"""How an asynchronous save captures the state: one class per ``snapshot=`` mode, chosen once per saver.
+
+Every mode has the same methods: :meth:`SnapshotMode.start` hands one save's job to the writer and
+captures the tensors (or arranges for them to be captured), :meth:`~SnapshotMode.prepare` readies a
+staging arena ahead of the first save, :meth:`~SnapshotMode.close` stops what the mode runs.
+:func:`choose` turns the ``snapshot`` option ("auto" included) into one of them:
+
+* :class:`SyncSnapshot` ("sync") — copy into the staging arena before ``save`` returns;
+* :class:`BackgroundSnapshot` ("background") — the copy runs on a thread; the caller waits for it
+  (``handle.wait_snapshot()``) before changing the tensors;
+* :class:`CowSnapshot` ("cow") — write-protect the tensors' pages; a helper process copies them
+  (:mod:`ucp.saving.cow.snapshot`);
+* :class:`DirectSnapshot` ("none") — no copy: the writer writes straight from the tensors.
+
+A mode that cannot apply to one save (CUDA tensors for "background"/"cow", a rank with no file)
+falls back to the copying snapshot of :class:`SyncSnapshot` for that save.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+
+from ucp.errors import CowUnavailable
+from ucp.format.tree import Leaf
+from ucp.saving import snapshot as _snap
+from ucp.saving.background.handshake import abandon
+from ucp.saving.background.image import DirectImage, Progress
+from ucp.saving.background.job import WriteJob, describe
+from ucp.saving.background.process_backend import ProcessBackend
+from ucp.saving.background.thread_backend import ThreadBackend
+from ucp.saving.cow import snapshot as _cow
+from ucp.saving.options import AsyncSaveOptions
+from ucp.saving.plan import SavePlan
+from ucp.saving.snapshot import ChangeWatch
+from ucp.saving.snapshot import snapshot as snapshot_views
+from ucp.saving.staging import Arena, StagingPool
+from ucp.store.commit import close_fd
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Writer:
+    """What a mode needs of its saver: the backend that runs jobs, the staging pool, and how to copy."""
+
+    backend: ThreadBackend | ProcessBackend
+    pool: StagingPool
+    pipeline: bool
+    stream_for: Callable[[Any], Any]  # torch.device -> the side CUDA stream for copies from it
+
+
+class Started(NamedTuple):
+    """One save handed to the writer: the job's future; the copy's, when it runs after ``save`` returns;
+    and whether the tensors may change before that copy is done (copy-on-write protects them)."""
+
+    future: Future
+    copying: Future | None
+    protected: bool
+
+
+class SnapshotMode:
+    """The interface of a snapshot mode; its own behaviour is the copying snapshot (``"sync"``).
+
+    ``name``: the ``snapshot=`` value. ``copies``: saves take a staging arena. ``memfd``: arenas must be
+    memfd-backed (another process maps them).
+    """
+
+    name: ClassVar[str] = "sync"
+    copies: ClassVar[bool] = True
+    memfd: ClassVar[bool] = False
+
+    def start(
+        self,
+        writer: Writer,
+        job: WriteJob,
+        plan: SavePlan,
+        leaves: Sequence[Leaf],
+        arena: Arena | None,
+        lock_fd: int | None,
+        progress: Progress,
+    ) -> Started:
+        """Start the background job and fill its arena (the writer follows the copy when ``pipeline``).
+
+        Owns ``arena`` and ``lock_fd``: they go to the job, or are given back here on failure.
+        """
+
+        def give_up() -> None:
+            if arena is not None:
+                writer.pool.release(arena)
+            close_fd(lock_fd)
+            abandon(job)
+
+        def submit() -> Future:
+            try:
+                return writer.backend.submit(job, arena, progress, lock_fd)
+            except BaseException:
+                give_up()
+                raise
+
+        future = submit() if writer.pipeline or arena is None else None
+        try:
+            if arena is not None:
+                events = _snap.snapshot_into(plan, leaves, arena, progress, writer.stream_for)
+                if events:
+                    if isinstance(writer.backend, ProcessBackend):  # another process cannot wait on our CUDA events
+                        for ev in events:
+                            ev.synchronize()
+                        progress.advance(progress.total)
+                    else:
+                        progress.complete_after(events)
+        except BaseException as exc:
+            why = f"snapshot failed: {describe(exc)}"
+            if future is None:
+                give_up()
+            else:  # the job fails, cleans up and gives the arena back
+                progress.fail(why)
+                if isinstance(writer.backend, ProcessBackend):
+                    writer.backend.abort(job.id, why)
+            raise
+        return Started(future if future is not None else submit(), None, False)
+
+    def prepare(self, arena: Arena) -> None:
+        """Ready a staging arena before the first save needs it (nothing to do for most modes)."""
+
+    def forget(self, arena: Arena) -> None:
+        """The pool dropped ``arena``."""
+
+    def close(self) -> None:
+        """Stop what this mode runs (threads, helper processes); saves in flight are done by now."""
+
+
+class SyncSnapshot(SnapshotMode):
+    """``snapshot="sync"``: the state is copied into the staging arena before ``save`` returns."""
+
+
+def _submit_or_give_back(
+    writer: Writer, job: WriteJob, arena: Arena, progress: Progress, lock_fd: int | None
+) -> Future:
+    """Start the writer on ``job`` (it follows ``progress``); if that fails, give back what the job owned."""
+    try:
+        return writer.backend.submit(job, arena, progress, lock_fd)
+    except BaseException:
+        writer.pool.release(arena)
+        close_fd(lock_fd)
+        abandon(job)
+        raise
+
+
+class BackgroundSnapshot(SnapshotMode):
+    """``snapshot="background"``: ``save`` returns before copying; a copier thread copies host tensors while
+    the writer follows, and the caller keeps the tensors unchanged until the copy is done."""
+
+    name = "background"
+
+    def __init__(self) -> None:
+        self._copier: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def start(
+        self,
+        writer: Writer,
+        job: WriteJob,
+        plan: SavePlan,
+        leaves: Sequence[Leaf],
+        arena: Arena | None,
+        lock_fd: int | None,
+        progress: Progress,
+    ) -> Started:
+        if arena is None or not _snap.on_host(plan, leaves):
+            return super().start(writer, job, plan, leaves, arena, lock_fd, progress)
+        watch = ChangeWatch(plan, leaves)  # the versions as of this call: the caller's state to save
+        future = _submit_or_give_back(writer, job, arena, progress, lock_fd)
+
+        def copy() -> None:
+            try:
+                _snap.snapshot_into(plan, leaves, arena, progress, writer.stream_for, watch=watch)
+            except BaseException as exc:
+                watch.release()
+                why = f"snapshot failed: {describe(exc)}"
+                progress.fail(why)  # the job fails, cleans up and gives the arena back
+                if isinstance(writer.backend, ProcessBackend):
+                    writer.backend.abort(job.id, why)
+                raise
+
+        with self._lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-snapshot")
+            copier = self._copier
+        return Started(future, copier.submit(copy), False)
+
+    def close(self) -> None:
+        with self._lock:
+            copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.shutdown(wait=True)
+
+
+class CowSnapshot(SnapshotMode):
+    """``snapshot="cow"``: the tensors' pages are write-protected and copied by the helper process
+    (:mod:`ucp.saving.cow.snapshot`); the writer starts now and follows it. Where that cannot run for
+    one save, the copy is made before ``save`` returns."""
+
+    name = "cow"
+    memfd = True
+
+    def __init__(self) -> None:
+        self.cow = _cow.CowSnapshots()
+
+    def start(
+        self,
+        writer: Writer,
+        job: WriteJob,
+        plan: SavePlan,
+        leaves: Sequence[Leaf],
+        arena: Arena | None,
+        lock_fd: int | None,
+        progress: Progress,
+    ) -> Started:
+        if arena is None or not _snap.on_host(plan, leaves):
+            return super().start(writer, job, plan, leaves, arena, lock_fd, progress)
+        future = _submit_or_give_back(writer, job, arena, progress, lock_fd)
+        try:
+            try:
+                copying: Future | None = self.cow.start(plan, leaves, arena, progress)  # type: ignore[arg-type]
+            except CowUnavailable as exc:
+                log.info("copy-on-write snapshot of %s not possible (%s); copying now", job.path, exc)
+                copying = None
+                if _snap.snapshot_into(plan, leaves, arena, progress, writer.stream_for):
+                    raise AssertionError("host tensors gave CUDA copy events") from None
+        except BaseException as exc:
+            progress.fail(f"snapshot failed: {describe(exc)}")  # the job fails, cleans up, gives the arena back
+            raise
+        return Started(future, copying, copying is not None)
+
+    def prepare(self, arena: Arena) -> None:
+        self.cow.prepare(arena)  # type: ignore[arg-type]
+
+    def forget(self, arena: Arena) -> None:
+        self.cow.forget(arena)
+
+    def close(self) -> None:
+        self.cow.close()
+
+
+class DirectSnapshot(SnapshotMode):
+    """``snapshot="none"``: no copy; the writer thread writes straight from the tensors (O_DIRECT from their
+    memory where the plan put pieces in phase), and the caller keeps them unchanged until the data file
+    is written."""
+
+    name = "none"
+    copies = False
+
+    def start(
+        self,
+        writer: Writer,
+        job: WriteJob,
+        plan: SavePlan,
+        leaves: Sequence[Leaf],
+        arena: Arena | None,
+        lock_fd: int | None,
+        progress: Progress,
+    ) -> Started:
+        if plan.file is None:
+            return super().start(writer, job, plan, leaves, arena, lock_fd, progress)
+        try:
+            watch = ChangeWatch(plan, leaves, aliased_only=True)
+            image = DirectImage(plan, snapshot_views(plan, leaves), watch=watch)
+            assert isinstance(writer.backend, ThreadBackend)  # choose() allows "none" in thread mode only
+            future = writer.backend.submit(job, image, progress, lock_fd)
+        except BaseException:
+            close_fd(lock_fd)
+            abandon(job)
+            raise
+        return Started(future, image.written, False)
+
+
+MODES: dict[str, type[SnapshotMode]] = {
+    "sync": SyncSnapshot,
+    "background": BackgroundSnapshot,
+    "cow": CowSnapshot,
+    "none": DirectSnapshot,
+}
+
+
+def choose(options: AsyncSaveOptions) -> SnapshotMode:
+    """The mode for ``options.snapshot``: "auto" is "cow" in thread mode where a write-protect userfaultfd
+    is allowed, else "sync". ValueError for a mode that needs ``mode="thread"``; CowUnavailable for
+    "cow" where the kernel refuses."""
+    snapshot, mode = options.snapshot, options.mode
+    if snapshot in ("none", "cow") and mode != "thread":
+        raise ValueError(f"snapshot={snapshot!r} works on this process's memory: it needs mode='thread'")
+    why_not = _cow.cow_unavailable() if snapshot in ("auto", "cow") and mode == "thread" else "mode='process'"
+    if snapshot == "cow" and why_not is not None:
+        raise CowUnavailable(f"copy-on-write snapshots are not available here: {why_not}")
+    if snapshot == "auto":
+        snapshot = "cow" if why_not is None else "sync"
+    return MODES[snapshot]()
