@@ -149,8 +149,16 @@ class Manifest(BaseModel):
         None,
         exclude=True,
         repr=False,
-        description="the seal as read (version 2): parse_manifest checks it, then clears it; to_json computes it",
+        description="accepted in the JSON (version 2) and dropped: parse_manifest checks the seal, to_json computes it",
     )
+
+    @model_validator(mode="after")
+    def _forget_seal(self) -> "Manifest":
+        """A manifest in memory is its content, not the bytes it was read from: equal content, equal manifests."""
+        if self.manifest_crc32c is not None:
+            self.manifest_crc32c = None
+            self.model_fields_set.discard(CHECKSUM_FIELD)
+        return self
 
     def to_json(self) -> bytes:
         """The bytes of manifest.json, the one serialization every writer uses: the canonical bytes
@@ -224,7 +232,8 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_NAME) -> Manifes
         raise ManifestError(f"{source}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{source}: must hold a JSON object, got {type(raw).__name__}")
-    version = raw.get("format_version")
+    version, seal = raw.get("format_version"), raw.get(CHECKSUM_FIELD)
+    has_seal = CHECKSUM_FIELD in raw
     del raw
     if isinstance(version, bool) or not isinstance(version, int):
         raise ManifestError(f"{source}: 'format_version' must be an integer, got {version!r}"[:300])
@@ -237,12 +246,9 @@ def parse_manifest(data: bytes | str, *, source: str = MANIFEST_NAME) -> Manifes
         manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         raise ManifestError(f"{source}: does not match the schema: {_short(exc)}") from None
-    seal = manifest.manifest_crc32c
-    if (seal is None) != (version < 2):
-        missing = f"lacks '{CHECKSUM_FIELD}'" if seal is None else f"has '{CHECKSUM_FIELD}', which version 1 lacks"
+    if has_seal != (version >= 2) or (has_seal and seal is None):  # the schema let any int or null through
+        missing = f"has '{CHECKSUM_FIELD}', which version 1 lacks" if version < 2 else f"lacks '{CHECKSUM_FIELD}'"
         raise ManifestError(f"{source}: format_version {version} {missing}")
-    manifest.manifest_crc32c = None  # checked below; a manifest in memory is not tied to its old bytes
-    manifest.model_fields_set.discard(CHECKSUM_FIELD)
     check_manifest(manifest, source=source)
     if seal is not None:
         why = _seal_error(manifest, seal, source)

@@ -199,3 +199,12 @@ def test_oversized_remote_manifest_is_refused_before_it_is_read(monkeypatch: pyt
     finally:
         if fs.exists(url):
             fs.rm(url, recursive=True)
+
+
+def test_a_manifest_in_memory_is_its_content_not_its_seal(tmp_path: Path) -> None:
+    saved = ucp.save(_state(), tmp_path / "ck", step=100)
+    data = (tmp_path / "ck" / "manifest.json").read_bytes()
+    read, plain = parse_manifest(data), ucp.Manifest.model_validate_json(data)  # the latter: no checks at all
+    assert saved == read == plain and read.manifest_crc32c is None and plain.manifest_crc32c is None
+    assert read.to_json() == plain.to_json() == saved.to_json() == data
+    assert CHECKSUM_FIELD not in read.model_dump() and CHECKSUM_FIELD not in read.model_fields_set
