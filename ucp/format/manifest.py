@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -34,8 +33,8 @@ CHECKSUM_FIELD = "manifest_crc32c"  # the last member of a version-2 manifest (d
 MAX_NDIM = 64
 MAX_BYTES = 1 << 62  # per tensor and per file: anything larger is a corrupt manifest
 # What a manifest may declare: far above any real checkpoint (a 256 MiB manifest holds ~2M pieces),
-# low enough that checking one stays seconds of work whatever it claims.
-MAX_MANIFEST_BYTES = int(os.environ.get("UCP_MAX_MANIFEST_BYTES", 256 << 20))
+# low enough that reading one is bounded in memory and time (linear in its size) whatever it claims.
+MAX_MANIFEST_BYTES = 256 << 20
 MAX_FILES = 1 << 20
 MAX_TENSORS = 1 << 20
 MAX_PIECES = 1 << 22  # all tensors together
@@ -274,7 +273,7 @@ def too_large(source: str, size: int) -> str:
     """The message for a manifest over :data:`MAX_MANIFEST_BYTES` (readers check before reading it)."""
     return (
         f"{source}: {size} bytes, over the {MAX_MANIFEST_BYTES} byte limit for a manifest "
-        "(not a manifest UCP wrote; UCP_MAX_MANIFEST_BYTES raises the limit)"
+        "(far larger than any manifest UCP writes)"
     )
 
 

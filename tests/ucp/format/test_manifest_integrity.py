@@ -166,7 +166,7 @@ def test_declared_counts_are_capped(ck: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_manifest_size_cap_is_a_module_constant() -> None:
-    assert MAX_MANIFEST_BYTES == int(os.environ.get("UCP_MAX_MANIFEST_BYTES", 256 << 20))
+    assert MAX_MANIFEST_BYTES == 256 << 20
 
 
 def test_oversized_remote_manifest_is_refused_before_it_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
