@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reshard.box as box_mod
 from reshard.box import Box, FlatRange, Region, check_exact_cover
 from ucp.errors import ManifestError
 from ucp.format.manifest import FORMAT_VERSION, FileInfo, Manifest, Piece, TensorEntry, Topology, parse_manifest
@@ -82,6 +83,17 @@ def _flat_partition(rng: random.Random, total: int) -> list[Region]:
 @settings(max_examples=400, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), ndim=st.integers(0, 4), flat=st.booleans())
 def test_exact_cover_agrees_with_brute_force(seed: int, ndim: int, flat: bool) -> None:
+    _check_one_case(seed, ndim, flat)
+
+
+def test_without_the_corner_test_the_sweep_alone_agrees_with_brute_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the path taken when pieces split too many dimensions to list their corners
+    monkeypatch.setattr(box_mod, "CORNER_BUDGET", 0)
+    for seed in range(300):
+        _check_one_case(seed, seed % 5, seed % 3 == 0)
+
+
+def _check_one_case(seed: int, ndim: int, flat: bool) -> None:
     rng = random.Random(seed)
     shape = tuple(rng.randint(0, 5) for _ in range(ndim))
     full = Box((0,) * ndim, shape)
