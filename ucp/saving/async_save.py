@@ -16,7 +16,8 @@ What happens on the calling thread (the *stall*), with a copying snapshot
    same model allocates and page-faults its staging memory once;
 3. under torch.distributed: rank 0 creates the temporary directory and broadcasts
    its name (one short collective, on the calling thread, before returning);
-4. copy every piece into the arena, laid out exactly as the rank file (``copy_``
+4. copy every piece into the arena (:func:`ucp.saving.snapshot.snapshot_into`; how and when is the
+   snapshot mode's, :mod:`ucp.saving.snapshot_modes`), laid out exactly as the rank file (``copy_``
    into a torch view of the arena, chunk by chunk; with ``pipeline=True`` the
    writer starts writing the chunks already copied). CUDA tensors are copied on a
    side stream into the (pinned) arena; the current stream waits for that copy,
@@ -24,7 +25,7 @@ What happens on the calling thread (the *stall*), with a copying snapshot
 
 Then a background writer (:mod:`ucp.saving.background`) writes the file with zero-copy
 O_DIRECT writes straight from the arena and commits without collectives: see
-that module for the file-based commit, and :class:`AsyncSaver` for the modes.
+:mod:`ucp.saving.background.handshake` for the file-based commit, and :class:`AsyncSaver` for the modes.
 """
 
 from __future__ import annotations
