@@ -5,7 +5,9 @@
     .venv/bin/python tools/bench_markdown.py save --size-gib 2 --rounds 3
 
 Every option after the bench's name goes to the command line unchanged (``ucp bench io --help``),
-so the options are defined once, in the CLI. Progress goes to stderr; the markdown table, the notes
+so the options are defined once, in the CLI. The published figures are cold reads of a whole quiet
+machine, so ``--drop-caches`` (drop the system's page cache; needs root) is passed unless the
+command line says ``--no-drop-caches``. Progress goes to stderr; the markdown table, the notes
 and the exact command to stdout.
 """
 
@@ -23,6 +25,8 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     bench, rest = argv[0], argv[1:]
+    if "--no-drop-caches" not in rest and "--drop-caches" not in rest:
+        rest = [*rest, "--drop-caches"]
     proc = subprocess.run(
         [sys.executable, "-m", "ucp.cli", "bench", bench, *rest, "--json"], stdout=subprocess.PIPE, text=True
     )

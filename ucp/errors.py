@@ -19,6 +19,7 @@ storage itself failed. The whole tree lives here, importing nothing, so that eve
     ├── SnapshotAborted                the snapshot feeding a background write failed
     ├── CowUnavailable                 copy-on-write snapshots cannot run here
     ├── CommitError                    a save could not be committed (``ranks``, ``reason``)
+    ├── DestinationError               where to write is in the way (exists, not a checkpoint, holds the source)
     ├── ForeignCheckpointError         a DeepSpeed / DCP / Hugging Face checkpoint is unreadable
     │   ├── UnknownFormatError
     │   └── UnsafePickleError          a pickle wants classes outside the allow-list
@@ -111,6 +112,11 @@ class CommitError(CheckpointError):
         super().__init__(message, tensor=tensor, file=file, offset=offset)
         self.ranks: tuple[int, ...] = tuple(sorted(set(ranks)))
         self.reason: str = message if reason is None else reason
+
+
+class DestinationError(CheckpointError):
+    """Where a save, convert, reshape or export would write is in the way: it exists (and overwriting
+    was not asked for), is not a checkpoint that may be replaced, or is or holds the source."""
 
 
 class ForeignCheckpointError(CheckpointError):

@@ -33,21 +33,20 @@ import os
 import re
 import secrets
 from datetime import datetime
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 
 from aio import AioConfig, fsync_dir
-from ucp.dist import resolve_group
 from ucp.errors import CheckpointError, NotACheckpointError
 from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, READABLE_VERSIONS, Manifest, parse_manifest
-from ucp.loading.loader import load as _load
-from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot, wait_all
-from ucp.saving.background.job import PostCommit
-from ucp.saving.sync_save import save as _save
 from ucp.store.commit import dir_in_use
 from ucp.store.reader import read_regular_file
 from ucp.store.storage import remove_path
+
+if TYPE_CHECKING:  # saving and loading import torch: only CheckpointManager's methods need them, so that
+    # listing checkpoints (``ucp ls``, resolving ``latest``) starts without torch
+    from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -417,15 +416,11 @@ class CheckpointManager:
         self.process_group = process_group
         self.aio_config = aio_config
         self._own_saver = saver is None and async_save
-        self.saver = (
-            saver
-            if saver is not None
-            else (
-                AsyncSaver(max_in_flight, mode, aio_config, commit_timeout=commit_timeout, snapshot=snapshot)
-                if async_save
-                else None
-            )
-        )
+        if saver is None and async_save:
+            from ucp.saving.async_save import AsyncSaver
+
+            saver = AsyncSaver(max_in_flight, mode, aio_config, commit_timeout=commit_timeout, snapshot=snapshot)
+        self.saver = saver
         self._handles: list[SaveHandle] = []
         self.loaded_step: int | None = None  # the step the last load() actually read
 
@@ -454,6 +449,9 @@ class CheckpointManager:
         ``check_replicas``: see :func:`ucp.save`."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        from ucp.dist import resolve_group
+        from ucp.saving.sync_save import save as _save
+
         group = resolve_group(self.process_group)
         name = step_name(step)
         if group.rank == 0:
@@ -476,6 +474,8 @@ class CheckpointManager:
             if group.rank == 0:
                 after_commit(self.root, step, name, self.keep_last)
             return manifest
+        from ucp.saving.background.job import PostCommit
+
         hook = PostCommit(
             call="ucp.manager:after_commit",
             kwargs={"root": self.root, "step": step, "name": name, "keep_last": self.keep_last},
@@ -497,6 +497,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for this manager's saves in flight; raises the first failure."""
+        from ucp.saving.async_save import wait_all
+
         handles, self._handles = self._handles, []
         wait_all(handles)
 
@@ -527,6 +529,8 @@ class CheckpointManager:
             candidates += [s for s in complete if s not in candidates]
         if not candidates:
             raise NotACheckpointError(f"no checkpoint under {self.root}")
+        from ucp.loading.loader import load as _load
+
         problems = []
         for s in candidates:
             try:

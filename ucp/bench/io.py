@@ -28,7 +28,7 @@ from aio.config import GIB, MIB
 from aio.sizes import format_size
 from aio.tune import drop_page_cache, fill_random
 from aio.workdir import WorkDir
-from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, fio_switched_off
+from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, evict, fio_switched_off
 from ucp.bench.methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
 from ucp.bench.raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
 from ucp.bench.report import BenchReport, ReportCheck, ReportRow, source_commit
@@ -45,7 +45,11 @@ class BenchIoOptions(BaseModel):
     raw: Literal["auto", "fio", "dd", "none"] = Field("auto", description="device-limit tool; auto: fio if installed")
     methods: list[str] = Field(default_factory=lambda: list(METHOD_CHOICES))
     aio: AioConfig = Field(default_factory=AioConfig, description="base config of the UCP engines")
-    drop_caches: bool = Field(True, description="drop the page cache before every read (needs root)")
+    drop_caches: bool = Field(
+        False,
+        description="drop the whole system's page cache before every read (needs root); by default only the "
+        "bench's own files are evicted",
+    )
     fio_iomem: str = Field("malloc", description="fio --iomem (buffer memory), e.g. shmhuge")
     seed: int = 0
 
@@ -317,7 +321,7 @@ def _run_rounds(
 ) -> tuple[dict[str, list[Sample]], bool, str]:
     """Round r runs every method once: write, drop caches, read, check, delete."""
     samples: dict[str, list[Sample]] = {m.name: [] for m in methods}
-    cold, cold_note = options.drop_caches, "page cache not dropped (--no-drop-caches)"
+    cold, cold_note = True, ""
     total, step = options.rounds * len(methods) * 2, 0
     for rnd in range(1, options.rounds + 1):
         for m in methods:
@@ -326,10 +330,9 @@ def _run_rounds(
                 progress(step, total, f"round {rnd}/{options.rounds}: {m.label} write")
             write = _timed(functools.partial(m.write, path))
             step += 1
-            if options.drop_caches:
-                dropped, why = drop_page_cache()
-                if cold:  # once it failed, keep the first reason
-                    cold, cold_note = dropped, why
+            dropped, why = drop_page_cache() if options.drop_caches else evict(path)
+            if cold:  # once it failed, keep the first reason
+                cold, cold_note = dropped, why
             m.prepare_read()
             if progress:
                 progress(step, total, f"round {rnd}/{options.rounds}: {m.label} read")
@@ -353,7 +356,7 @@ def _run_rounds(
             )
     if progress:
         progress(total, total, "done")
-    if options.drop_caches and not cold:
+    if not cold:
         cold_note = f"reads may be warm: {cold_note}"
     return samples, cold, cold_note
 

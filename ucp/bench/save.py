@@ -33,7 +33,7 @@ from aio.config import GIB, MIB
 from aio.prefetch import available_memory
 from aio.tune import drop_page_cache
 from aio.workdir import WorkDir
-from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, fio_switched_off
+from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, BenchWarning, evict, fio_switched_off
 from ucp.bench.io import _environment, machine_line
 from ucp.bench.raw import Dd, Fio, RawTool, direct_io_supported, fio_available
 from ucp.bench.report import BenchReport, ReportCheck, ReportRow
@@ -77,7 +77,7 @@ class BenchSaveOptions(BaseModel):
     methods: list[str] = Field(default_factory=lambda: list(METHOD_CHOICES))
     raw: Literal["auto", "fio", "dd", "none"] = "auto"
     fio_iomem: str = "malloc"
-    drop_caches: bool = True
+    drop_caches: bool = False  # True: drop the whole page cache (root); False: evict the bench's own files
     aio: AioConfig = Field(default_factory=AioConfig, description="UCP's aio config; also fio's block size and depth")
     seed: int = 0
     async_snapshots: list[Literal["sync", "background", "cow"]] = Field(
@@ -445,11 +445,11 @@ class _Run:
         self.disk: dict[tuple[str, int], int] = {}
         self.asyncs: dict[tuple[int, str], list[AsyncSample]] = {}
         self.first_stall: dict[tuple[int, str], float] = {}
-        self.cold = options.drop_caches
+        self.cold = True
         self.cold_note = (
             "page cache dropped before every load"
             if options.drop_caches
-            else "page cache not dropped (--no-drop-caches)"
+            else "the bench's files evicted from the page cache before every load (--drop-caches drops it all)"
         )
 
     def tick(self, what: str) -> None:
@@ -457,10 +457,9 @@ class _Run:
             self.progress(self.step, self.total, what)
         self.step += 1
 
-    def drop(self) -> None:
-        if not self.options.drop_caches:
-            return
-        ok, why = drop_page_cache()
+    def drop(self, path: Path) -> None:
+        """Make the next read of ``path`` (a file or a checkpoint folder) cold."""
+        ok, why = drop_page_cache() if self.options.drop_caches else evict(path)
         if self.cold and not ok:
             self.cold, self.cold_note = False, f"reads may be warm: {why}"
 
@@ -597,7 +596,7 @@ def _round_raw(
         w = tool.write(path)
         wall = time.perf_counter() - t0
         samples[0].append(OpSample(round=rnd, seconds=w.seconds or wall, cpu_s=w.cpu_s or 0.0))
-        run.drop()
+        run.drop(Path(path))
         run.tick(f"round {rnd}/{run.options.rounds}: {tool.name} read")
         t0 = time.perf_counter()
         r = tool.read(path)
@@ -618,7 +617,7 @@ def _round_method(run: _Run, world: World, method: str, n: int, workdir: Path, r
         run.save.setdefault((method, n), []).append(_sample(rnd, replies))
         run.disk[(method, n)] = _du(directory)
         for variant in load_variants(method, n):
-            run.drop()
+            run.drop(directory)
             run.tick(f"{head} load ({variant})")
             seed = run.options.seed * 1000 + rnd
             replies = world.call(

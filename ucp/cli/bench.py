@@ -14,7 +14,16 @@ from rich.markup import escape
 
 from aio.sizes import SIZE_HELP
 from ucp.bench.common import MAX_SIZE_GIB
-from ucp.cli.common import command_line, err, fail, load_aio_config, out, progress_bar, split_csv
+from ucp.cli.common import (
+    command_line,
+    err,
+    fail_with,
+    load_aio_config,
+    out,
+    progress_bar,
+    require_dir,
+    split_csv,
+)
 
 bench_app = typer.Typer(
     help="Measure storage and checkpoint throughput on this machine.",
@@ -42,7 +51,8 @@ def bench_io(
     directory: Annotated[
         Optional[Path],
         typer.Option(
-            "--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory."
+            "--dir",
+            help="Directory on the disk to measure (must exist). Default: a temp dir under the current directory.",
         ),
     ] = None,
     json_output: Annotated[
@@ -77,8 +87,13 @@ def bench_io(
         ),
     ] = "malloc",
     drop_caches: Annotated[
-        bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every read (needs root).")
-    ] = True,
+        bool,
+        typer.Option(
+            "--drop-caches/--no-drop-caches",
+            help="Drop the whole system's page cache before every read (needs root; every process on the machine "
+            "then reads from disk again). Off by default: the bench evicts only its own files.",
+        ),
+    ] = False,
 ) -> None:
     """Write then read N GiB with fio/dd, UCP's aio engines, torch.save/load and safetensors.
 
@@ -87,6 +102,7 @@ def bench_io(
     from aio.sizes import parse_size
     from ucp.bench.io import METHOD_CHOICES, BenchIoOptions, run_bench_io
 
+    require_dir(directory, "--dir")
     cfg = load_aio_config(aio_config)
     overrides: dict[str, object] = {}
     try:
@@ -108,7 +124,7 @@ def bench_io(
             fio_iomem=fio_iomem,
         )
     except ValueError as exc:
-        raise fail(str(exc)) from exc
+        raise fail_with(exc) from exc
 
     _run_and_report("bench io", run_bench_io, options, json_output=json_output, rounds=rounds)
 
@@ -133,7 +149,8 @@ def bench_save(
     directory: Annotated[
         Optional[Path],
         typer.Option(
-            "--dir", help="Directory on the disk to measure. Default: a temp dir under the current directory."
+            "--dir",
+            help="Directory on the disk to measure (must exist). Default: a temp dir under the current directory.",
         ),
     ] = None,
     json_output: Annotated[
@@ -156,8 +173,13 @@ def bench_save(
         ),
     ] = None,
     drop_caches: Annotated[
-        bool, typer.Option("--drop-caches/--no-drop-caches", help="Drop the page cache before every load (needs root).")
-    ] = True,
+        bool,
+        typer.Option(
+            "--drop-caches/--no-drop-caches",
+            help="Drop the whole system's page cache before every load (needs root; every process on the machine "
+            "then reads from disk again). Off by default: the bench evicts only its own files.",
+        ),
+    ] = False,
     async_snapshot: Annotated[
         str,
         typer.Option(
@@ -181,6 +203,7 @@ def bench_save(
 
     Also times ucp.async_save's stall and runs fio (the device limit), interleaved round by round; loads are cold and bit-exact checked.
     """
+    require_dir(directory, "--dir")
     from ucp.bench.save import METHOD_CHOICES, BenchSaveOptions, run_bench_save
 
     try:
@@ -199,7 +222,7 @@ def bench_save(
             async_compute_s=async_compute_s,
         )
     except ValueError as exc:
-        raise fail(str(exc)) from exc
+        raise fail_with(exc) from exc
 
     _run_and_report("bench save", run_bench_save, options, json_output=json_output, rounds=rounds)
 
@@ -226,7 +249,7 @@ def _run_and_report(title: str, run: Any, options: Any, *, json_output: bool, ro
             warnings.showwarning = show  # restored by catch_warnings
             result = run(options, command=command_line(), progress=update)
     except (BenchError, RawToolError, OSError, ValueError) as exc:
-        raise fail(str(exc)) from exc
+        raise fail_with(exc) from exc
     if json_output:
         doc = {**result.model_dump(mode="json"), "report": result.report().model_dump(mode="json")}
         typer.echo(json.dumps(doc, indent=2))

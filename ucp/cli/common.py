@@ -1,9 +1,18 @@
-"""Helpers shared by the CLI modules: consoles, progress bars, option parsing."""
+"""Helpers shared by the CLI modules: consoles, exit codes, error lines, progress bars, option parsing.
+
+Exit codes, the same for every command (:func:`exit_code` maps an error to one):
+
+* 0 — done;
+* 1 — the data is damaged, a check failed, or the work itself failed (an I/O error, a bench that broke);
+* 2 — bad input: an invalid option, a path that does not exist, something that is not a checkpoint
+  (or not one this version reads), a destination that is in the way.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from contextlib import contextmanager
@@ -15,10 +24,79 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+# Output that is not a terminal (a pipe, a file, a test's capture) has no width: rich would wrap it at
+# 80 columns, breaking lines a script greps ("1 \ntensors"). So there lines are never wrapped and tables
+# take the width they need.
+UNWRAPPED_WIDTH = 10_000
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A console on stdout (or stderr): the terminal's width on a terminal, else never wrapped."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream is not None and stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=UNWRAPPED_WIDTH, soft_wrap=True)
+
+
 # Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.
-# Piped or captured output gets a wide console so tables do not wrap into unreadable columns.
-out = Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
+
+
+def exit_code(exc: BaseException | type[BaseException]) -> int:
+    """The exit code for an error (or an error class), for every command: 2 bad input, 1 damaged data or
+    failed work.
+
+    The one mapping of error classes to exit codes (see the module docstring); commands call
+    :func:`fail_with` rather than choosing a code themselves.
+    """
+    from ucp.errors import (
+        CheckpointError,
+        DestinationError,
+        ExportError,
+        NotACheckpointError,
+        UnsafePickleError,
+        UnsupportedFormatError,
+    )
+
+    bad_input = (
+        NotACheckpointError,  # also UnknownFormatError: not a checkpoint of any known format
+        UnsupportedFormatError,  # a checkpoint of a format version this reader does not know
+        UnsafePickleError,  # needs --trust-pickle
+        ExportError,  # an export option, or a destination in the way
+        DestinationError,  # DST exists (no --overwrite), is not a checkpoint, or holds SRC
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        FileExistsError,
+        ImportError,  # a URL whose fsspec backend is not installed
+    )
+    cls = exc if isinstance(exc, type) else type(exc)
+    if issubclass(cls, bad_input):
+        return EXIT_BAD_INPUT
+    if issubclass(cls, (CheckpointError, OSError)):
+        return EXIT_FAILED
+    if issubclass(cls, ValueError):  # a value given that is wrong (an option, a layout pattern, a URL)
+        return EXIT_BAD_INPUT
+    return EXIT_FAILED
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message as one line, without its class name; OSErrors keep their file name."""
+    text = str(exc).strip().replace("\n", " ")
+    if isinstance(exc, OSError):
+        text = re.sub(r"^\[Errno \d+\] ", "", text)  # the code says nothing the reason does not
+        if exc.filename is not None and str(exc.filename) not in text:
+            text = f"{exc.filename}: {text}"
+    return text or type(exc).__name__
+
+
+def fail_with(exc: BaseException, message: str | None = None) -> "typer.Exit":
+    """Print ``message`` (default: the error as :func:`one_line`) and return the Exit that
+    :func:`exit_code` gives ``exc``."""
+    return fail(one_line(exc) if message is None else message, exit_code(exc))
 
 
 @contextmanager
@@ -67,6 +145,19 @@ def fail(message: str, code: int = 1) -> "typer.Exit":
     The message is printed as is: brackets in it ("[key, value]") are not rich markup."""
     err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def require_dir(path: Path | None, option: str) -> None:
+    """Exit 2 with one line unless ``path`` (an option's value; None: not given) is an existing directory.
+
+    A bench or tune must measure the disk the user named: creating a mistyped directory elsewhere
+    would measure the wrong one."""
+    if path is None:
+        return
+    if not path.exists():
+        raise fail(f"{option} {path} does not exist (create it first: the directory says which disk to measure)", 2)
+    if not path.is_dir():
+        raise fail(f"{option} {path} is not a directory", 2)
 
 
 def command_line() -> str:

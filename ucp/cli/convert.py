@@ -3,9 +3,10 @@ safetensors checkpoint into a UCP checkpoint.
 
 SRC is a local path; DST a local path or an fsspec URL (``s3://bucket/ckpt``), written by ``ucp.save``.
 
-Exit codes: 0 converted; 1 the conversion failed while writing (storage error); 2 the input is
-not a readable checkpoint of the format (unknown format, missing file, unsafe pickle, a URL SRC),
-or DST exists (without --force, or is not a UCP checkpoint, or holds SRC).
+Exit codes (:func:`ucp.cli.common.exit_code`, as for every command): 0 converted; 1 SRC is damaged
+or incomplete (a malformed file, a missing shard) or writing failed (storage error); 2 bad input: SRC
+does not exist or is not a checkpoint of a known format, a pickle needs --trust-pickle, a URL SRC,
+or DST exists (without --overwrite, or is not a UCP checkpoint, or holds SRC).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from typing import Annotated
 
 import typer
 
-from ucp.cli.common import err, fail, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.common import EXIT_BAD_INPUT, err, fail, fail_with, out, prefetching, progress_bar, source_reads_start
 
-EXIT_WRITE, EXIT_BAD_INPUT = 1, 2
 FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
 
 
@@ -31,7 +31,9 @@ def convert_cmd(
     ],
     dst: Annotated[
         str,
-        typer.Argument(help="Where to write the UCP checkpoint: a path or fsspec URL (must not exist unless --force)."),
+        typer.Argument(
+            help="Where to write the UCP checkpoint: a path or fsspec URL (must not exist unless --overwrite)."
+        ),
     ],
     source_format: Annotated[str, typer.Option("--from", help="Source format: " + " | ".join(FORMAT_CHOICES))] = "auto",
     trust_pickle: Annotated[
@@ -42,7 +44,9 @@ def convert_cmd(
             "(runs code from the files: only for checkpoints you trust).",
         ),
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Replace a UCP checkpoint already at DST.")] = False,
+    force: Annotated[
+        bool, typer.Option("--overwrite", "--force", help="Replace a UCP checkpoint already at DST.")
+    ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the report) on stdout.")] = False,
 ) -> None:
     """Convert a foreign checkpoint into a UCP checkpoint (DeepSpeed ZeRO-1/2/3, universal, DCP, Hugging Face).
@@ -56,7 +60,6 @@ def convert_cmd(
     with prefetching(_source_folder(src, source_format), marker=None):
         import ucp
         from aio.sizes import format_size
-        from ucp.cli.inspect import _one_line
         from ucp.convert.importers import convert
 
         source_reads_start()
@@ -66,10 +69,8 @@ def convert_cmd(
                 report = convert(
                     src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force, progress=update
                 )
-        except ucp.CheckpointError as exc:
-            raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
-        except OSError as exc:
-            raise fail(_one_line(exc), EXIT_WRITE) from None
+        except (ucp.CheckpointError, OSError) as exc:
+            raise fail_with(exc) from None
         if json_output:
             typer.echo(report.model_dump_json(indent=2))
             return

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ucp.cli.common import err, fail, out
+from ucp.cli.common import err, fail, fail_with, out
 
 
 def demo_cmd(

@@ -1,6 +1,7 @@
 """``ucp export SRC DST``: write a checkpoint's model (or any section) as Hugging Face safetensors or zarr v3.
 
-Exit codes: 0 done; 1 the export failed while reading or writing (corrupt data,
+Exit codes (:func:`ucp.cli.common.exit_code`, as for every command): 0 done; 1 the export failed
+while reading or writing (corrupt data, a damaged manifest,
 disk full — the message names the tensor or file); 2 bad input (unknown option
 value or section, not a checkpoint, DST not empty without --overwrite, DST is SRC
 or holds it or lies inside it).
@@ -15,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from aio.sizes import SIZE_HELP, format_size
-from ucp.cli.common import fail, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.common import exit_code, fail, fail_with, out, prefetching, progress_bar, source_reads_start
 from ucp.cli.inspect import EXIT_BAD_INPUT, _one_line, parse_storage_options
 
 
@@ -132,12 +133,10 @@ def export_cmd(
                     storage_options=options,
                     **kwargs,
                 )
-        except ExportError as exc:
-            raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
-        except (ucp.NotACheckpointError, ucp.ManifestError, ucp.UnsupportedFormatError) as exc:
-            raise fail(_one_line(exc), EXIT_BAD_INPUT) from None
         except (ucp.CheckpointError, OSError) as exc:
-            raise fail(f"export failed, {dst} left unchanged: {_one_line(exc)}") from None
+            if exit_code(exc) == EXIT_BAD_INPUT:
+                raise fail_with(exc) from None
+            raise fail_with(exc, f"export failed, {dst} left unchanged: {_one_line(exc)}") from None
         if json_output:
             typer.echo(report.model_dump_json(indent=2))
             return

@@ -5,9 +5,12 @@ the saving job's topology, step, creator and format version, the non-tensor part
 of the state dict and the user metadata. ``--json`` prints the same as one
 :class:`InspectReport`. Works for local paths and fsspec URLs (``s3://...``).
 
-Exit codes: 0 shown (also when ``--tensor`` matches no tensor: a note says so on stderr),
-2 the input is not a readable checkpoint (no manifest, invalid manifest, unreachable
-storage) or an option is invalid.
+``--tensor NAME`` shows just that tensor (or the tensors a glob matches): its row, nothing else.
+
+Exit codes (:func:`ucp.cli.common.exit_code`, as for every command): 0 shown (also when
+``--tensor`` matches no tensor: a note says so on stderr), 1 the manifest is damaged (invalid
+JSON, inconsistent) or the storage failed, 2 the path does not exist or is not a checkpoint,
+or an option is invalid.
 """
 
 from __future__ import annotations
@@ -22,9 +25,7 @@ from pydantic import BaseModel, Field
 from rich.markup import escape
 
 from aio.sizes import format_size
-from ucp.cli.common import err, fail, out
-
-EXIT_BAD_INPUT = 2  # not a checkpoint, unreadable or invalid manifest
+from ucp.cli.common import EXIT_BAD_INPUT, err, fail, fail_with, one_line, out
 
 
 def bad_input(message: str) -> typer.Exit:
@@ -205,6 +206,23 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _print_tensors(report: InspectReport, *, max_pieces: int) -> None:
+    """The tensors table: name, dtype, shape, pieces and where they lie."""
+    from rich.table import Table
+
+    table = Table(title="tensors", title_justify="left")
+    for col in ("name", "dtype", "shape", "pieces", "placement (file: box / flat range)", "bytes"):
+        table.add_column(col, justify="right" if col in ("pieces", "bytes") else "left", overflow="fold")
+    for t in report.tensors:
+        shown = [f"{p.file}: {p.placement()}" for p in t.pieces[:max_pieces]]
+        if len(t.pieces) > max_pieces:
+            shown.append(f"… (+{len(t.pieces) - max_pieces} more)")
+        table.add_row(
+            escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)), format_size(t.bytes)
+        )
+    out.print(table)
+
+
 def _print_report(report: InspectReport, *, max_pieces: int) -> None:
     from rich.table import Table
 
@@ -222,17 +240,7 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
         highlight=False,
     )
 
-    table = Table(title="tensors", title_justify="left")
-    for col in ("name", "dtype", "shape", "pieces", "placement (file: box / flat range)", "bytes"):
-        table.add_column(col, justify="right" if col in ("pieces", "bytes") else "left", overflow="fold")
-    for t in report.tensors:
-        shown = [f"{p.file}: {p.placement()}" for p in t.pieces[:max_pieces]]
-        if len(t.pieces) > max_pieces:
-            shown.append(f"… (+{len(t.pieces) - max_pieces} more)")
-        table.add_row(
-            escape(t.name), t.dtype, str(t.shape), str(len(t.pieces)), escape("\n".join(shown)), format_size(t.bytes)
-        )
-    out.print(table)
+    _print_tensors(report, max_pieces=max_pieces)
 
     files = Table(title="data files", title_justify="left")
     for col in ("file", "rank", "size", "pieces", "tensor bytes"):
@@ -277,7 +285,10 @@ def inspect_cmd(
     path: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL (s3://bucket/run/step-100).")],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     tensor: Annotated[
-        Optional[str], typer.Option("--tensor", "-t", help="Only tensors whose name matches this glob, e.g. 'model.*'.")
+        Optional[str],
+        typer.Option(
+            "--tensor", "-t", help="Show just this tensor (or those a glob matches, e.g. 'model.*'): its row alone."
+        ),
     ] = None,
     max_pieces: Annotated[
         int, typer.Option("--max-pieces", min=1, help="Placements shown per tensor in the table.")
@@ -288,8 +299,9 @@ def inspect_cmd(
 ) -> None:
     """Show what a checkpoint holds: tensors and their placements, files, topology, state, metadata.
 
-    Reads only [bold]manifest.json[/bold] (fully checked). Exit code 2 when PATH is not a readable checkpoint;
-    0 otherwise, also when --tensor matches nothing (a note on stderr says so).
+    Reads only [bold]manifest.json[/bold] (fully checked). Exit code 2 when PATH does not exist or is not a
+    checkpoint, 1 when its manifest is damaged; 0 otherwise, also when --tensor matches nothing (a note on
+    stderr says so).
     """
     options = parse_storage_options(storage_options)
     import ucp
@@ -297,10 +309,11 @@ def inspect_cmd(
     try:
         manifest = ucp.read_manifest(path, storage_options=options)
     except (ucp.CheckpointError, OSError, ValueError, ImportError) as exc:
-        raise bad_input(unreadable_message(path, exc)) from None
+        raise fail_with(exc, unreadable_message(path, exc)) from None
     report = build_report(path, manifest)
-    if tensor is not None:
-        report.tensors = [t for t in report.tensors if fnmatch.fnmatchcase(t.name, tensor)]
+    if tensor is not None:  # the name itself (which may hold [ or *), else the names the glob matches
+        exact = [t for t in report.tensors if t.name == tensor]
+        report.tensors = exact or [t for t in report.tensors if fnmatch.fnmatchcase(t.name, tensor)]
         if not report.tensors:  # an empty answer, not an error; but a typo should not pass unnoticed
             err.print(
                 f"[yellow]note:[/yellow] no tensor matches {escape(repr(tensor))} "
@@ -310,16 +323,14 @@ def inspect_cmd(
             )
     if json_output:
         typer.echo(report.model_dump_json(indent=2))
+    elif tensor is not None:
+        if report.tensors:
+            _print_tensors(report, max_pieces=max_pieces)
     else:
         _print_report(report, max_pieces=max_pieces)
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception as one line; OSErrors keep their file name."""
-    text = str(exc).strip().replace("\n", " ")
-    if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
-        text = f"{exc.filename}: {text}"
-    return text or type(exc).__name__
+_one_line = one_line  # the name the other commands import
 
 
 def unreadable_message(path: str, exc: BaseException) -> str:

@@ -6,7 +6,8 @@ missing, unreadable or names a checkpoint that is not complete, a note says so (
 ``--json``).
 
 Exit codes: 0 listed (also when some entries are corrupt: their status says so), 2 ROOT is not
-a local directory (missing, a file, or a URL).
+a local directory (it does not exist, is a file or a URL) or is a checkpoint itself rather than a root
+(``ucp inspect`` shows one checkpoint).
 """
 
 from __future__ import annotations
@@ -55,16 +56,25 @@ def ls_cmd(
     """List the checkpoints under ROOT: step, size, status (complete / saving / temp leftovers ...), latest.
 
     Only [bold]complete[/bold] checkpoints are ever loaded; [bold]temp[/bold] and [bold]old[/bold] entries
-    are leftovers of interrupted saves, removed by the next save. Exit code 2 when ROOT is not a local directory.
+    are leftovers of interrupted saves, removed by the next save. Exit code 2 when ROOT is not a local directory,
+    or is one checkpoint rather than a root (see ucp inspect).
     """
     from rich.table import Table
 
+    from ucp.format.manifest import MANIFEST_NAME
     from ucp.manager import list_checkpoints, read_latest
 
     if "://" in root:
         raise bad_input(f"{root}: ls works on local directories only (a CheckpointManager root), not URLs")
+    if not os.path.exists(root):
+        raise bad_input(f"{root} does not exist")
     if not os.path.isdir(root):
-        raise bad_input(f"{root} is not a directory" + ("" if os.path.exists(root) else " (it does not exist)"))
+        raise bad_input(f"{root} is not a directory")
+    if os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        raise bad_input(
+            f"{root} is a checkpoint, not a CheckpointManager root (the folder holding step-NNNNNNNN/ checkpoints); "
+            f"'ucp inspect {root}' shows what it holds"
+        )
     try:
         infos = list_checkpoints(root)
     except OSError as exc:  # e.g. no permission to list it

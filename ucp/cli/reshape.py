@@ -5,10 +5,10 @@ ZeRO stage given on the command line changed, or a layout file (``--layout``), o
 checkpoint that recorded none (an imported one), the reference GPT preset (``--model``). With no
 target at all, the checkpoint is consolidated: one piece per tensor, one file.
 
-Exit codes: 0 written (and with ``--verify`` read back clean); 1 the ``--verify`` read-back found
+Exit codes (:func:`ucp.cli.common.exit_code`, as for every command): 0 written (and with ``--verify``
+read back clean); 1 SRC's data is damaged, writing failed, or the ``--verify`` read-back found
 problems (listed on stdout, or as ``problems`` in the ``--json`` object); 2 bad input: an invalid
-option or target layout, SRC not a readable and intact checkpoint, DST already there (without
-``--overwrite``) or not writable. Errors are one ``error:`` line on stderr (a layout pattern error
+option or target layout, SRC missing or not a checkpoint, DST already there (without ``--overwrite``). Errors are one ``error:`` line on stderr (a layout pattern error
 adds the pattern with a caret under the part at fault).
 """
 
@@ -24,10 +24,10 @@ from pydantic import ValidationError
 from rich.markup import escape
 
 from aio.sizes import SIZE_HELP, parse_size
-from ucp.cli.common import command_line, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.common import EXIT_FAILED, command_line, fail_with, out, prefetching, progress_bar, source_reads_start
 from ucp.cli.inspect import _one_line, bad_input
 
-EXIT_PROBLEMS = 1  # --verify found problems in what was written (bad input: 2, inspect.bad_input)
+EXIT_PROBLEMS = EXIT_FAILED  # --verify found problems in what was written
 
 
 def reshape_cmd(
@@ -88,7 +88,7 @@ def reshape_cmd(
             source_reads_start()
             report = _run(src, dst, target, budget, workers, overwrite, json_output)
     except (LayoutError, CheckpointError, OSError) as exc:
-        raise bad_input(f"{type(exc).__name__}: {_one_line_keeping_diagram(exc)}") from None
+        raise fail_with(exc, _one_line_keeping_diagram(exc)) from None
     peak_rss = _peak_rss()
     problems = _read_back(dst) if verify else None
     doc = {

@@ -11,14 +11,15 @@ import typer
 
 from aio.sizes import SIZE_HELP
 from ucp.bench.common import MAX_SIZE_GIB
-from ucp.cli.common import fail, load_aio_config, out, progress_bar, split_csv
+from ucp.cli.common import EXIT_BAD_INPUT, fail, fail_with, load_aio_config, out, progress_bar, require_dir, split_csv
 
 
 def tune(
     directory: Annotated[
         Optional[Path],
         typer.Option(
-            "--dir", help="Directory on the disk to tune for. Default: a temp dir under the current directory."
+            "--dir",
+            help="Directory on the disk to tune for (must exist). Default: a temp dir under the current directory.",
         ),
     ] = None,
     size_gib: Annotated[
@@ -60,7 +61,8 @@ def tune(
     from aio.tune import TuneGrid, run_tune
 
     if not 0 < size_gib <= MAX_SIZE_GIB:  # also refuses nan
-        raise fail(f"--size-gib must be a number of GiB up to {MAX_SIZE_GIB:.0f}, got {size_gib}")
+        raise fail(f"--size-gib must be a number of GiB up to {MAX_SIZE_GIB:.0f}, got {size_gib}", EXIT_BAD_INPUT)
+    require_dir(directory, "--dir")
     if output is not None:
         _check_writable(output)
     base = load_aio_config(base_config)
@@ -79,7 +81,7 @@ def tune(
         grid = TuneGrid.model_validate({**grid.model_dump(), **update})
         total = len(grid.plan(size, base)) * repeats  # also validates every candidate; none is an error
     except ValueError as exc:
-        raise fail(str(exc)) from exc
+        raise fail_with(exc) from exc
 
     try:
         with progress_bar("tune") as bar:
@@ -91,7 +93,7 @@ def tune(
 
             result = run_tune(directory, size=size, grid=grid, repeats=repeats, base=base, progress=step)
     except (OSError, RuntimeError, ValueError) as exc:
-        raise fail(str(exc)) from exc
+        raise fail_with(exc) from exc
 
     best = result.config_sections()
     if output is not None:
@@ -110,11 +112,11 @@ def _check_writable(output: Path) -> None:
     """Refuse an --output that cannot be written before the search, not after it."""
     parent = output.parent
     if output.is_dir():
-        raise fail(f"cannot write --output {output}: it is a directory")
+        raise fail(f"cannot write --output {output}: it is a directory", EXIT_BAD_INPUT)
     if not parent.is_dir():
-        raise fail(f"cannot write --output {output}: {parent} is not a directory")
+        raise fail(f"cannot write --output {output}: {parent} is not a directory", EXIT_BAD_INPUT)
     if not os.access(output if output.exists() else parent, os.W_OK):
-        raise fail(f"cannot write --output {output}: permission denied")
+        raise fail(f"cannot write --output {output}: permission denied", EXIT_BAD_INPUT)
 
 
 def _print_trials(result) -> None:  # result: aio.tune.TuneResult

@@ -1,8 +1,9 @@
 """``ucp verify PATH``: check a checkpoint end to end — manifest, every file's size and header,
 every piece's CRC-32C — and say exactly what is wrong.
 
-Exit codes: 0 clean, 1 problems found in the data, 2 the input is not a readable
-checkpoint (no manifest, invalid manifest, unreachable storage) or an option is invalid.
+Exit codes (:func:`ucp.cli.common.exit_code`, as for every command): 0 clean, 1 problems found
+(damaged data or manifest, a storage failure), 2 the path does not exist or is not a checkpoint
+(or not one of a format version this reader knows), or an option is invalid.
 With ``--json`` stdout always holds one :class:`VerifyOutput`, whatever the exit code.
 """
 
@@ -20,12 +21,10 @@ from pydantic import BaseModel, Field
 from rich.markup import escape
 
 from aio.sizes import format_size
-from ucp.cli.common import err, out
-from ucp.cli.inspect import EXIT_BAD_INPUT, load_storage_options, unreadable_message
+from ucp.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err, exit_code, out
+from ucp.cli.inspect import load_storage_options, unreadable_message
 
-EXIT_OK, EXIT_PROBLEMS = 0, 1
-# Problems that mean "this is not a readable checkpoint" rather than "its data is damaged".
-MANIFEST_KINDS = frozenset({"NotACheckpointError", "ManifestError", "UnsupportedFormatError"})
+EXIT_PROBLEMS = EXIT_FAILED
 
 # The location part of UCP's messages (ucp.errors.where): "tensor 'x', file 'f', offset 4096".
 _TENSOR = re.compile(r"tensor ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")")
@@ -80,8 +79,7 @@ def to_output(report: Any, seconds: float) -> VerifyOutput:
             t, o = _locate(p.message)
             tensor, offset = tensor if tensor is not None else t, offset if offset is not None else o
         problems.append(ProblemOut(kind=p.kind, message=p.message, file=p.file, tensor=tensor, offset=offset))
-    unreadable = any(p.kind in MANIFEST_KINDS or p.file is None for p in problems)
-    code = EXIT_OK if report.ok else (EXIT_BAD_INPUT if unreadable else EXIT_PROBLEMS)
+    code = EXIT_OK if report.ok else max(_kind_exit_code(p.kind) for p in problems) if problems else EXIT_PROBLEMS
     return VerifyOutput(
         path=report.path,
         ok=report.ok,
@@ -96,6 +94,16 @@ def to_output(report: Any, seconds: float) -> VerifyOutput:
         seconds=round(seconds, 3),
         problems=problems,
     )
+
+
+def _kind_exit_code(kind: str) -> int:
+    """A problem's exit code, from the error class it names (``ucp.errors`` or a builtin); 1 for others."""
+    import builtins
+
+    from ucp import errors
+
+    cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
+    return exit_code(cls) if isinstance(cls, type) and issubclass(cls, Exception) else EXIT_PROBLEMS
 
 
 @contextmanager
@@ -129,8 +137,8 @@ def _print(result: VerifyOutput) -> None:
             highlight=False,
         )
         return
-    if result.exit_code == EXIT_BAD_INPUT:
-        _print_errors(result)
+    if result.exit_code == EXIT_BAD_INPUT or all(p.file is None for p in result.problems):
+        _print_errors(result)  # nothing could be checked: say why, as for every command
         return
     out.print(
         f"[bold red]PROBLEMS[/bold red] {escape(result.path)}: {len(result.problems)} file(s) failed the "
@@ -149,12 +157,12 @@ def _print_errors(result: VerifyOutput) -> None:
         err.print(f"[bold red]error:[/bold red] {escape(p.message)}", highlight=False, soft_wrap=True)
 
 
-def _bad_input(path: str, kind: str, message: str, seconds: float = 0.0) -> VerifyOutput:
-    """The output when nothing could be checked (a bad option, a checkpoint that cannot be opened): exit 2."""
+def _unchecked(path: str, kind: str, message: str, code: int, seconds: float = 0.0) -> VerifyOutput:
+    """The output when nothing could be checked (a bad option, a checkpoint that cannot be opened)."""
     return VerifyOutput(
         path=path,
         ok=False,
-        exit_code=EXIT_BAD_INPUT,
+        exit_code=code,
         seconds=round(seconds, 3),
         problems=[ProblemOut(kind=kind, message=message)],
     )
@@ -172,7 +180,8 @@ def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:
             else:
                 report = ucp.verify(path, storage_options=options)
     except (OSError, ValueError, ImportError) as exc:  # ucp.CheckpointError is a ValueError
-        return _bad_input(path, type(exc).__name__, unreadable_message(path, exc), time.perf_counter() - t0)
+        message = unreadable_message(path, exc)
+        return _unchecked(path, type(exc).__name__, message, exit_code(exc), time.perf_counter() - t0)
     return to_output(report, time.perf_counter() - t0)
 
 
@@ -185,17 +194,18 @@ def verify_cmd(
 ) -> None:
     """Check every piece's CRC-32C, every data file's size and header, and the manifest.
 
-    Exit code 0: clean; 1: problems found (each named by tensor, file and offset); 2: not a readable checkpoint.
+    Exit code 0: clean; 1: problems found (each named by tensor, file and offset); 2: PATH does not exist or
+    is not a checkpoint, or an option is invalid.
     """
     try:
         options = load_storage_options(storage_options)
     except ValueError as exc:  # the message names the option
-        result = _bad_input(path, "UsageError", str(exc))
+        result = _unchecked(path, "UsageError", str(exc), EXIT_BAD_INPUT)
     else:
         result = _verify(path, options)
     if json_output:
         typer.echo(result.model_dump_json(indent=2))
-        if result.exit_code == EXIT_BAD_INPUT:  # say it on stderr too: scripts often show only that
+        if result.problems and all(p.file is None for p in result.problems):  # on stderr too: scripts show that
             _print_errors(result)
     else:
         _print(result)

@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from reshard import Box, FlatRange, Layout
 from reshard.box import split_region
 from ucp.convert.placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
-from ucp.errors import CheckpointError
+from ucp.errors import DestinationError
 from ucp.format.dtypes import itemsize
 from ucp.format.manifest import Manifest, now_utc
 from ucp.loading.partial import READ_AHEAD as STAGED_READ_AHEAD
@@ -229,7 +229,9 @@ def rewrite(
     dst_storage, dst_name = open_storage(dst)
     with dst_storage:
         if dst_storage.exists(dst_name) and not overwrite:
-            raise CheckpointError(f"{dst_storage.describe(dst_name)} already exists (overwrite it explicitly)")
+            raise DestinationError(
+                f"{dst_storage.describe(dst_name)} already exists (pass overwrite=True, or --overwrite, to replace it)"
+            )
         if dst_storage.exists(dst_name):
             _commit.check_replaceable(dst_storage, dst_name)
         world = len(per_rank)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from ucp.errors import CheckpointError, CommitError, ManifestError
+from ucp.errors import CommitError, DestinationError, ManifestError
 from ucp.format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -309,7 +309,7 @@ def check_replaceable(storage: Storage, name: str) -> None:
         entries = None
     if entries == []:
         return
-    raise CheckpointError(
+    raise DestinationError(
         f"{storage.describe(name)} exists and is not a checkpoint (no {MANIFEST_NAME}); refusing to replace it"
     )
 

@@ -63,11 +63,22 @@ def read_manifest(storage: Storage, name: str) -> Manifest:
     try:
         data = _read_manifest_bytes(storage, rel)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        if not _exists(storage, name):
+            raise NotACheckpointError(f"{storage.describe(name)} does not exist") from None
         raise NotACheckpointError(
             f"{storage.describe(name)} is not a checkpoint: no {MANIFEST_NAME} (not a checkpoint, "
             "or a save that never committed)"
         ) from None
     return parse_manifest(data, source=storage.describe(rel))
+
+
+def _exists(storage: Storage, name: str) -> bool:
+    """Whether ``name`` exists at all (a missing path is told apart from a folder without a manifest);
+    True when the storage cannot say, so the message falls back to "no manifest.json"."""
+    try:
+        return storage.exists(name)
+    except OSError:
+        return True
 
 
 def _read_manifest_bytes(storage: Storage, rel: str) -> bytes:

@@ -240,11 +240,19 @@ def test_ranks_are_stopped_when_closing_them_is_interrupted() -> None:
 
 
 @pytest.mark.parametrize("kind", ["io", "save"])
-def test_a_dir_the_bench_created_is_removed_after_failure(tmp_path: Path, kind: str) -> None:
+def test_a_missing_dir_is_refused_not_created(tmp_path: Path, kind: str) -> None:
+    """--dir names the disk to measure: a mistyped one is bad input (exit 2), never created elsewhere."""
     target = tmp_path / "new" / "sub"
     result = runner.invoke(app, ["bench", kind, "--size-gib", "1e6", "--dir", str(target), *QUIET])
-    assert result.exit_code == 1 and "GiB free" in result.output
+    assert result.exit_code == 2 and f"--dir {target} does not exist" in result.output
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("kind", ["io", "save"])
+def test_a_bench_that_fails_leaves_its_dir_as_it_was(tmp_path: Path, kind: str) -> None:
+    result = runner.invoke(app, ["bench", kind, "--size-gib", "1e6", "--dir", str(tmp_path), *QUIET])
+    assert result.exit_code == 1 and "GiB free" in result.output
+    assert os.listdir(tmp_path) == []
 
 
 def test_bench_train_ckpt_sigint_stops_its_ranks(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def test_trust_pickle_gets_past_the_allow_list(tmp_path: Path) -> None:
     src = _fake_deepspeed(tmp_path / "ds", datetime.date(2025, 1, 2))
     result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--trust-pickle"])
     text = _text(result)
-    assert result.exit_code == 2 and "datetime.date" not in text
+    assert result.exit_code == 1 and "datetime.date" not in text  # a damaged checkpoint: 1
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in text and "zero_stage" in text
 
 

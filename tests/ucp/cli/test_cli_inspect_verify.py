@@ -132,7 +132,8 @@ def test_inspect_and_verify_fsspec_url() -> None:
 
 
 @pytest.mark.parametrize("case", ["missing", "not-json", "schema", "version", "data-file"])
-def test_inspect_bad_input_exits_2_with_one_line(tmp_path: Path, ckpt: Path, case: str) -> None:
+def test_inspect_bad_input_exits_with_one_line(tmp_path: Path, ckpt: Path, case: str) -> None:
+    """Bad input (missing, not a checkpoint, an unknown format version) exits 2; a damaged manifest 1."""
     target = tmp_path / "bad"
     target.mkdir()
     manifest = target / "manifest.json"
@@ -145,7 +146,7 @@ def test_inspect_bad_input_exits_2_with_one_line(tmp_path: Path, ckpt: Path, cas
     elif case == "data-file":
         target = ckpt / "rank-00000.safetensors"
     result = runner.invoke(app, ["inspect", str(target)])
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == (1 if case in ("not-json", "schema") else 2), result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert "Traceback" not in result.output
@@ -210,15 +211,15 @@ def test_verify_missing_data_file(ckpt: Path) -> None:
     assert "MissingDataError" in result.stdout and "rank-00001.safetensors" in result.stdout
 
 
-def test_verify_unreadable_input_exits_2(tmp_path: Path, ckpt: Path) -> None:
+def test_verify_missing_or_damaged_input(tmp_path: Path, ckpt: Path) -> None:
     result = runner.invoke(app, ["verify", str(tmp_path / "nothing-here")])
     assert result.exit_code == 2, result.output
-    assert "not a checkpoint" in result.output and "Traceback" not in result.output
+    assert "does not exist" in result.output and "Traceback" not in result.output
     (ckpt / "manifest.json").write_text('{"format_version": 1, "creator": 5}')
     js = runner.invoke(app, ["verify", str(ckpt), "--json"])
-    assert js.exit_code == 2
+    assert js.exit_code == 1  # a damaged manifest
     out = VerifyOutput.model_validate(json.loads(js.stdout))
-    assert out.exit_code == 2 and out.problems[0].kind == "ManifestError"
+    assert out.exit_code == 1 and out.problems[0].kind == "ManifestError"
     assert str(ckpt / "manifest.json") in out.problems[0].message
 
 

@@ -65,6 +65,6 @@ def test_ls_empty_and_missing_roots(tmp_path):
     result = runner.invoke(app, ["ls", str(tmp_path)])
     assert result.exit_code == 0 and "no checkpoints" in result.stdout
     result = runner.invoke(app, ["ls", str(tmp_path / "nope")])
-    assert result.exit_code == 2 and "not a directory" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "does not exist" in " ".join(result.output.split())
     result = runner.invoke(app, ["--help"])
     assert " ls " in result.stdout

@@ -64,7 +64,7 @@ def test_verify_json_unreadable_manifest_names_it(ckpt: Path) -> None:
     (ckpt / "manifest.json").unlink()
     os.symlink("manifest.json", ckpt / "manifest.json")  # a loop: ELOOP on open
     out, result = _verify_json(str(ckpt))
-    assert result.exit_code == 2 and str(ckpt / "manifest.json") in out.problems[0].message
+    assert result.exit_code == 1 and str(ckpt / "manifest.json") in out.problems[0].message  # a storage error: 1
 
 
 # -- non-regular files --------------------------------------------------------------------------------
@@ -100,9 +100,9 @@ def test_manifest_that_is_a_fifo_is_refused_not_waited_on(ckpt: Path) -> None:
     manifest.unlink()
     os.mkfifo(manifest)
     result = _run_with_deadline(lambda: runner.invoke(app, ["inspect", str(ckpt)]), unblock=manifest)
-    cli_error_line(result, 2, str(manifest), "not a regular file (a FIFO)")
+    cli_error_line(result, 1, str(manifest), "not a regular file (a FIFO)")  # a damaged checkpoint: 1
     out, _ = _run_with_deadline(lambda: _verify_json(str(ckpt)), unblock=manifest)
-    assert out.exit_code == 2 and str(manifest) in out.problems[0].message
+    assert out.exit_code == 1 and str(manifest) in out.problems[0].message
 
 
 def test_manifest_that_is_a_directory_is_no_checkpoint(ckpt: Path) -> None:
@@ -132,7 +132,7 @@ def test_manifest_that_is_a_directory_is_no_checkpoint(ckpt: Path) -> None:
 def test_state_tree_errors_name_the_manifest_and_node(ckpt: Path, state: dict, words: str) -> None:
     _edit_manifest(ckpt, lambda m: m.update(state=state))
     manifest = str(ckpt / "manifest.json")
-    line = cli_error_line(runner.invoke(app, ["inspect", str(ckpt)]), 2, words)
+    line = cli_error_line(runner.invoke(app, ["inspect", str(ckpt)]), 1, words)  # a damaged manifest: 1
     assert line.startswith(f"error: {manifest}: state")
     out, _ = _verify_json(str(ckpt))
-    assert out.exit_code == 2 and out.problems[0].message.startswith(f"{manifest}: state")
+    assert out.exit_code == 1 and out.problems[0].message.startswith(f"{manifest}: state")

@@ -370,10 +370,10 @@ def test_existing_destination_without_overwrite(tmp_path: Path) -> None:
     convert(find(1, "bf16"), tmp_path / "ucp")
     for dst in (other, tmp_path / "ucp"):
         before = digest(dst)
-        with pytest.raises(ForeignCheckpointError, match="already exists"):
+        with pytest.raises(ucp.DestinationError, match="already exists"):
             convert(ckpt, dst)
         assert digest(dst) == before
-    with pytest.raises(ForeignCheckpointError, match="not a UCP checkpoint"):
+    with pytest.raises(ucp.DestinationError, match="not a UCP checkpoint"):
         convert(ckpt, other, overwrite=True)
     assert (other / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "ucp"]
@@ -395,7 +395,7 @@ def test_destination_holding_the_source_is_refused(tmp_path: Path) -> None:
     src = copy_ckpt(find(2, "fp32"), tmp_path / "src")
     (tmp_path / "src" / "manifest.json").write_text("{}")  # looks like a UCP checkpoint
     before = digest(src)
-    with pytest.raises(ForeignCheckpointError):
+    with pytest.raises(ucp.DestinationError, match="would delete the source"):
         convert(tag_of(src), src, overwrite=True, source_format="deepspeed")
     assert digest(src) == before
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from ucp.convert.importers.common import Imported, Progress, count_stored
 from ucp.convert.importers.errors import ForeignCheckpointError, UnknownFormatError, UnsafePickleError
+from ucp.errors import DestinationError
 
 FORMATS = ("deepspeed", "deepspeed-universal", "dcp", "hf")
 SourceFormat = Literal["auto", "deepspeed", "deepspeed-universal", "dcp", "hf"]
@@ -190,31 +191,31 @@ def _local_source(src: str | os.PathLike[str]) -> Path:
 
 
 def _check_destination(src: Path, dst: str, *, overwrite: bool) -> None:
-    """ForeignCheckpointError unless ``dst`` is free, or (``overwrite``) a UCP checkpoint not holding ``src``."""
+    """DestinationError unless ``dst`` is free, or (``overwrite``) a UCP checkpoint not holding ``src``."""
     from ucp.store.storage import open_storage
 
     try:
         storage, name = open_storage(dst)
     except (ValueError, ImportError) as exc:  # unknown protocol, fsspec backend not installed
-        raise ForeignCheckpointError(f"destination {dst!r}: {exc}", file=dst) from None
+        raise DestinationError(f"destination {dst!r}: {exc}", file=dst) from None
     with storage:
         local = storage.local
         exists = storage.exists(name) or (local and os.path.islink(dst))  # a dangling link exists too
         if not exists:
             return
         if not overwrite:
-            raise ForeignCheckpointError(
-                f"destination {dst!r} already exists (overwrite=True / --force replaces a UCP checkpoint there)",
+            raise DestinationError(
+                f"destination {dst!r} already exists (overwrite=True, or --overwrite, replaces a UCP checkpoint there)",
                 file=dst,
             )
         if not storage.exists(f"{name}/manifest.json"):
-            raise ForeignCheckpointError(
+            raise DestinationError(
                 f"destination {dst!r} exists and is not a UCP checkpoint; not replacing it", file=dst
             )
     if local:
         source, target = src.resolve(), Path(dst).resolve()
         if target == source or target in source.parents:
-            raise ForeignCheckpointError(
+            raise DestinationError(
                 f"destination {dst!r} is or holds the source {str(src)!r}; replacing it would delete the source",
                 file=dst,
             )
