@@ -95,7 +95,7 @@ def test_block_size_must_be_a_multiple_of_alignment():
 
 def test_config_is_frozen():
     with pytest.raises(ValidationError):
-        AioConfig().block_size = 4096  # type: ignore[misc]
+        AioConfig().block_size = 4096
 
 
 def test_auto_picks_libaio_here():

@@ -21,7 +21,7 @@ def _record_submits(
     seen: list[tuple[int, int]] = []
     original = getattr(io.engine, method)
 
-    def spy(f, offset, buf, future=None):  # type: ignore[no-untyped-def]
+    def spy(f, offset, buf, future=None):
         seen.append((address_of(buf), buf.nbytes))
         return original(f, offset, buf, future)
 
@@ -29,7 +29,7 @@ def _record_submits(
     if method == "submit_read":
         original_v = io.engine.submit_readv
 
-        def spy_v(f, offset, buffers, future=None):  # type: ignore[no-untyped-def]
+        def spy_v(f, offset, buffers, future=None):
             seen.extend((address_of(b), b.nbytes) for b in buffers)
             return original_v(f, offset, buffers, future)
 

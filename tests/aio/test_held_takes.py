@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ class _SigintOnTake(BufferPool):
 
     armed = False
 
-    def acquire(self, timeout: float | None = None):  # type: ignore[override]
+    def acquire(self, timeout: float | None = None):
         block = super().acquire(timeout)
         if self.armed and threading.current_thread() is threading.main_thread():
             self.armed = False
@@ -91,7 +92,7 @@ def test_ctrl_c_right_after_libaio_takes_a_slot(disk_dir, make_data) -> None:
         pytest.skip(f"libaio: {exc}")
     data = make_data(4 * BS, seed=5)
     with io:
-        engine = io.engine
+        engine: Any = io.engine  # a LibaioEngine whose private slots are swapped for a spy below
         real = engine._slots
 
         class SigintOnSlot:

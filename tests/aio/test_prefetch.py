@@ -73,7 +73,7 @@ def test_warm_files_are_read_buffered_with_the_same_bytes(disk_dir: Path) -> Non
             assert bytes(dest) == data[7:100_007] + data[-200_000:]
 
 
-def _io_class_of_a_thread(fn) -> int | None:  # type: ignore[no-untyped-def]
+def _io_class_of_a_thread(fn) -> int | None:
     """Run ``fn`` in a throwaway thread (I/O priority is per thread) and return its I/O class after."""
     import ctypes
     import platform

@@ -23,14 +23,14 @@ def _simulate(file: np.ndarray, requests: list[ReadRequest]) -> None:
     for req in requests:
         staging = np.zeros(req.staged, np.uint8)
         got, pos = 0, req.offset
-        for buf in req.buffers(memoryview(staging)):
+        for buf in req.buffers(staging.data):
             chunk = file[pos : pos + buf.nbytes]
             np.frombuffer(buf, np.uint8)[: chunk.size] = chunk
             got += chunk.size
             pos += buf.nbytes
         assert got >= req.need, "a plan wanted bytes past the end of the file"
         for at, dest in req.copies:
-            dest[:] = memoryview(staging)[at : at + dest.nbytes]
+            dest[:] = staging.data[at : at + dest.nbytes]
 
 
 def _check_shape(requests: list[ReadRequest], *, align: int, block_size: int, max_segments: int) -> None:
@@ -91,7 +91,8 @@ def test_a_run_of_in_phase_ranges_becomes_block_sized_requests() -> None:
     phase: read range by range that was 300 requests (head, middle, tail each); planned, 14 full blocks."""
     n, count = MIB + 100, 100
     memory = AlignedBuffer(count * (n + 2 * ALIGN))
-    views, offset, at = [], 64, 64
+    views: list[tuple[int, memoryview]] = []
+    offset, at = 64, 64
     for _ in range(count):
         views.append((offset, memory.view(n, at)))
         offset += n + (-(offset + n - 64) % ALIGN)  # the next piece in phase with its memory, as a save pads
@@ -130,7 +131,8 @@ def test_block_size_must_be_a_multiple_of_the_alignment() -> None:
 
 def _tensor_like_ranges(rng: np.random.Generator, memory: AlignedBuffer, size: int) -> list[tuple[int, memoryview]]:
     """Consecutive ranges of the file into memory 64 bytes past a page, in phase (as a save writes them)."""
-    views, offset, at = [], 64, 64
+    views: list[tuple[int, memoryview]] = []
+    offset, at = 64, 64
     while True:
         n = int(rng.integers(1, 3 * MIB))
         if offset + n > size or at + n > memory.capacity:
@@ -153,7 +155,7 @@ def test_the_handle_reads_tensor_like_ranges_bit_exact_in_few_requests(
         for name in ("submit_read", "submit_readv"):
             original = getattr(io.engine, name)
 
-            def spy(f, offset, buf, future=None, _original=original):  # type: ignore[no-untyped-def]
+            def spy(f, offset, buf, future=None, _original=original):
                 submits.append(offset)
                 return _original(f, offset, buf, future)
 
