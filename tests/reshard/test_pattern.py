@@ -22,6 +22,7 @@ def test_plain_and_split_dims() -> None:
 def test_fused_parts_with_products_and_unit() -> None:
     p = parse_pattern("(tp [q:32*128 k:8*128 v:8*128] | unit=128) h")
     d = p.dims[0]
+    assert d.parts is not None
     assert [(x.name, x.size) for x in d.parts] == [("q", 4096), ("k", 1024), ("v", 1024)]
     assert d.unit == 128 and d.label is None
 

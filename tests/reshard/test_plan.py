@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import pytest
 from reshard_sim import execute, fill, global_arrays, save
@@ -123,6 +124,7 @@ def test_fused_shard_reloads_as_one_copy_and_padding_as_a_fill() -> None:
     )
     shapes = {"qkv": (16, 3), "emb": (5, 3)}
     arrays = global_arrays(shapes)
+    ranks: list[tuple[str, Any, dict[str, Any]]]
     ranks = [(f"r{c.tp}", layout.resolve(shapes, c).weights(), {}) for c in layout.mesh.coords()]
     ranks = [(f, bufs, {b.name: fill(b, arrays) for b in bufs}) for f, bufs, _ in ranks]
     files, sources = save(ranks)

@@ -26,7 +26,7 @@ def tensor(draw: st.DrawFn, name: str, expert: bool) -> tuple[str, tuple[int, ..
         dims[0] = "(ep d0)"
     free = [i for i in range(ndim) if not (expert and i == 0)]
     avg = False
-    if free and draw(st.booleans()):
+    if bool(free) and draw(st.booleans()):  # bool(): mypy types the draw by the left operand otherwise
         i = draw(st.sampled_from(free))
         kind = draw(st.sampled_from(SPLITS))
         if kind == "even":
