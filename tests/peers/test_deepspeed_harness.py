@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_zero2_fp32_two_ranks() -> None:
         (3, "bf16", 2, "tiny-gqa"),
     ],
 )
-def test_other_stages(stage: int, dtype: str, world: int, preset: str) -> None:
+def test_other_stages(stage: int, dtype: Literal["fp32", "bf16"], world: int, preset: str) -> None:
     ckpt = make_checkpoint(world_size=world, zero_stage=stage, dtype=dtype, steps=3, model_config=preset)
     _check_checkpoint(ckpt, preset, world=world, stage=stage, dtype=dtype, steps=3)
 

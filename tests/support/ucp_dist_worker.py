@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -76,7 +77,7 @@ def load4(rank: int, world: int, ck: str) -> None:
     c0, c1 = bounds(6, world, rank)
     r0, r1 = bounds(6, world, rank)
     f0, f1 = bounds(35, world, rank)
-    into = {
+    into: dict[str, Any] = {
         "model": {
             "w": ucp.ShardedTensor(torch.zeros(8, c1 - c0, dtype=torch.float64), (8, 6), (0, c0)),
             "v": ucp.ShardedTensor(torch.zeros(r1 - r0, 8, dtype=torch.bfloat16), (6, 8), (r0, 0)),
@@ -113,7 +114,7 @@ def load4(rank: int, world: int, ck: str) -> None:
 
 def fail_one(rank: int, world: int, ck: str) -> None:
     """Rank 1 holds something unsaveable: every rank must raise, nothing committed, no rank left waiting."""
-    state = {"w": ucp.ShardedTensor(W[rank * 4 : (rank + 1) * 4], (8, 6), (rank * 4, 0))}
+    state: dict[str, Any] = {"w": ucp.ShardedTensor(W[rank * 4 : (rank + 1) * 4], (8, 6), (rank * 4, 0))}
     if rank == 1:
         state["bad"] = object()
     try:
