@@ -58,7 +58,7 @@ class Imports:
                 world_size=world,
                 zero_stage=stage,
                 dtype=dtype,
-                steps=3,  # type: ignore[arg-type]
+                steps=3,
                 ds_config=VARIANTS[variant[0]] if variant else None,
             )
             dst = self.root / "-".join(str(c) for c in config)
@@ -211,7 +211,7 @@ ENGINE_CASES = [  # (DeepSpeed config, Engine mesh, Engine ZeRO stage)
 
 @needs_ds
 def test_engine_resumes_import_at_other_meshes(imports: Imports, tmp_path: Path) -> None:
-    cases = []
+    cases: list[dict[str, Any]] = []
     for config, mesh, zero in ENGINE_CASES:
         got = imports.get(config)
         cases.append(

@@ -52,7 +52,7 @@ def test_a_box_outside_the_source_buffer_is_refused() -> None:
         copy_region(src, Box((0, 0), shape), 4, dst, Box((0, 0), shape), shape)  # wants elements 0..15
 
 
-def test_numpy_targets_of_another_item_size_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_numpy_targets_of_another_item_size_are_refused(tmp_path) -> None:
     import ucp
     from ucp.errors import CheckpointError
     from ucp.loading.partial import Target, read_targets

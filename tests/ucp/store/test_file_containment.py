@@ -16,7 +16,7 @@ from ucp.convert.exporters import export
 from ucp.convert.reshape import reshape
 
 
-def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
     state = {"model": {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)}}
     path = tmp_path / "ckpt"
     ucp.save(state, path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -27,7 +29,7 @@ def test_a_live_slice_numpy_array_or_tensor_keeps_its_memory_out_of_the_pool() -
         a = pool.buffer(1 << 16)
         a.view()[:] = b"\x07" * (1 << 16)
         view = a.view(100, 4096)
-        held = {
+        held: Any = {  # a memoryview, numpy array or tensor over the pool's bytes
             "slice": view,
             "numpy": np.frombuffer(view, dtype=np.uint8),
             "tensor": torch.frombuffer(view, dtype=torch.uint8),

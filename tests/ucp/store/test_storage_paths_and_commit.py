@@ -253,11 +253,13 @@ def test_interrupted_fsspec_rename_never_leaves_a_manifest_without_data(monkeypa
 
 def _exchange_works(tmp_path: Path) -> bool:
     a, b = tmp_path / "xa", tmp_path / "xb"
-    a.mkdir(), b.mkdir()
+    a.mkdir()
+    b.mkdir()
     try:
         return rename_exchange(str(a), str(b))
     finally:
-        a.rmdir(), b.rmdir()
+        a.rmdir()
+        b.rmdir()
 
 
 def test_fallback_crash_after_rename_leaves_only_an_old_sibling(tmp_path, monkeypatch):
