@@ -355,10 +355,15 @@ def test_corrupt_source_with_two_workers_then_a_clean_reshape(source, tmp_path: 
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x10]))
         with pytest.raises(ucp.CorruptCheckpointError, match=name.replace(".", r"\.")):
-            _run_with_deadline(lambda: reshape(bad, tmp_path / "out", layout=mesh(tp=2), memory_budget=MiB, workers=2))
+            _run_with_deadline(
+                functools.partial(reshape, bad, tmp_path / "out", layout=mesh(tp=2), memory_budget=MiB, workers=2)
+            )
         assert not (tmp_path / "out").exists()
         assert no_reshape_threads()
-        _run_with_deadline(lambda: reshape(src, tmp_path / f"ok{k}", layout=mesh(tp=2), memory_budget=MiB, workers=2))
+        # partial, not a lambda: a thread left running past its deadline must not see the next iteration's names
+        _run_with_deadline(
+            functools.partial(reshape, src, tmp_path / f"ok{k}", layout=mesh(tp=2), memory_budget=MiB, workers=2)
+        )
         check_checkpoint(tmp_path / f"ok{k}", ref)
 
 
