@@ -240,14 +240,21 @@ def rewrite(
         jobs = [_Job(p, _batches(p, batch_bytes)) for p in plans if p.file is not None]
         # Staged spans are cut to `staging` bytes and read from page boundaries (up to a page more at
         # each end), so each staging buffer fits the pool's share of a batch.
-        staging = batch_bytes // STAGING_SHARE - 2 * PAGE
-        source.index.staging = MemoryPool(batch_bytes // STAGING_SHARE)  # batches and staging reuse memory
-        arenas = MemoryPool(batch_bytes)
+        # Each pool is capped at the mappings BATCHES_HELD counts, so memory a lagging thread still
+        # views is waited for rather than doubled (see MemoryPool); the staging size is whole pages,
+        # as the mappings are.
+        staging_size = batch_bytes // STAGING_SHARE // PAGE * PAGE
+        staging = staging_size - 2 * PAGE
+        stop = threading.Event()  # a Ctrl-C (or a failed file) must not leave the other files being written
+        source.index.staging = MemoryPool(staging_size, limit=files_at_once * READ_AHEAD * STAGING_SLOTS, abandon=stop)
+        arenas = MemoryPool(batch_bytes, limit=files_at_once * (READ_AHEAD + 2), abandon=stop)
         advance = _progress_counter(sum(p.length for plan in plans for p in plan.pieces), progress)
         temp = _commit.make_temp_dir(dst_storage, dst_name)
         lock_fd = _commit.lock_temp(dst_storage, temp)  # a save in flight, not a leftover to clean
         try:
-            reports = _write_files(jobs, plans, source, arenas, dst_storage, temp, files_at_once, staging, advance)
+            reports = _write_files(
+                jobs, plans, source, arenas, dst_storage, temp, files_at_once, staging, advance, stop
+            )
             source.index.finish(source.storage, source.name, staging)  # CRCs of sources read span by span
             new = _commit.build_manifest(
                 reports, world_size=world, step=source.manifest.step, metadata=metadata, mesh=mesh, created=now_utc()
@@ -501,6 +508,10 @@ class _StreamedViews(Sequence[PieceBytes]):
                             # BATCHES_HELD counts k - 1 to k + READ_AHEAD.
                             ahead.append(pool.submit(self.fill, batches[k + READ_AHEAD]))
             finally:
+                if ahead and self.stop is not None:
+                    # left early (a failed fill or writer): a fill still running may be waiting for
+                    # memory that the failure's traceback holds; the pools let it go (MemoryPool.abandon)
+                    self.stop.set()
                 for fut in ahead:
                     fut.cancel()
 
@@ -538,9 +549,10 @@ def _write_files(
     files_at_once: int,
     staging_bytes: int,
     advance: Callable[[int, str], None],
+    stop: threading.Event,
 ) -> list[_commit.RankReport]:
+    """Write the files, ``files_at_once`` at a time; ``stop`` is set when one fails (the others stop too)."""
     tree = source.manifest.state
-    stop = threading.Event()  # a Ctrl-C (or a failed file) must not leave the other files being written
 
     def run(job: _Job) -> _commit.RankReport:
         plan = job.plan

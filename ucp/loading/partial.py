@@ -198,7 +198,9 @@ class SourceIndex:
         if not left:
             return
         most = min(chunk_bytes, max(r.fp.piece.length - r.pos for _, r in left))
-        buf = FileBuffer((most // ALIGN + 1) * ALIGN)  # one page more: reads start at the aligned offset below
+        nbytes = (most // ALIGN + 1) * ALIGN  # one page more: reads start at the aligned offset below
+        # from the reads' staging pool where one is shared: a reshape's budget counts no memory beside it
+        buf = self.staging.buffer(nbytes) if self.staging is not None else FileBuffer(nbytes)
         for (file, _), run in sorted(left, key=lambda kv: kv[0]):
             fp = run.fp
             while run.pos < fp.piece.length:

@@ -14,6 +14,7 @@ import os
 import stat
 import struct
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -397,27 +398,59 @@ class MemoryPool:
     view of a FileBuffer (its slices, numpy arrays over them, an I/O request in flight holding its
     memoryview) keeps the mapping exported, so memory is reused exactly when it would otherwise be
     freed. The pool holds at most as many mappings as were ever in use at once.
+
+    ``limit``: the most mappings it may hold (a memory budget's count). At the limit, :meth:`buffer`
+    waits for one to come free instead of mapping another: when memory is let go depends on other
+    threads (a checksum thread or a write request still reading a batch the caller is done with), so
+    under load "free by now" is not a promise, and a budget that counted on it was exceeded. The
+    caller's pipeline must release mappings without waiting on the one asking (reshape's does: the
+    writer, its checksum thread and its requests in flight progress on their own).
     """
 
-    def __init__(self, size: int) -> None:
+    WAIT_SLICE = 0.001  # seconds between probes while every mapping is in use
+    GC_AFTER = 0.1  # seconds of waiting before a garbage collection (a reference cycle may hold a view)
+
+    def __init__(self, size: int, limit: int | None = None, abandon: threading.Event | None = None) -> None:
+        """``abandon``: once set, a caller waiting at the limit gets a RuntimeError instead (the work the
+        memory is for was given up, and what holds the mappings, e.g. an error's traceback, may never let go)."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"a memory pool needs room for one mapping at least, not {limit}")
         self.size = size
+        self.limit = limit
+        self.abandon = abandon
+        self.waits = 0  # how often buffer() found every mapping in use at the limit (for tests and tuning)
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._reusable = True  # False where resize() cannot probe (another platform): plain FileBuffers
 
     def buffer(self, nbytes: int) -> FileBuffer:
-        """A FileBuffer of ``nbytes`` (its contents are whatever the memory last held)."""
+        """A FileBuffer of ``nbytes`` (its contents are whatever the memory last held); at the limit,
+        waits until one of the pool's mappings is no longer viewed."""
         if nbytes > self.size or not self._reusable:
             return FileBuffer(nbytes)
-        with self._lock:  # the FileBuffer (an export) exists before another caller probes the mapping
-            for m in self._maps:
-                if self._free(m):
+        waited, collected = 0.0, False
+        while True:
+            with self._lock:  # the FileBuffer (an export) exists before another caller probes the mapping
+                for m in self._maps:
+                    if self._free(m):
+                        return FileBuffer(nbytes, m)
+                if not self._reusable:
+                    return FileBuffer(nbytes)
+                if self.limit is None or len(self._maps) < self.limit:
+                    m = _anonymous(self.size)
+                    self._maps.append(m)
                     return FileBuffer(nbytes, m)
-            if not self._reusable:
-                return FileBuffer(nbytes)
-            m = _anonymous(self.size)
-            self._maps.append(m)
-            return FileBuffer(nbytes, m)
+                if waited == 0.0:
+                    self.waits += 1
+            if self.abandon is not None and self.abandon.is_set():
+                raise RuntimeError("abandoned while waiting for memory from the pool")
+            if waited >= self.GC_AFTER and not collected:
+                import gc
+
+                gc.collect()
+                collected = True
+            time.sleep(self.WAIT_SLICE)
+            waited += self.WAIT_SLICE
 
     def _free(self, m: mmap.mmap) -> bool:
         try:
