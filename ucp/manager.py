@@ -13,15 +13,19 @@ Order of a save (rank 0 does the file-system work):
 1. remove leftovers of earlier, interrupted saves (``.tmp-``/``.old-`` directories
    that no save in flight holds: see :func:`ucp.store.commit.dir_in_use`);
 2. save ``root/step-{step:08d}`` with :func:`ucp.save` or an asynchronous save (atomic);
-3. after the commit, replace ``latest`` atomically (temp file, fsync, rename, fsync of root);
-4. keep ``keep_last`` complete checkpoints — always the one ``latest`` names, then the highest
-   steps — and delete the other complete ones.
+3. after the commit, replace ``latest`` atomically (temp file, fsync, rename, fsync of root), only
+   forward: under a ``flock`` of the root it is left alone when it names a complete higher step
+   (two managers, or a late async writer, committing out of order). The checkpoint is complete by
+   then, so a pointer that cannot be written is a warning, not a failed save;
+4. keep ``keep_last`` complete checkpoints — always the one ``latest`` names and the one just
+   saved, then the highest steps — and delete the other complete ones.
 
 A kill at any point leaves ``latest`` naming a complete checkpoint (the previous
 one, or the new one if the kill came after step 3); leftovers are never listed as
-complete nor loaded, and the next save removes them. :meth:`CheckpointManager.load`
-resumes from ``latest`` and falls back to the newest complete checkpoint if
-``latest`` is missing or names a checkpoint that no longer loads.
+complete nor loaded, and the next save removes them. "The latest checkpoint"
+(:meth:`CheckpointManager.latest`, :meth:`CheckpointManager.load`) is the newest complete
+one: the one ``latest`` names unless that pointer is missing, stale or older; load falls back
+to older complete checkpoints when one no longer loads.
 """
 
 from __future__ import annotations
