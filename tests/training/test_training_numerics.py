@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from matrix import covering
 from training_helpers import gather, run_world
 
 from reshard import Mesh
@@ -78,8 +79,7 @@ def global_part(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 # -- single process: bit-exact against torch.optim ------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["adamw", "adam"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage,kind", covering([0, 1, 2, 3], ["adamw", "adam"]))
 def test_update_is_bit_exact_with_torch_optim_under_an_lr_schedule(stage: int, kind: str) -> None:
     engine = Engine("tiny", zero_stage=stage, optimizer=kind, lr_schedule=warmup_decay, **ONE)
     ref = twin(engine)
@@ -129,8 +129,7 @@ def test_every_step_gets_the_schedules_lr() -> None:
     assert engine.step == 6
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage,dtype", covering([0, 1, 2, 3], ["fp16", "bf16"]))
 def test_mixed_precision_is_bit_exact_with_a_manual_fp32_master_loop(stage: int, dtype: str) -> None:
     """fp16/bf16 compute weights = fp32 masters cast; gradients unscaled in fp32; fp16 overflow skips the step
     (no Adam step, no weight change), halves the scale, and 2 clean steps double it."""
