@@ -26,7 +26,11 @@ def make_saver(mode: str, **kw) -> AsyncSaver:
     """A saver of one test mode: "thread" and "process" copy before returning, "cow" protects and copies later."""
     if mode == "cow":
         return AsyncSaver(mode="thread", snapshot="cow", **kw)
-    return AsyncSaver(mode=mode, snapshot="sync", **kw)
+    if mode == "thread":
+        return AsyncSaver(mode="thread", snapshot="sync", **kw)
+    if mode == "process":
+        return AsyncSaver(mode="process", snapshot="sync", **kw)
+    raise ValueError(f"unknown test mode {mode!r}; known: {ALL}")
 
 
 W = random_tensor(torch.float32, (8, 6), seed=31)

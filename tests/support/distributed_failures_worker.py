@@ -6,6 +6,7 @@ Writes ``DIR/result-<SCENARIO>-<RANK>.json`` (flags, error types and messages, f
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -14,6 +15,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch  # noqa: E402
 from ucp_helpers import random_tensor, same_bytes  # noqa: E402
@@ -59,7 +61,6 @@ class ReadSpy:
         from ucp.store.storage import LocalStorage
 
         self.reads: list[tuple[str, int, int]] = []
-        self._cls = LocalStorage
         self._into, self._ranges = LocalStorage.read_into, LocalStorage.read_ranges
         spy = self
 
@@ -72,13 +73,15 @@ class ReadSpy:
             spy.reads.extend((os.path.basename(rel), off, memoryview(d).nbytes) for off, d in ranges)
             return spy._ranges(storage, rel, ranges)
 
-        LocalStorage.read_into, LocalStorage.read_ranges = read_into, read_ranges
+        self._patched = contextlib.ExitStack()  # until __exit__
+        self._patched.enter_context(mock.patch.object(LocalStorage, "read_into", read_into))
+        self._patched.enter_context(mock.patch.object(LocalStorage, "read_ranges", read_ranges))
 
     def __enter__(self) -> "ReadSpy":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._cls.read_into, self._cls.read_ranges = self._into, self._ranges
+        self._patched.close()
 
 
 def _piece_spans(m: ucp.Manifest, tensor: str) -> list[tuple[str, int, int]]:
@@ -163,7 +166,7 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     # load(into=) of this rank's own shards: only its own file, only its own pieces
     spans = {t: _piece_spans(m, t) for t in ("model.w", "optim.state.0.f")}
     for verify in (True, False):
-        into = {
+        into: dict[str, Any] = {
             "model": {"w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (rank * 4, 0))},
             "optim": {
                 "state": {
@@ -293,7 +296,7 @@ def scenario_sub(rank: int, world: int, ck: str) -> dict[str, Any]:
         res["topology"] = [m.topology.world_size, m.topology.mesh]
         res["files"] = {f: i.rank for f, i in m.files.items()}
         res["full"] = same_bytes(ucp.load(path, process_group=sub)["w"], W)
-        into = {
+        into: dict[str, Any] = {
             "w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (g * 4, 0)),
             "r": torch.zeros(3, 3, dtype=torch.float16),
         }

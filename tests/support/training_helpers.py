@@ -170,11 +170,12 @@ def module_reference(sc: dict, world: int) -> Reference:
     o = sc["options"]
     named = dict(module.named_parameters())
     no_decay = [n for n in named if n.endswith(".bias") or n.startswith("norm.")]
+    groups: list[dict[str, Any]] = [
+        {"params": [named[n] for n in no_decay], "weight_decay": 0.0},
+        {"params": [p for n, p in named.items() if n not in no_decay]},
+    ]
     opt = torch.optim.AdamW(
-        [
-            {"params": [named[n] for n in no_decay], "weight_decay": 0.0},
-            {"params": [p for n, p in named.items() if n not in no_decay]},
-        ],
+        groups,
         lr=o["lr"],
         weight_decay=o["weight_decay"],
     )
