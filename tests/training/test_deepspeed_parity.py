@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -64,6 +64,11 @@ WORKER = SUPPORT / "deepspeed_parity_worker.py"
 
 
 # -- the test side ---------------------------------------------------------------------------------
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """An assert_close message: torch's own, after ``prefix``."""
+    return lambda message: f"{prefix}: {message}"
 
 
 def _deepspeed_or_skip() -> Any:
@@ -133,7 +138,7 @@ def check_parity(
     tol = WEIGHT_TOL[dtype]
     beyond = total = 0
     for n, w in ds_weights.items():
-        torch.testing.assert_close(my_weights[n], w, rtol=0.0, atol=tol["atol"], msg=lambda m, n=n: f"{name} {n}: {m}")
+        torch.testing.assert_close(my_weights[n], w, rtol=0.0, atol=tol["atol"], msg=_prefixed(f"{name} {n}"))
         beyond += int(((my_weights[n] - w).abs() > tol["bulk"]).sum())
         total += w.numel()
     assert beyond <= tol["outliers"] * total, f"{name}: {beyond} of {total} weights differ by more than {tol['bulk']}"

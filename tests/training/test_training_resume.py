@@ -129,6 +129,7 @@ def test_reshaped_checkpoint_is_one_file_per_rank(runs: dict[str, Any]) -> None:
     path = ucp.CheckpointManager(runs["ck"]["reshaped_dp2_z1"]).path(SPLIT)
     manifest = ucp.read_manifest(path)
     recorded = recorded_layout(manifest)
+    assert recorded.layout is not None and recorded.shapes is not None
     assert manifest.topology.mesh == {"tp": 1, "pp": 1, "dp": 2} and recorded.layout.zero.stage == 1
     placements = place(manifest, recorded.layout, recorded.shapes)
     for rank, mine in enumerate(placements.ranks):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from distributed_failures_worker import W, _leftovers
@@ -24,7 +25,9 @@ import ucp
 WORKER = SUPPORT / "distributed_failures_worker.py"
 
 
-def run_scenario(scenario: str, world: int, ck: Path, allowed_rc: dict[int, int] | None = None) -> list[dict]:
+def run_scenario(
+    scenario: str, world: int, ck: Path, allowed_rc: dict[int, int] | None = None
+) -> list[dict[str, Any] | None]:
     """Run one scenario of tests/support/distributed_failures_worker.py; each rank's record (None if it has none)."""
     run_world(WORKER, lambda r: [scenario, r, world, ck], world, timeout=150, allowed_rc=allowed_rc)
     results = []

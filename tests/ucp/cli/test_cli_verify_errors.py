@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 from ucp_helpers import cli_error_line
 
 import ucp
@@ -21,7 +21,7 @@ from ucp.cli.verify import VerifyOutput
 runner = CliRunner()
 
 
-def _verify_json(*args: str) -> tuple[VerifyOutput, object]:
+def _verify_json(*args: str) -> tuple[VerifyOutput, Result]:
     result = runner.invoke(app, ["verify", *args, "--json"])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     out = VerifyOutput.model_validate(json.loads(result.stdout))

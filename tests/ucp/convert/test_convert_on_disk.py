@@ -325,7 +325,9 @@ def build_on_first_storage(path: Path, state: dict) -> None:
     out = []
     for name, data in members_of(path):
         if name.endswith("/data.pkl"):
-            pos = next(p for op, _, p in pickletools.genops(data) if op.name == "BINPERSID") + 1
+            pos = next(p for op, _, p in pickletools.genops(data) if op.name == "BINPERSID")
+            assert pos is not None  # genops gives positions when reading bytes
+            pos += 1
             body = b"}" + b"".join(pickle.dumps(k, 2)[2:-1] + pickle.dumps(v, 2)[2:-1] + b"s" for k, v in state.items())
             data = data[:pos] + body + b"b" + data[pos:]
         out.append((name, data))
@@ -512,7 +514,7 @@ def test_write_error_from_the_disk_leaves_nothing(tmp_path: Path, monkeypatch: p
     """An OSError inside the data file writer (ENOSPC-like), not from a callback."""
     import ucp.convert.reshape as reshape
 
-    real = reshape.write_rank_file
+    real: Any = reshape.write_rank_file  # called below with a test double for its views
 
     class Failing:
         def __init__(self, views: Any) -> None:

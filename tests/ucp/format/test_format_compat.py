@@ -41,8 +41,9 @@ def _expected() -> dict:
 def _assert_same(got: object, want: object, path: str = "") -> None:
     assert type(got) is type(want), path
     if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, path  # type: ignore[union-attr]
-        assert got.view(torch.uint8).tolist() == want.view(torch.uint8).tolist(), path  # type: ignore[union-attr]
+        assert isinstance(got, torch.Tensor), path
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert got.view(torch.uint8).tolist() == want.view(torch.uint8).tolist(), path
     elif isinstance(want, (dict, list, tuple)):
         keys = list(want) if isinstance(want, dict) else range(len(want))
         assert (list(got) if isinstance(got, dict) else range(len(got))) == keys, path  # type: ignore[arg-type]

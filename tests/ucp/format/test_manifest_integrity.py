@@ -8,6 +8,7 @@ import json
 import os
 import tracemalloc
 from pathlib import Path
+from typing import Any, Callable
 
 import crc32c
 import pytest
@@ -23,6 +24,16 @@ from ucp.convert.reshape import reshape
 from ucp.format.manifest import CHECKSUM_FIELD, MAX_MANIFEST_BYTES, parse_manifest, seal
 from ucp.manager import check_complete, looks_complete
 from ucp.saving.async_save import aload, async_save
+
+
+def _counting(read_small: Callable[..., bytes], reads: list[str]) -> Callable[..., bytes]:
+    """``read_small`` noting in ``reads`` each path it reads."""
+
+    def spy(self: Any, rel: str) -> bytes:
+        reads.append(rel)
+        return read_small(self, rel)
+
+    return spy
 
 
 def _state() -> dict:
@@ -186,9 +197,7 @@ def test_oversized_remote_manifest_is_refused_before_it_is_read(monkeypatch: pyt
         for cls in {type(s) for s in Storage.__subclasses__()} | set(Storage.__subclasses__()):
             if "read_small" in vars(cls):
                 original = vars(cls)["read_small"]
-                monkeypatch.setattr(
-                    cls, "read_small", lambda self, rel, _o=original: reads.append(rel) or _o(self, rel)
-                )
+                monkeypatch.setattr(cls, "read_small", _counting(original, reads))
         with pytest.raises(ucp.ManifestError, match=rf"manifest.json: {size} bytes, over the {size - 1} byte limit"):
             ucp.load(url)
         assert not [r for r in reads if r.endswith("manifest.json")]
