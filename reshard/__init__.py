@@ -11,12 +11,14 @@
 * ``runs``     — contiguity: boxes cut into row-major runs.
 * ``plan``     — which stored bytes fill which target elements.
 * ``presets``  — layouts for GPT (Megatron names) and Llama (Hugging Face names).
+* ``plain``    — the plain DP/ZeRO layout (every tensor replicated): the default for unrecorded checkpoints.
 """
 
 from .box import Box, FlatRange, check_exact_cover, flat_range_to_boxes, flat_span
 from .errors import LayoutError, PatternError, PlanError
 from .layout import Layout, Mesh, Pipeline, RankCoord, Rule, Zero
 from .pattern import Dim, Part, Pattern, parse_pattern
+from .plain import is_plain, plain_layout
 from .plan import CheckedSources, Copy, Fill, Plan, SourcePiece, check_sources, plan, plan_layout
 from .presets import ModelDims, gpt_layout, gpt_shapes, llama_layout, llama_shapes
 from .resolve import LocalBuffer, RankView, Resolver, Slot, merge_slots, state_name, state_shapes
@@ -49,6 +51,8 @@ __all__ = [
     "check_sources",
     "plan",
     "plan_layout",
+    "is_plain",
+    "plain_layout",
     "ModelDims",
     "gpt_layout",
     "gpt_shapes",

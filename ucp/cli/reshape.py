@@ -1,8 +1,10 @@
 """``ucp reshape SRC DST``: rewrite a checkpoint for another TP/PP/DP/ZeRO layout, or consolidate it.
 
-The target is the layout SRC recorded (the training engine records it) with the mesh axes and
-ZeRO stage given on the command line changed, or a layout file (``--layout``), or, for a
-checkpoint that recorded none (an imported one), the reference GPT preset (``--model``). With no
+The target is the layout SRC recorded (the training engine and the DeepSpeed importer record it) with
+the mesh axes and ZeRO stage given on the command line changed, or a layout file (``--layout``), or the
+reference GPT preset (``--model``). A checkpoint that recorded none is taken to be plain DP/ZeRO
+(:func:`reshard.plain_layout`: every tensor replicated, the parameters one ZeRO group), so ``--dp``
+and ``--zero`` work on any checkpoint; ``--tp``/``--pp`` above 1 then need a layout file or preset. With no
 target at all, the checkpoint is consolidated: one piece per tensor, one file.
 
 Exit codes (:func:`ucp.cli.common.exit_code`, as for every command): 0 written (and with ``--verify``
@@ -167,7 +169,7 @@ def _target_layout(
     model: str | None,
 ):  # -> reshard.Layout | None
     """The target layout from the options and what SRC recorded; None means consolidate."""
-    from reshard import Layout, LayoutError
+    from reshard import Layout, LayoutError, plain_layout
     from reshard.layout import validation_line
     from ucp.convert.placement import recorded_layout
     from ucp.store.reader import read_checkpoint_manifest
@@ -188,11 +190,17 @@ def _target_layout(
         base = gpt_layout(PRESETS[model])
     else:
         manifest, source = read_checkpoint_manifest(src), f"{src}/manifest.json"
-        base = recorded_layout(manifest, source=source).layout
-        if base is None:
-            raise LayoutError(
-                f"{src} records no layout (metadata.layout); give one with --layout FILE or --model PRESET"
-            )
+        recorded = recorded_layout(manifest, source=source).layout
+        if recorded is None:
+            split = [f"--{k} {v}" for k, v in flags.items() if k in ("tp", "pp") and v > 1]
+            if split:
+                raise LayoutError(
+                    f"{src} records no layout (metadata.layout), and {' '.join(split)} needs one to know how "
+                    "tensors split: give one with --layout FILE or --model PRESET (--dp/--zero need none)"
+                )
+            base = plain_layout()  # plain DP/ZeRO: every tensor replicated, the parameters one ZeRO group
+        else:
+            base = recorded
     stage = base.zero.stage if zero is None else zero
     try:
         mesh = type(base.mesh).model_validate(base.mesh.model_copy(update=flags).model_dump())

@@ -72,13 +72,22 @@ def recorded_layout(manifest: Manifest, source: str = "manifest.json") -> Record
             shapes = {str(n): tuple(int(d) for d in s) for n, s in meta["shapes"]}
         except (TypeError, ValueError):
             raise LayoutError(f"{source}: metadata.shapes must be a list of [name, shape] pairs") from None
-    sections = dict(DEFAULT_SECTIONS)
+    sections = default_sections(manifest)
     if meta.get("sections") is not None:
         raw = meta["sections"]
         if not isinstance(raw, dict) or any(v not in ("weights", "state") for v in raw.values()):
             raise LayoutError(f"{source}: metadata.sections must map section prefixes to 'weights' or 'state'")
         sections = dict(raw)
     return RecordedLayout(layout, shapes, sections)
+
+
+def default_sections(manifest: Manifest) -> dict[str, SectionKind]:
+    """The sections of a checkpoint that recorded none: the training engine's (DEFAULT_SECTIONS) when
+    some tensor lies in one of them, else the root as the weights (a plain ``model.state_dict()``, a
+    Hugging Face import), so that ZeRO-3 partitions its tensors as parameters."""
+    if any(n.startswith(s + ".") for n in manifest.tensors for s in DEFAULT_SECTIONS):
+        return dict(DEFAULT_SECTIONS)
+    return {"": "weights"}
 
 
 def tensor_name(section: str, param: str) -> str:

@@ -620,4 +620,33 @@ def _read(files: DeepSpeedFiles, tensors: Tensors, trust_pickle: bool, progress:
         states_file=files.model[0],
         scaler_file=files.optim[0],
     )
+    meta.update(recorded_layout(stage, world, shapes, osds, files.optim[0]))
     return Imported(state=state, step=step, metadata=meta)
+
+
+def recorded_layout(
+    stage: int, world: int, shapes: list[dict[str, tuple[int, ...]]], osds: list[dict[str, Any]], optim_file: Path
+) -> dict[str, Any]:
+    """DeepSpeed's own layout as manifest metadata (:func:`ucp.convert.placement.layout_metadata`), so
+    ``ucp reshape --dp/--zero`` starts from it and can write DeepSpeed's partitioning back: ``world``
+    data-parallel ranks, ZeRO ``stage``, one ZeRO group per optimizer param group (the parameters in
+    flat-buffer order) and the partition alignment. ZeRO-1/2 pad each group's flat buffer to a
+    multiple of 2·world elements (``nccl_start_alignment_factor``), i.e. partitions are multiples of
+    2; alignment 1 is recorded when the saved partitions say otherwise (older versions, or per-parameter
+    alignment padding the layout cannot express). ZeRO-3 cuts each parameter into ⌈numel/world⌉."""
+    from reshard import partition_size, plain_layout
+    from ucp.convert.placement import layout_metadata
+
+    alignment = 1
+    if stage in (1, 2):
+        alignment = 2
+        for g, group in enumerate(shapes):
+            fp32 = require(osds[0], "single_partition_of_fp32_groups", optim_file)[g]
+            part = int(fp32.numel()) + int(require(osds[0], "group_paddings", optim_file)[g])
+            pads = list(osds[0].get("param_alignment_paddings", [[]] * len(shapes))[g])
+            numel = sum(math.prod(s) for s in group.values())
+            if any(int(p) for p in pads) or part != partition_size(numel, world, 2):
+                alignment = 1
+    layout = plain_layout(world, stage, alignment=alignment, groups=[tuple(g) for g in shapes if g])
+    flat = {name: shape for group in shapes for name, shape in group.items()}
+    return layout_metadata(layout, flat)
