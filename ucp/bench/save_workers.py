@@ -31,10 +31,13 @@ import traceback
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:  # the worker imports ucp only when it first saves
+    from ucp.saving.options import Snapshot
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight + fp32 master + exp_avg + exp_avg_sq
 STEP = 1000
@@ -412,7 +415,7 @@ class Worker:
         else:
             raise ValueError(f"unknown load method {method!r}")
 
-    def async_save(self, directory: str, snapshot: str = "sync", compute_s: float = 0.0) -> dict[str, float]:
+    def async_save(self, directory: str, snapshot: Snapshot = "sync", compute_s: float = 0.0) -> dict[str, float]:
         """Seconds of an async save followed by a simulated training step.
 
         The saver is an ``AsyncSaver(snapshot=...)``, reused across rounds. After the call returns,

@@ -159,7 +159,8 @@ def build_report(path: str, manifest: Any) -> InspectReport:
     """An :class:`InspectReport` from a checked ``ucp.Manifest``."""
     from ucp.format.dtypes import itemsize
 
-    tensors, dtypes = [], {}
+    tensors: list[TensorInfo] = []
+    dtypes: dict[str, int] = {}
     per_file: dict[str, list[int]] = {name: [0, 0] for name in manifest.files}  # pieces, bytes
     for name, t in manifest.tensors.items():
         nbytes = math.prod(t.shape) * itemsize(t.dtype)

@@ -121,7 +121,7 @@ def ls_cmd(
         out.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
     problems = [i for i in infos if i.detail and i.status in ("corrupt", "incomplete")]
     for i in problems:
-        out.print(f"[red]{escape(i.name)}[/red]: {escape(i.detail)}", highlight=False)
+        out.print(f"[red]{escape(i.name)}[/red]: {escape(i.detail or '')}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -71,7 +71,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data  # memoryview(array), typed (numpy's stubs lack Buffer before 3.12)
 
 
 def piece_bytes(piece: PlannedPiece, leaf: Leaf) -> memoryview:

@@ -109,11 +109,11 @@ class Storage(abc.ABC):
         """Atomically swap two entries if the backend can; False when it cannot (nothing changed)."""
         return False
 
-    def sync_dir(self, rel: str) -> None:
+    def sync_dir(self, rel: str) -> None:  # noqa: B027 - a no-op default, not abstract: meaningless on some backends
         """Make a directory's entries durable (no-op where meaningless)."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - a no-op default, not abstract: most backends hold nothing
+        """Release what the storage holds (nothing by default)."""
 
     def __enter__(self) -> "Storage":
         return self

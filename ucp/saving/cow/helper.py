@@ -287,7 +287,7 @@ class Helper:
             while True:
                 with self.cond:
                     jobs = list(self.jobs)
-                waiting = [self.sock, self.poke_r] + [j.protector.fd for j in jobs]
+                waiting: list[socket.socket | int] = [self.sock, self.poke_r, *(j.protector.fd for j in jobs)]
                 readable, _, _ = select.select(waiting, [], [])
                 if self.sock in readable and not self.handle(receive_message(self.sock)):
                     return
