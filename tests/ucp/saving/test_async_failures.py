@@ -315,6 +315,7 @@ def _kill_writer_with_a_job_queued(saver: AsyncSaver, path) -> ucp.SaveHandle:
     """Stop the writer, hand it a save, then kill it: the job is in its pipe, never run."""
     saver.start()
     pid = saver.writer_pid
+    assert pid is not None  # start() started the writer process
     os.kill(pid, signal.SIGSTOP)
     h = saver.save(state_of(30), path, step=30)
     os.kill(pid, signal.SIGKILL)

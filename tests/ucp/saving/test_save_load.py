@@ -138,7 +138,7 @@ def test_unsupported_values_name_the_key(tmp_path):
     with pytest.raises(ucp.UnsupportedStateError, match="key"):
         ucp.save({"a": {(1, 2): 3}}, tmp_path / "x")
     with pytest.raises(ucp.UnsupportedStateError, match="must be a dict"):
-        ucp.save([torch.ones(1)], tmp_path / "x")  # type: ignore[arg-type]
+        ucp.save([torch.ones(1)], tmp_path / "x")
     with pytest.raises(ucp.UnsupportedStateError, match="metadata"):
         ucp.save({}, tmp_path / "x", metadata={"a": object()})
     deep: dict = {}

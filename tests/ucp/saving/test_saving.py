@@ -68,7 +68,7 @@ def test_mesh_and_step_arguments(tmp_path):
     with pytest.raises(ucp.UnsupportedStateError, match="mesh"):
         ucp.save({}, tmp_path / "a", mesh={"dp": 2})  # world size is 1
     with pytest.raises(ucp.UnsupportedStateError, match="step"):
-        ucp.save({}, tmp_path / "a", step="7")  # type: ignore[arg-type]
+        ucp.save({}, tmp_path / "a", step="7")
     m = ucp.save({}, tmp_path / "a", mesh={"dp": 1, "tp": 1}, step=0)
     assert m.topology.mesh == {"dp": 1, "tp": 1} and m.step == 0
     assert os.listdir(tmp_path) == ["a"]

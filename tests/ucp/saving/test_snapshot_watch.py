@@ -124,7 +124,7 @@ def test_the_writer_never_gets_the_last_byte_of_a_torn_snapshot():
         if n >= plan.pieces[last].offset + plan.pieces[last].length - 1:
             tensor.add_(1)
 
-    progress.advance = advance  # type: ignore[method-assign]
+    progress.advance = advance
     with pytest.raises(ucp.SnapshotChangedError) as err:
         snapshot_into(plan, leaves, arena, progress, lambda d: None, watch=watch)
     assert err.value.tensor == plan.pieces[last].name

@@ -55,7 +55,7 @@ def _slow(monkeypatch: pytest.MonkeyPatch, module_name: str, attr: str, started:
     module = sys.modules[module_name]
     real = getattr(module, attr)
 
-    def late(*args, **kw):  # type: ignore[no-untyped-def]
+    def late(*args, **kw):
         started.set()
         time.sleep(0.5)
         return real(*args, **kw)

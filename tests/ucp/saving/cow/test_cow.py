@@ -57,7 +57,12 @@ def write_everything(state: dict, path: Path) -> None:
     state["strided"].zero_()
     state["conj"].mul_(0)
     done = threading.Event()
-    threading.Thread(target=lambda: (state["big"].add_(1), done.set())).start()  # another thread
+
+    def write() -> None:
+        state["big"].add_(1)
+        done.set()
+
+    threading.Thread(target=write).start()  # another thread
     assert done.wait(60), "a write from another thread never finished"
 
 
