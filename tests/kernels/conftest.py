@@ -1,0 +1,38 @@
+"""Fixtures for the kernels tests: run a test under a forced backend and restore the process' choice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kernels import _build
+
+
+@pytest.fixture
+def torch_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The pure-torch fallback, as on a machine without a compiler (``UCP_KERNELS=torch``)."""
+    monkeypatch.setenv("UCP_KERNELS", "torch")
+    _build.reset()
+    yield
+    monkeypatch.delenv("UCP_KERNELS")
+    _build.reset()
+
+
+@pytest.fixture
+def cpp_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The C++ extension (built once into the cache); a failed build fails the test."""
+    monkeypatch.setenv("UCP_KERNELS", "cpp")
+    _build.reset()
+    yield
+    monkeypatch.delenv("UCP_KERNELS")
+    _build.reset()
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """Restore torch's thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
