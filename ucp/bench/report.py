@@ -48,7 +48,7 @@ class ReportCheck(BaseModel):
 
 
 class BenchReport(BaseModel):
-    bench: Literal["ucp bench io", "ucp bench save"]
+    bench: Literal["ucp bench io", "ucp bench save", "tools/bench_cold_load.py"]
     date: str = Field(description="when the run started (UTC, ISO 8601)")
     commit: str | None = Field(description="the source's git commit (+dirty), None outside a git checkout")
     command: str | None
