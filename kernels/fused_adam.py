@@ -36,9 +36,9 @@ GRAIN = 1 << 16  # elements per parallel chunk (a chunk is at least this, so sma
 _COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(name: str, t: torch.Tensor, numel: int) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(f"kernels.adam: {name} is on {t.device}; the CPU kernel takes CPU tensors")
+def _check(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"kernels.adam: {name} is on {t.device}, param on {device}")
     if t.dtype != torch.float32:
         raise ValueError(f"kernels.adam: {name} is {t.dtype}; expected torch.float32")
     if not t.is_contiguous():
@@ -100,28 +100,29 @@ def adam(
     out: torch.Tensor | None = None,
     torch_sqrt: bool = False,
 ) -> None:
-    """One Adam (``decoupled=False``) or AdamW update in place over flat contiguous fp32 CPU buffers.
+    """One Adam (``decoupled=False``) or AdamW update in place over flat contiguous fp32 buffers.
 
     ``step`` is 1-based and counts this update. ``grad`` is read, never written; its effective value
     is ``grad * grad_scale``. ``out`` (bf16, fp16 or fp32, same element count) receives the updated
     weights. ``torch_sqrt`` selects the sqrt that makes the result bit-equal to torch.optim's
-    single-tensor path (see the module docstring). Threads: ``torch.get_num_threads()``.
+    single-tensor path (see the module docstring). Threads: ``torch.get_num_threads()``. Tensors on
+    another device than the CPU take the op-by-op torch path (:func:`adam_reference`) on that device.
     """
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check(name, t, n)
+        _check(name, t, n, param.device)
     if step < 1:
         raise ValueError(f"kernels.adam: step must be >= 1 (it counts this update), got {step}")
     if out is not None:
         if out.dtype not in _COPY_DTYPES:
             raise ValueError(f"kernels.adam: out is {out.dtype}; expected one of {_COPY_DTYPES}")
-        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() != n:
-            raise ValueError(f"kernels.adam: out must be a contiguous CPU tensor of {n} elements")
+        if out.device != param.device or not out.is_contiguous() or out.numel() != n:
+            raise ValueError(f"kernels.adam: out must be a contiguous tensor of {n} elements on {param.device}")
     if not (math.isfinite(grad_scale) and math.isfinite(lr)):
         raise ValueError(f"kernels.adam: grad_scale {grad_scale} and lr {lr} must be finite")
     if n == 0:
         return
-    ext, _ = extension()
+    ext = extension()[0] if param.device.type == "cpu" else None  # other devices: torch ops (GPU kernels to come)
     if ext is None:
         adam_reference(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

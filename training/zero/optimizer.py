@@ -394,13 +394,12 @@ class ZeroOptimizer:
             skipped = bool(bad.item())
             self.scaler.update(skipped)
         norm = float("nan") if skipped else self._global_norm(grads)
-        if not skipped:
+        if not skipped:  # an overflowed fp16 step never reaches the kernel
+            coef = 1.0
             if self.clip is not None and self.clip > 0:
-                coef = min(self.clip / (norm + 1e-6), 1.0)
-                if coef < 1.0:
-                    for gr in grads:
-                        gr.mul_(coef)
+                coef = min(self.clip / (norm + 1e-6), 1.0)  # folded into the update's read of the gradient
             self.adam_step += 1
+            casts = [self._cast_target(g) for g in range(len(self.plans))]
             for g, gr in enumerate(grads):
                 if self.master[g].numel():
                     adam_update(
@@ -412,8 +411,10 @@ class ZeroOptimizer:
                         self.adam,
                         lr=lr,
                         weight_decay=self.weight_decay[g],
+                        grad_scale=coef,
+                        out=casts[g],
                     )
-            self.publish()
+            self.publish(casts)
         for acc in self.grad_acc:
             acc.zero_()
         self._micro = 0
@@ -427,16 +428,33 @@ class ZeroOptimizer:
         self.world.all_reduce(total)
         return math.sqrt(float(total.item()))
 
+    def _cast_target(self, g: int) -> torch.Tensor | None:
+        """Where the update writes group ``g``'s compute-dtype weights in its own pass (the copy-back):
+        the weights themselves (stages 0/3) or this rank's slot, to be all-gathered (stages 1/2)."""
+        if not self.master[g].numel():
+            return None
+        target = self.param_part[g] if self.stage == 3 else self.flat_param[g] if self.stage == 0 else None
+        if target is None:
+            return torch.empty(self.plans[g].size, dtype=self.dtype, device=self.device)
+        return target if target.is_contiguous() and target.numel() == self.master[g].numel() else None
+
     @torch.no_grad()
-    def publish(self) -> None:
-        """Compute-dtype weights from the fp32 masters: cast, and all-gather over dp (stages 1/2)."""
+    def publish(self, casts: Sequence[torch.Tensor | None] | None = None) -> None:
+        """Compute-dtype weights from the fp32 masters: cast, and all-gather over dp (stages 1/2).
+
+        ``casts[g]`` is :meth:`_cast_target`'s tensor already holding the cast (the fused update wrote
+        it); ``None`` entries (or no ``casts``) are cast here.
+        """
         for g, plan in enumerate(self.plans):
+            done = casts[g] if casts is not None else None
             if self.stage == 3:
-                self.param_part[g].copy_(self.master[g])
+                if done is None:
+                    self.param_part[g].copy_(self.master[g])
             elif self.stage == 0:
-                self.flat_param[g].copy_(self.master[g])
+                if done is None:
+                    self.flat_param[g].copy_(self.master[g])
             elif plan.size:
-                mine = self.master[g].to(self.dtype)
+                mine = done if done is not None else self.master[g].to(self.dtype)
                 self.dp.all_gather(self.flat_param[g], mine)
 
     @torch.no_grad()
