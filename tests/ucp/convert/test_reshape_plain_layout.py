@@ -5,10 +5,12 @@ alignment), and every reshape round-trips bit-exactly back to the consolidated c
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from peer_checkpoints import deepspeed_checkpoint
 from safetensors.torch import save_file
@@ -89,39 +91,56 @@ def test_dcp_import_reshapes_without_a_layout(tmp_path: Path) -> None:
     _round_trips(tmp_path / "dcp-ucp", tmp_path, optimizer_state=False)
 
 
-def test_deepspeed_import_records_its_layout_and_reshapes(tmp_path: Path) -> None:
-    ds = deepspeed_checkpoint(2, "fp32", 2)
-    convert(ds, tmp_path / "ds-ucp")
-    m = ucp.read_manifest(tmp_path / "ds-ucp")
-    rec = recorded_layout(m)
+DS_CONFIGS = [(1, "bf16", 2, 2), (2, "fp32", 2, 2), (3, "fp32", 2, 1)]  # stage, dtype, world, alignment
+
+
+@pytest.mark.parametrize("stage,dtype,world,alignment", DS_CONFIGS, ids=lambda v: str(v))
+def test_deepspeed_import_records_its_layout_and_reshapes(
+    tmp_path: Path, stage: int, dtype: str, world: int, alignment: int
+) -> None:
+    convert(deepspeed_checkpoint(stage, dtype, world), tmp_path / "ds-ucp")
+    rec = recorded_layout(ucp.read_manifest(tmp_path / "ds-ucp"))
     assert rec.layout is not None and rec.shapes is not None
-    assert (rec.layout.mesh.dp, rec.layout.zero.stage, rec.layout.zero.alignment) == (2, 2, 2)
+    assert (rec.layout.mesh.dp, rec.layout.zero.stage, rec.layout.zero.alignment) == (world, stage, alignment)
     assert rec.layout.zero.groups[0][0] == "embed.weight" and len(rec.layout.zero.groups) == 1
+    assert list(rec.shapes)[0] == "embed.weight"
     _round_trips(tmp_path / "ds-ucp", tmp_path, optimizer_state=True)
 
 
-def test_deepspeed_layout_gives_back_deepspeeds_partitions(tmp_path: Path) -> None:
-    """The recorded layout places each rank's optimizer state exactly where DeepSpeed's own partition held it."""
-    ds = deepspeed_checkpoint(2, "fp32", 2)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_layout_gives_back_deepspeeds_partitions(tmp_path: Path, stage: int) -> None:
+    """The recorded layout places each rank's fp32 master exactly where DeepSpeed's own partition held it:
+    ZeRO-2 cuts the group's flat buffer, ZeRO-3 each parameter (the last rank's part padded)."""
+    ds = deepspeed_checkpoint(stage, "fp32", 2)
     convert(ds, tmp_path / "ds-ucp")
     m = ucp.read_manifest(tmp_path / "ds-ucp")
     rec = recorded_layout(m)
     assert rec.layout is not None and rec.shapes is not None
-    state = ucp.load(tmp_path / "ds-ucp")
-    masters = state["optimizer"]["fp32_master"]
+    masters = ucp.load(tmp_path / "ds-ucp")["optimizer"]["fp32_master"]
     placed = place(m, rec.layout, rec.shapes, rec.sections)
     tag = (ds / "latest").read_text().strip()
     for r, mine in enumerate(placed.ranks):
         osd = torch.load(ds / tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", weights_only=False)
-        want = osd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
-        parts = []
+        osd = osd["optimizer_state_dict"]
+        held: dict[str, list[torch.Tensor]] = {}
         for p in mine:
-            if not p.tensor.startswith("optimizer.fp32_master."):
-                continue
-            t = masters[p.tensor.removeprefix("optimizer.fp32_master.")].reshape(-1)
-            assert isinstance(p.region, FlatRange), p  # ZeRO-1/2 partitions are flat ranges here
-            parts.append(t[p.region.start : p.region.stop])
-        assert torch.equal(torch.cat(parts), want), f"rank {r}"
+            if p.tensor.startswith("optimizer.fp32_master."):
+                param = p.tensor.removeprefix("optimizer.fp32_master.")
+                assert isinstance(p.region, FlatRange), p  # partitions of these shapes are flat ranges
+                held.setdefault(param, []).append(masters[param].reshape(-1)[p.region.start : p.region.stop])
+        if stage == 2:
+            want = osd["single_partition_of_fp32_groups"][0]
+            got = torch.cat([t for param in rec.shapes for t in held.get(param, [])])
+            assert torch.equal(got, want), f"rank {r}"
+            continue
+        flat, pos = osd["fp32_flat_groups"][0], 0
+        for param, shape in rec.shapes.items():
+            n = math.prod(shape)
+            part = -(-n // 2)
+            valid = max(0, min(part, n - r * part))
+            assert torch.equal(torch.cat(held[param]), flat[pos : pos + valid]), f"rank {r} {param}"
+            pos += part
+        assert pos == flat.numel(), f"rank {r}"
 
 
 def test_tensor_or_pipeline_split_still_needs_a_layout(tmp_path: Path) -> None:
