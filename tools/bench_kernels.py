@@ -6,6 +6,7 @@
 
 One Adam step over flat fp32 buffers (param, grad, exp_avg, exp_avg_sq: 28 B/param read or written;
 +2 B/param for a bf16 copy-back): ours, ours + bf16 copy-back, ours in torch_sqrt (bit-equal) mode,
+the op-by-op torch update the runtime used before,
 ``torch.optim.AdamW(fused=True)``, ``AdamW(foreach=True)``, DeepSpeed's ``DeepSpeedCPUAdam`` when it
 imports and its ``cpu_adam`` op builds (``TORCH_EXTENSIONS_DIR`` defaults to a cache beside the
 kernels'), with and without a bf16 copy-back (DeepSpeed casts in a separate pass), and a memory-copy
@@ -100,11 +101,17 @@ def bench_adam(n: int, threads: int, rounds: int, deepspeed: bool, notes: list[s
     def copy() -> None:
         dst.copy_(src)
 
+    def ref() -> None:
+        step[0] += 1
+        kernels.adam_reference(p, g, m, v, step=step[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                               weight_decay=WD)  # fmt: skip
+
     impls: dict[str, Callable[[], None]] = {
         "memory copy, 28 B/param (torch copy_)": copy,
         "kernels.adam": lambda: ours(),
         "kernels.adam + bf16 copy-back": lambda: ours(out),
         "kernels.adam, torch_sqrt (bit-equal mode)": lambda: ours(None, True),
+        "op by op (kernels.adam_reference; training/adam.py before)": lambda: ref(),
         "torch AdamW(fused=True)": fused.step,
         "torch AdamW(foreach=True)": foreach.step,
     }
