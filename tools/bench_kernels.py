@@ -74,6 +74,11 @@ def _deepspeed(param: torch.nn.Parameter) -> tuple[Callable[[], None] | None, st
         return None, f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def _python() -> str:
+    exe = Path(sys.executable)
+    return str(exe.relative_to(REPO)) if exe.is_relative_to(REPO) else exe.name
+
+
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
@@ -179,7 +184,7 @@ def main(argv: list[str]) -> int:
     print(f"Fused CPU kernels — {datetime.date.today().isoformat()}, commit {_commit()}, {_cpu_model()}, "
           f"torch {torch.__version__}, backend `{kernels.backend()}`")  # fmt: skip
     print()
-    print(f"Command: `{' '.join([Path(sys.executable).name, 'tools/bench_kernels.py', *argv])}` "
+    print(f"Command: `{' '.join([_python(), 'tools/bench_kernels.py', *argv])}` "
           f"(medians of {args.rounds} interleaved rounds after a warm-up; load before: {os.getloadavg()[0]:.2f})")  # fmt: skip
     print()
     print(f"One Adam(W) step, {n / 1e6:g}M fp32 parameters (28 B/param of state touched; 30 with bf16 copy-back):")
