@@ -39,30 +39,53 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 class Populator:
-    """Populates ``memory`` (a writable mapping) in ``CHUNK`` steps on ``threads`` threads, in order.
+    """Populates memory in ``CHUNK`` steps on ``threads`` threads, in order: ``[0, nbytes)`` of ``memory``
+    (a writable mapping), or with :meth:`of_ranges` several ranges of several mappings.
 
-    Holds an export of ``memory`` until every chunk is done (the mapping cannot be closed under it);
-    :meth:`close` waits for the chunks in flight and drops it. Errors other than "not supported" are
+    Holds an export of each mapping until every chunk is done (a mapping cannot be closed under it);
+    :meth:`close` waits for the chunks in flight and drops them. Errors other than "not supported" are
     ignored: the reads fault in whatever is left, so population is only ever a speed-up.
     """
 
-    def __init__(self, memory: mmap.mmap, nbytes: int, *, threads: int = 1, chunk: int = CHUNK) -> None:
-        self.nbytes = min(nbytes, len(memory))
+    def __init__(self, memory: mmap.mmap | None, nbytes: int = 0, *, threads: int = 1, chunk: int = CHUNK) -> None:
         self.chunk = max(mmap.PAGESIZE, chunk - chunk % mmap.PAGESIZE)
+        self._threads = threads
         self._futures: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._anchor: ctypes.Array[ctypes.c_char] | None = None
+        self._anchors: list[ctypes.Array[ctypes.c_char]] = []
         self._lock = threading.Lock()
+        if memory is not None:
+            self._start([(memory, 0, min(nbytes, len(memory)))])
+
+    @classmethod
+    def of_ranges(
+        cls, ranges: list[tuple[mmap.mmap, int, int]], *, threads: int = 1, chunk: int = CHUNK
+    ) -> "Populator":
+        """Populate ``(mapping, start, length)`` ranges, in the order given (the order they will be read in)."""
+        self = cls(None, threads=threads, chunk=chunk)
+        self._start(ranges)
+        return self
+
+    def _start(self, ranges: list[tuple[mmap.mmap, int, int]]) -> None:
         madvise = _madvise()
-        if madvise is None or self.nbytes <= 0:
+        if madvise is None:
             return
-        self._anchor = (ctypes.c_char * self.nbytes).from_buffer(memory)
-        base = ctypes.addressof(self._anchor)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucp-populate")
-        self._futures = [
-            self._pool.submit(self._populate, madvise, base + off, min(self.chunk, self.nbytes - off))
-            for off in range(0, self.nbytes, self.chunk)
-        ]
+        jobs: list[tuple[int, int]] = []
+        anchors: dict[int, tuple[ctypes.Array[ctypes.c_char], int]] = {}
+        for memory, start, length in ranges:
+            start, end = max(0, start - start % mmap.PAGESIZE), min(len(memory), start + length)
+            if end <= start:
+                continue
+            if id(memory) not in anchors:
+                anchor = (ctypes.c_char * len(memory)).from_buffer(memory)
+                anchors[id(memory)] = (anchor, ctypes.addressof(anchor))
+            base = anchors[id(memory)][1]
+            jobs.extend((base + off, min(self.chunk, end - off)) for off in range(start, end, self.chunk))
+        if not jobs:
+            return
+        self._anchors = [a for a, _ in anchors.values()]
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="ucp-populate")
+        self._futures = [self._pool.submit(self._populate, madvise, addr, n) for addr, n in jobs]
 
     @staticmethod
     def _populate(madvise: ctypes._CFuncPtr, addr: int, length: int) -> None:  # type: ignore[name-defined]
@@ -73,7 +96,7 @@ class Populator:
             _unsupported = True  # an older kernel: stop trying, the reads fault pages in themselves
 
     def wait(self, end: int) -> None:
-        """Block until bytes ``[0, end)`` are populated (or population gave up on them)."""
+        """Block until bytes ``[0, end)`` are populated (or population gave up on them); one mapping only."""
         last = min(len(self._futures), -(-end // self.chunk))
         for fut in self._futures[:last]:
             fut.result()
@@ -85,4 +108,4 @@ class Populator:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
             self._futures = []
-            self._anchor = None
+            self._anchors = []

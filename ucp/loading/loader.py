@@ -2,11 +2,13 @@
 
 Whole loads read every data file in one sequential pass into a page-aligned
 buffer (``reader.read_whole_file``: segments in flight while earlier ones are
-checksummed). A tensor stored as a single piece comes back as a view on that
-buffer (no copy: measured faster than copying, since fresh memory is costly to
-fault in); tensors stored in several pieces are assembled into new tensors, and
-when those make up most of a file the single-piece ones are copied out too, so
-the file buffer can be freed.
+checksummed, the buffer faulted in by another thread just ahead of them). A
+tensor stored as a single piece comes back as a view on that buffer (no copy:
+measured faster than copying, since fresh memory is costly to fault in); the few
+tensors stored in several pieces are assembled into new tensors. When such
+tensors make up most of the checkpoint (ZeRO-3, TP), each tensor is allocated
+whole instead (large ones as their own mapping, faulted in ahead of the reads in
+read order) and its pieces are read straight into it (``_load_assembled``).
 
 ``into=`` loads walk the given structure next to the manifest's state tree and
 work out, for every tensor to fill, which stored pieces intersect its box or
@@ -25,16 +27,26 @@ from typing import Any
 import torch
 
 from aio import AioConfig
-from reshard.box import Box, FlatRange
+from aio.populate import Populator
+from reshard.box import Box, FlatRange, flat_span
 from ucp.dist import resolve_group
 from ucp.errors import CheckpointError, LayoutMismatchError
-from ucp.format.dtypes import torch_dtype
+from ucp.format.dtypes import itemsize, torch_dtype
 from ucp.format.manifest import Manifest, TensorEntry, parse_manifest
 from ucp.format.regions import copy_region
 from ucp.format.sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
 from ucp.format.tree import decode_state, dict_items, node_kind, path_str, plain_key, tensor_refs
 from ucp.loading.partial import Target, read_targets
-from ucp.store.reader import FileBuffer, FilePiece, check_data_files, pieces_by_file, read_manifest, read_whole_file
+from ucp.store.reader import (
+    POPULATE_MIN_BYTES,
+    POPULATE_THREADS,
+    FileBuffer,
+    FilePiece,
+    check_data_files,
+    pieces_by_file,
+    read_manifest,
+    read_whole_file,
+)
 from ucp.store.storage import Storage, as_aio_config, open_storage
 
 
@@ -105,6 +117,10 @@ def piece_tensor(buf: FileBuffer, fp: FilePiece) -> torch.Tensor:
 def load_full(storage: Storage, name: str, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
     """Every tensor in full, then the state tree rebuilt around them."""
     check_data_files(storage, name, manifest)  # before any tensor is allocated from the manifest's shapes
+    total = sum(e.nbytes for e in manifest.tensors.values())
+    assembled = sum(e.nbytes for e in manifest.tensors.values() if len(e.pieces) > 1)
+    if assembled * 2 > total:  # mostly sharded: read the pieces straight into the full tensors
+        return decode_state(manifest.state, _load_assembled(storage, name, manifest, verify=verify).__getitem__)
     tensors: dict[str, torch.Tensor] = {}
     for tname, entry in manifest.tensors.items():
         if len(entry.pieces) != 1:  # assembled from pieces (or empty)
@@ -128,6 +144,43 @@ def load_full(storage: Storage, name: str, manifest: Manifest, *, verify: bool) 
                 copy_region(src, fp.piece.region(), 0, tensors[fp.tensor], Box.full(entry.shape), entry.shape)
         del buf, src
     return decode_state(manifest.state, tensors.__getitem__)
+
+
+def _load_assembled(storage: Storage, name: str, manifest: Manifest, *, verify: bool) -> dict[str, torch.Tensor]:
+    """Every tensor allocated whole and its pieces read into it where they belong (``read_targets``:
+    straight into the tensor's memory where the piece is contiguous there), for checkpoints whose
+    tensors are mostly split across files (a ZeRO-3 or TP checkpoint loaded in full).
+
+    Why not the whole-file path: it reads each file into a buffer and copies the pieces out, into
+    fresh tensors, so every byte is faulted in twice and copied once. Here each large tensor is its
+    own page-aligned mapping (freed when its last view dies, like any tensor), faulted in by another
+    thread in the order the reads will reach it (:meth:`aio.populate.Populator.of_ranges`).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    buffers: dict[str, FileBuffer] = {}
+    for tname, entry in manifest.tensors.items():
+        if entry.nbytes >= POPULATE_MIN_BYTES:
+            buf = buffers[tname] = FileBuffer(entry.nbytes)
+            tensors[tname] = buf.tensor(entry.nbytes).view(torch_dtype(entry.dtype)).view(entry.shape)
+        else:
+            tensors[tname] = empty_tensor(entry)
+    ranges = []
+    for fps in pieces_by_file(manifest).values():
+        for fp in fps:
+            dest = buffers.get(fp.tensor)
+            if dest is None:
+                continue
+            region, shape = fp.piece.region(), manifest.tensors[fp.tensor].shape
+            lo, hi = (region.start, region.stop) if isinstance(region, FlatRange) else flat_span(shape, region)
+            size = itemsize(fp.dtype)
+            ranges.append((dest.memory, lo * size, (hi - lo) * size))
+    populator = Populator.of_ranges(ranges, threads=POPULATE_THREADS)
+    try:
+        targets = [Target(n, t, Box.full(tuple(t.shape)), ()) for n, t in tensors.items()]
+        read_targets(storage, name, manifest, targets, verify=verify)
+    finally:
+        populator.close()
+    return tensors
 
 
 # -- loads into a given structure -----------------------------------------------------------------

@@ -394,6 +394,11 @@ class FileBuffer:
             self._populator.close()
             self._populator = None
 
+    @property
+    def memory(self) -> mmap.mmap:
+        """The mapping itself (for :class:`aio.populate.Populator`)."""
+        return self._mmap
+
     def view(self, nbytes: int | None = None, offset: int = 0) -> memoryview:
         end = self.nbytes if nbytes is None else offset + nbytes
         if offset < 0 or end > self.nbytes:

@@ -64,6 +64,29 @@ def test_a_fresh_process_loads_every_dtype_bit_exact(tmp_path: Path) -> None:
     assert got == want
 
 
+def test_a_fresh_process_loads_a_sharded_checkpoint_bit_exact(tmp_path: Path) -> None:
+    """Tensors split across four rank files (ZeRO-3 flat ranges) are read into whole tensors of their own."""
+    from reshard import plain_layout
+    from ucp.convert.reshape import reshape
+
+    state = _state()
+    ucp.save(state, tmp_path / "ck")
+    reshape(tmp_path / "ck", tmp_path / "z3", layout=plain_layout(4, 3))
+    m = ucp.read_manifest(tmp_path / "z3")
+    assert len(m.tensors["big"].pieces) == 4 and len(m.files) == 4
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "z3")], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {k: _digest(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    a, b = ucp.load(tmp_path / "z3"), ucp.load(tmp_path / "z3")
+    big = a["big"].untyped_storage()
+    assert big.nbytes() == state["big"].nbytes  # its own memory, not a slice of a shared arena
+    a["big"].fill_(1.0)
+    assert same_bytes(b["big"], state["big"])
+
+
 def test_reads_go_into_pages_already_faulted_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every read request of a whole-file load is submitted only after its range was populated."""
     ucp.save(_state(), tmp_path / "ck")
