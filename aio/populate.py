@@ -101,11 +101,13 @@ class Populator:
         for fut in self._futures[:last]:
             fut.result()
 
-    def close(self) -> None:
-        """Wait for population to finish and release the mapping."""
+    def close(self, *, finish: bool = False) -> None:
+        """Stop populating (``finish``: populate every chunk first) and release the mappings.
+
+        Chunks not yet started are dropped: once the reads are done, they have faulted in their pages."""
         with self._lock:
             if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool.shutdown(wait=True, cancel_futures=not finish)
                 self._pool = None
             self._futures = []
             self._anchors = []
