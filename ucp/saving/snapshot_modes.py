@@ -88,20 +88,9 @@ class SnapshotMode:
         Owns ``arena`` and ``lock_fd``: they go to the job, or are given back here on failure.
         """
 
-        def give_up() -> None:
-            if arena is not None:
-                writer.pool.release(arena)
-            close_fd(lock_fd)
-            abandon(job)
-
-        def submit() -> Future:
-            try:
-                return writer.backend.submit(job, arena, progress, lock_fd)
-            except BaseException:
-                give_up()
-                raise
-
-        future = submit() if writer.pipeline or arena is None else None
+        future = (
+            _submit_or_give_back(writer, job, arena, progress, lock_fd) if writer.pipeline or arena is None else None
+        )
         try:
             if arena is not None:
                 events = _snap.snapshot_into(plan, leaves, arena, progress, writer.stream_for)
@@ -113,15 +102,14 @@ class SnapshotMode:
                     else:
                         progress.complete_after(events)
         except BaseException as exc:
-            why = f"snapshot failed: {describe(exc)}"
             if future is None:
-                give_up()
-            else:  # the job fails, cleans up and gives the arena back
-                progress.fail(why)
-                if isinstance(writer.backend, ProcessBackend):
-                    writer.backend.abort(job.id, why)
+                _give_back(writer, job, arena, lock_fd)
+            else:
+                _fail_copy(writer, job, progress, exc)
             raise
-        return Started(future if future is not None else submit(), None, False)
+        if future is None:
+            future = _submit_or_give_back(writer, job, arena, progress, lock_fd)
+        return Started(future, None, False)
 
     def prepare(self, arena: Arena) -> None:
         """Ready a staging arena before the first save needs it (nothing to do for most modes)."""
@@ -137,17 +125,31 @@ class SyncSnapshot(SnapshotMode):
     """``snapshot="sync"``: the state is copied into the staging arena before ``save`` returns."""
 
 
+def _give_back(writer: Writer, job: WriteJob, arena: Arena | None, lock_fd: int | None) -> None:
+    """``job`` never reached the writer: give back what it owned (its arena, the temp dir's lock) and drop it."""
+    if arena is not None:
+        writer.pool.release(arena)
+    close_fd(lock_fd)
+    abandon(job)
+
+
 def _submit_or_give_back(
-    writer: Writer, job: WriteJob, arena: Arena, progress: Progress, lock_fd: int | None
+    writer: Writer, job: WriteJob, arena: Arena | None, progress: Progress, lock_fd: int | None
 ) -> Future:
     """Start the writer on ``job`` (it follows ``progress``); if that fails, give back what the job owned."""
     try:
         return writer.backend.submit(job, arena, progress, lock_fd)
     except BaseException:
-        writer.pool.release(arena)
-        close_fd(lock_fd)
-        abandon(job)
+        _give_back(writer, job, arena, lock_fd)
         raise
+
+
+def _fail_copy(writer: Writer, job: WriteJob, progress: Progress, exc: BaseException) -> None:
+    """The copy for a job the writer already has failed: the job fails, cleans up and gives the arena back."""
+    why = f"snapshot failed: {describe(exc)}"
+    progress.fail(why)
+    if isinstance(writer.backend, ProcessBackend):
+        writer.backend.abort(job.id, why)
 
 
 class BackgroundSnapshot(SnapshotMode):
@@ -180,10 +182,7 @@ class BackgroundSnapshot(SnapshotMode):
                 _snap.snapshot_into(plan, leaves, arena, progress, writer.stream_for, watch=watch)
             except BaseException as exc:
                 watch.release()
-                why = f"snapshot failed: {describe(exc)}"
-                progress.fail(why)  # the job fails, cleans up and gives the arena back
-                if isinstance(writer.backend, ProcessBackend):
-                    writer.backend.abort(job.id, why)
+                _fail_copy(writer, job, progress, exc)
                 raise
 
         with self._lock:
@@ -232,7 +231,7 @@ class CowSnapshot(SnapshotMode):
                 if _snap.snapshot_into(plan, leaves, arena, progress, writer.stream_for):
                     raise AssertionError("host tensors gave CUDA copy events") from None
         except BaseException as exc:
-            progress.fail(f"snapshot failed: {describe(exc)}")  # the job fails, cleans up, gives the arena back
+            _fail_copy(writer, job, progress, exc)
             raise
         return Started(future, copying, copying is not None)
 
@@ -272,8 +271,7 @@ class DirectSnapshot(SnapshotMode):
             assert isinstance(writer.backend, ThreadBackend)  # choose() allows "none" in thread mode only
             future = writer.backend.submit(job, image, progress, lock_fd)
         except BaseException:
-            close_fd(lock_fd)
-            abandon(job)
+            _give_back(writer, job, None, lock_fd)
             raise
         return Started(future, image.written, False)
 
