@@ -8,7 +8,8 @@ page cache dropped first (root; otherwise only the files are evicted and the rep
 
 * ``fio`` sequential O_DIRECT reads of the UCP data file (libaio; 1 MiB blocks at queue depth 32, and
   8 MiB at 8): the device, whichever of the two is faster (its median) is the limit ratios are taken to;
-* ``ucp.load(path)`` of the state saved as 16 tensors, and as 400 tensors;
+* ``ucp.load(path)`` of the state saved as 16 tensors, and as 400 tensors; and of the 16 tensors
+  reshaped for dp=4 under ZeRO-3 (each tensor in four pieces, one per rank file: a sharded full load);
 * ``torch.load(path, weights_only=True)`` of the same 16 / 400 tensors;
 * ``safetensors.torch.load_file`` of the same, then every page of every tensor touched (timed: its
   tensors are not in memory until then).
@@ -69,12 +70,15 @@ def make_states(root: Path, total: int) -> dict[int, dict[str, Path]]:
     from safetensors.torch import save_file
 
     import ucp
+    from reshard import plain_layout
+    from ucp.convert.reshape import reshape
 
     out: dict[int, dict[str, Path]] = {}
     for count in SHAPES:
         d = root / f"n{count}-{total}"
         paths = {
             "ucp": d / "ucp",
+            "ucp-z3": d / "ucp-z3-dp4",
             "torch": d / "state.pt",
             "safetensors": d / "state.safetensors",
             "crcs": d / "crcs.json",
@@ -87,6 +91,7 @@ def make_states(root: Path, total: int) -> dict[int, dict[str, Path]]:
         g = torch.Generator().manual_seed(count)
         state = {f"layers.{i}.weight": torch.randn(per, generator=g) for i in range(count)}
         ucp.save(state, paths["ucp"])
+        reshape(paths["ucp"], paths["ucp-z3"], layout=plain_layout(4, 3))
         torch.save(state, paths["torch"])
         save_file(state, str(paths["safetensors"]))
         crcs = {k: crc32c.crc32c(v.view(torch.uint8).numpy().data) for k, v in state.items()}
@@ -155,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             samples.setdefault(key, []).append(run_fio(data_file, bs, depth))
             nbytes[key] = data_file.stat().st_size
         for count, paths in states.items():
-            for method in ("ucp", "torch", "safetensors"):
+            for method in (*(("ucp", "ucp-z3") if count == 16 else ("ucp",)), "torch", "safetensors"):
                 cold &= drop([paths[method]])
-                s, ok, n = run_loader(method, paths[method], paths["crcs"])
+                s, ok, n = run_loader(method.split("-")[0], paths[method], paths["crcs"])
                 key = f"{method}-{count}"
                 samples.setdefault(key, []).append(s)
                 nbytes[key], verified[key] = n, verified.get(key, True) and ok
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     labels = {
         "ucp": "ucp.load(path), fresh process",
+        "ucp-z3": "ucp.load(path) of dp=4 ZeRO-3 pieces, fresh process",
         "torch": "torch.load(weights_only=True)",
         "safetensors": "safetensors load_file + touch",
     }
@@ -181,15 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     checks: list[ReportCheck] = []
     for count in states:
-        for method in ("ucp", "torch", "safetensors"):
+        for method in (*(("ucp", "ucp-z3") if count == 16 else ("ucp",)), "torch", "safetensors"):
             key = f"{method}-{count}"
-            peers = {p: gbps(key) / gbps(f"{p}-{count}") for p in ("torch", "safetensors") if p != method}
+            peers = {p: gbps(key) / gbps(f"{p}-{count}") for p in ("torch", "safetensors")}
             rows.append(
                 ReportRow(
                     name=key, method=f"{labels[method]}, {count} tensors", op="load", bytes=nbytes[key],
                     seconds=statistics.median(samples[key]), gbps=gbps(key),
                     min_gbps=nbytes[key] / max(samples[key]) / 1e9, max_gbps=nbytes[key] / min(samples[key]) / 1e9,
-                    vs_device=gbps(key) / device, vs_peers=peers if method == "ucp" else {}, verified=verified[key],
+                    vs_device=gbps(key) / device, vs_peers=peers if method.startswith("ucp") else {}, verified=verified[key],
                 )
             )  # fmt: skip
         u = f"ucp-{count}"
