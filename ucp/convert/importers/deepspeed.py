@@ -268,20 +268,25 @@ def assemble(
     order: list[str],
     masters: dict[str, Any],
     moments: dict[str, dict[str, Any]],
-    weights_from_masters: bool,
+    stage: int,
     dtype: str,
-    shared: Mapping[str, str],
     extra_model: Mapping[str, Any],
     step: int,
     adam: int,
-    hp: dict[str, Any],
+    param_groups: list[Mapping[str, Any]],
+    groups_file: Path,
     states: Mapping[str, Any],
     states_file: Path,
     tensors: Tensors,
 ) -> dict[str, Any]:
     """The Engine-structured state dict. ``order``: trainable names in model order; ``extra_model``:
-    buffers and frozen parameters (full tensors or leaves); ``states``: the model states, read from
-    ``states_file``."""
+    buffers and frozen parameters (full tensors or leaves); ``states``: the model states (with the
+    DeepSpeed config and the shared-parameter aliases), read from ``states_file``; ``param_groups``:
+    the optimizer's, read from ``groups_file``. ZeRO-3 keeps no whole weights: they are cast from
+    the masters."""
+    weights_from_masters = stage == 3
+    shared: Mapping[str, str] = states.get("shared_params") or {}
+    hp = hparams(states.get("ds_config"), param_groups, config_file=states_file, groups_file=groups_file)
     model: dict[str, Any] = {}
     for name, value in module.items():
         if name in masters:
@@ -598,13 +603,13 @@ def _read(files: DeepSpeedFiles, tensors: Tensors, trust_pickle: bool, progress:
         order=order,
         masters=masters,
         moments=moments,
-        weights_from_masters=stage == 3,
+        stage=stage,
         dtype=dtype,
-        shared=states.get("shared_params") or {},
         extra_model=extra,
         step=step,
         adam=adam,
-        hp=hparams(states.get("ds_config"), list(groups), config_file=files.model[0], groups_file=files.optim[0]),
+        param_groups=list(groups),
+        groups_file=files.optim[0],
         states=states,
         states_file=files.model[0],
         tensors=tensors,
