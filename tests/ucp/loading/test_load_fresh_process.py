@@ -87,6 +87,24 @@ def test_a_fresh_process_loads_a_sharded_checkpoint_bit_exact(tmp_path: Path) ->
     assert same_bytes(b["big"], state["big"])
 
 
+def test_a_damaged_piece_of_a_sharded_checkpoint_is_named(tmp_path: Path) -> None:
+    """The sharded full-load path checks every piece's CRC as the whole-file path does."""
+    from reshard import plain_layout
+    from ucp.convert.reshape import reshape
+
+    ucp.save(_state(), tmp_path / "ck")
+    reshape(tmp_path / "ck", tmp_path / "z3", layout=plain_layout(4, 3))
+    piece = ucp.read_manifest(tmp_path / "z3").tensors["big"].pieces[2]
+    with open(tmp_path / "z3" / piece.file, "r+b") as f:
+        f.seek(piece.offset + 12345)
+        byte = f.read(1)
+        f.seek(piece.offset + 12345)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ucp.CorruptCheckpointError, match="big") as info:
+        ucp.load(tmp_path / "z3")
+    assert piece.file in str(info.value)
+
+
 def test_reads_go_into_pages_already_faulted_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every read request of a whole-file load is submitted only after its range was populated."""
     ucp.save(_state(), tmp_path / "ck")
