@@ -7,13 +7,10 @@ usage: python deepspeed_parity_worker.py RANK WORLD INIT_FILE OUT_DIR SCENARIOS_
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from world import init_gloo
+from world import serve_scenarios
 
 STEPS = 5
 SEED = 1234
@@ -46,34 +43,23 @@ def engine_options(zero_stage: int, dtype: str) -> dict[str, Any]:
 # -- the worker side ---------------------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    """Train each scenario's engine, write its losses and (rank 0) its full fp32 masters."""
-    import torch.distributed as dist
+def run_scenario(sc: dict, rank: int, world: int, out: Path) -> None:
+    """Train the scenario's engine, write its losses and (rank 0) its full fp32 masters."""
     from safetensors.torch import save_file
     from training_worker import full_tensors
 
     from training import Engine
 
-    torch.set_num_threads(1)
-    init_gloo(init, rank, world)
-    try:
-        for sc in scenarios:
-            engine = Engine("tiny", mesh={"dp": world}, **sc["options"])
-            # DeepSpeed's single AdamW group decays every parameter: give our no-decay group the same decay.
-            engine.optimizer.weight_decay = [WEIGHT_DECAY] * len(engine.optimizer.weight_decay)
-            losses = [engine.train_step(s) for s in range(sc["steps"])]
-            full = full_tensors(engine.checkpoint_targets())
-            if rank == 0:
-                masters = {name: t.contiguous() for (section, name), t in full.items() if section == "fp32_master"}
-                save_file(masters, str(out / f"{sc['name']}.masters.safetensors"))
-                (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    engine = Engine("tiny", mesh={"dp": world}, **sc["options"])
+    # DeepSpeed's single AdamW group decays every parameter: give our no-decay group the same decay.
+    engine.optimizer.weight_decay = [WEIGHT_DECAY] * len(engine.optimizer.weight_decay)
+    losses = [engine.train_step(s) for s in range(sc["steps"])]
+    full = full_tensors(engine.checkpoint_targets())
+    if rank == 0:
+        masters = {name: t.contiguous() for (section, name), t in full.items() if section == "fp32_master"}
+        save_file(masters, str(out / f"{sc['name']}.masters.safetensors"))
+        (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)
+    serve_scenarios(run_scenario)

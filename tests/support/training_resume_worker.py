@@ -7,14 +7,11 @@ usage: python training_resume_worker.py RANK WORLD INIT_FILE OUT_DIR SCENARIOS_J
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from training_helpers import BASE, GQA
-from world import init_gloo
+from world import serve_scenarios
 
 import ucp
 from training import Engine
@@ -54,23 +51,11 @@ def run_load(sc: dict) -> list[float]:
     return [e.train_step() for _ in range(start, STEPS)]
 
 
-def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    init_gloo(init, rank, world)
-    try:
-        for sc in scenarios:
-            losses = run_save(sc) if sc["action"] == "save" else run_load(sc)
-            if rank == 0:
-                (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def run_scenario(sc: dict, rank: int, world: int, out: Path) -> None:
+    losses = run_save(sc) if sc["action"] == "save" else run_load(sc)
+    if rank == 0:
+        (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)
+    serve_scenarios(run_scenario)

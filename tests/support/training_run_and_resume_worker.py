@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from training_helpers import BASE, GQA, PLAIN
-from world import init_gloo
+from world import serve_scenarios
 
 import ucp
 from training import Engine
@@ -91,22 +89,10 @@ def run_pp2(sc: dict, rank: int) -> dict[str, Any]:
     return {"losses": losses, "resumed": resumed, "start": start, "adam_step": f.optimizer.adam_step}
 
 
-def worker(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    init_gloo(init, rank, world)
-    try:
-        for sc in scenarios:
-            result = {"corrupt": run_corrupt, "pp2": run_pp2}[sc["action"]](sc, rank)
-            (out / f"{sc['name']}.rank{rank}.json").write_text(json.dumps(result))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def run_scenario(sc: dict, rank: int, world: int, out: Path) -> None:
+    result = {"corrupt": run_corrupt, "pp2": run_pp2}[sc["action"]](sc, rank)
+    (out / f"{sc['name']}.rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    worker(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)
+    serve_scenarios(run_scenario)

@@ -14,8 +14,6 @@ plain module).
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from training_helpers import module_batch, small_module
+from world import serve_scenarios
 
 from training import Engine
 from training.adam import AdamConfig
@@ -117,29 +116,19 @@ def run_module(sc: dict, rank: int, world: int) -> tuple[list[float], Checkpoint
     return losses, build_targets(opt.buffers(), global_shapes), {}
 
 
-def run(rank: int, world: int, init: str, out: Path, scenarios: list[dict]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        for sc in scenarios:
-            t0 = time.perf_counter()
-            kind = sc.get("kind", "engine")
-            if kind == "module":
-                losses, targets, facts = run_module(sc, rank, world)
-            else:
-                losses, engine = (run_resume if kind == "resume" else run_engine)(sc)
-                targets, facts = engine.checkpoint_targets(), engine_facts(engine)
-            facts["seconds"] = time.perf_counter() - t0
-            dump(out, sc["name"], rank, targets, facts)
-            if rank == 0:
-                (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def run_scenario(sc: dict, rank: int, world: int, out: Path) -> None:
+    t0 = time.perf_counter()
+    kind = sc.get("kind", "engine")
+    if kind == "module":
+        losses, targets, facts = run_module(sc, rank, world)
+    else:
+        losses, engine = (run_resume if kind == "resume" else run_engine)(sc)
+        targets, facts = engine.checkpoint_targets(), engine_facts(engine)
+    facts["seconds"] = time.perf_counter() - t0
+    dump(out, sc["name"], rank, targets, facts)
+    if rank == 0:
+        (out / f"{sc['name']}.losses.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":
-    r, w, init_file, out_dir, spec = sys.argv[1:6]
-    run(int(r), int(w), init_file, Path(out_dir), json.loads(Path(spec).read_text()))
-    sys.stdout.flush()
-    os._exit(0)
+    serve_scenarios(run_scenario)

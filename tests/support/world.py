@@ -10,11 +10,12 @@ a world that hangs is killed, never left behind.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, Any, Callable, Mapping, NoReturn, Sequence
 
 WORLD_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
@@ -82,3 +83,25 @@ def init_gloo(init_file: str | Path, rank: int, world: int, timeout: datetime.ti
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
+
+
+def serve_scenarios(run: Callable[[dict[str, Any], int, int, Path], None]) -> NoReturn:
+    """A rank's ``__main__`` for ``python WORKER RANK WORLD INIT_FILE OUT_DIR SCENARIOS_JSON`` (what the training
+    tests' ``run_world`` starts): one torch thread, join the world, ``run(scenario, rank, world, out_dir)`` for
+    each scenario with a barrier after each, leave the world, then exit at once (``os._exit(0)``, skipping the
+    interpreter's teardown). A scenario that raises ends the rank with its traceback."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, init, out, spec = sys.argv[1:6]
+    scenarios = json.loads(Path(spec).read_text())
+    torch.set_num_threads(1)
+    init_gloo(init, int(rank), int(world))
+    try:
+        for sc in scenarios:
+            run(sc, int(rank), int(world), Path(out))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
