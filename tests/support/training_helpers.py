@@ -62,6 +62,17 @@ class Reference:
     exp_avg: dict[str, torch.Tensor]
     exp_avg_sq: dict[str, torch.Tensor]
 
+    @classmethod
+    def after(cls, losses: list[float], named: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> Reference:
+        """The losses, and copies of the parameters and of ``opt``'s Adam moments, at the end of a run."""
+        state = {n: opt.state[p] for n, p in named.items()}
+        return cls(
+            losses,
+            {n: p.detach().clone() for n, p in named.items()},
+            {n: s["exp_avg"].clone() for n, s in state.items()},
+            {n: s["exp_avg_sq"].clone() for n, s in state.items()},
+        )
+
 
 def reference_run(sc: dict) -> Reference:
     """The same run in one process: plain GPT, the global batch, torch.optim.AdamW, clip_grad_norm_."""
@@ -86,13 +97,7 @@ def reference_run(sc: dict) -> Reference:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         losses.append(loss.item())
-    state = {n: opt.state[p] for n, p in named.items()}
-    return Reference(
-        losses,
-        {n: p.detach().clone() for n, p in named.items()},
-        {n: s["exp_avg"].clone() for n, s in state.items()},
-        {n: s["exp_avg_sq"].clone() for n, s in state.items()},
-    )
+    return Reference.after(losses, named, opt)
 
 
 @dataclass
@@ -187,10 +192,4 @@ def module_reference(sc: dict, world: int) -> Reference:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    state = {n: opt.state[p] for n, p in named.items()}
-    return Reference(
-        losses,
-        {n: p.detach().clone() for n, p in named.items()},
-        {n: s["exp_avg"].clone() for n, s in state.items()},
-        {n: s["exp_avg_sq"].clone() for n, s in state.items()},
-    )
+    return Reference.after(losses, named, opt)
