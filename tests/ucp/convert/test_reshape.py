@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import training_helpers
 from typer.testing import CliRunner
 from ucp_helpers import flat
 
@@ -26,20 +27,10 @@ from ucp.convert.placement import place, recorded_layout
 from ucp.convert.reshape import _batches, reshape
 from ucp.format.manifest import Manifest
 
-# GQA + SwiGLU + tied embeddings + a vocabulary padded under tp; and a plain MLP with an odd d_ff.
-GQA = GPTConfig(
-    vocab_size=101,
-    n_layer=2,
-    n_head=8,
-    n_kv_head=4,
-    d_model=32,
-    d_ff=48,
-    max_seq=16,
-    swiglu=True,
-    tied_embeddings=True,
-    bias=False,
-)
-PLAIN = GPTConfig(vocab_size=101, n_layer=2, n_head=4, d_model=32, d_ff=51, max_seq=16)
+# GQA + SwiGLU + tied embeddings + a vocabulary padded under tp (the training tests' GQA with 8 heads and
+# 4 kv heads); and a plain MLP with an odd d_ff.
+GQA = GPTConfig(**{**training_helpers.GQA, "n_head": 8, "n_kv_head": 4})
+PLAIN = GPTConfig(**training_helpers.PLAIN)
 
 
 def _layout(manifest: Manifest) -> Layout:
