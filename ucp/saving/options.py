@@ -8,17 +8,16 @@ default from here too.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from aio import AioConfig
 from ucp.store.storage import as_aio_config
 
 Mode = Literal["thread", "process"]
 Snapshot = Literal["auto", "cow", "sync", "background", "none"]
-MODES: tuple[str, ...] = ("thread", "process")
-SNAPSHOTS: tuple[str, ...] = ("auto", "cow", "sync", "background", "none")
+CHOICES: dict[str, tuple[str, ...]] = {"mode": get_args(Mode), "snapshot": get_args(Snapshot)}
 
 
 class AsyncSaveOptions(BaseModel):
@@ -43,18 +42,14 @@ class AsyncSaveOptions(BaseModel):
     snapshot: Snapshot = "auto"
     hold_optimizer_steps: bool = True
 
-    @field_validator("mode", mode="before")
+    @field_validator("mode", "snapshot", mode="before")
     @classmethod
-    def _known_mode(cls, value: Any) -> Any:
-        if value not in MODES:
-            raise ValueError(f"mode must be 'thread' or 'process', got {value!r}")
-        return value
-
-    @field_validator("snapshot", mode="before")
-    @classmethod
-    def _known_snapshot(cls, value: Any) -> Any:
-        if value not in SNAPSHOTS:
-            raise ValueError(f"snapshot must be 'auto', 'cow', 'sync', 'background' or 'none', got {value!r}")
+    def _known_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        """One of the field's values (its Literal), else an error naming the field and listing them."""
+        names = CHOICES[info.field_name or ""]
+        if value not in names:
+            listed = ", ".join(map(repr, names[:-1])) + f" or {names[-1]!r}"
+            raise ValueError(f"{info.field_name} must be {listed}, got {value!r}")
         return value
 
     @field_validator("aio_config", mode="before")
