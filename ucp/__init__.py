@@ -45,6 +45,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "UnsafePickleError": ("errors", "UnsafePickleError"),
     "ExportError": ("errors", "ExportError"),
     "BenchError": ("errors", "BenchError"),
+    "BenchOptionError": ("errors", "BenchOptionError"),
     "RawToolError": ("errors", "RawToolError"),
     "load": ("loading.loader", "load"),
     "read_manifest": ("store.reader", "read_checkpoint_manifest"),
@@ -65,6 +66,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from the same places
     from ucp.errors import (
         BenchError,
+        BenchOptionError,
         CheckpointError,
         CommitError,
         CorruptCheckpointError,

@@ -150,6 +150,10 @@ class BenchError(CheckpointError):
     """A bench could not run, or a method read back wrong bytes."""
 
 
+class BenchOptionError(BenchError):
+    """A bench was asked for something it cannot run (an unknown method, a bad world size): bad input."""
+
+
 class RawToolError(BenchError):
     """fio or dd failed; the message has its command line and stderr."""
 

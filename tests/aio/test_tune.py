@@ -60,6 +60,7 @@ def test_cli_tune_quick_json(tmp_path: Path) -> None:
 
     out_file = tmp_path / "best.json"
     work = tmp_path / "work"
+    work.mkdir()  # --dir must exist: it says which disk to measure
     result = CliRunner().invoke(
         app, ["tune", "--quick", "--size-gib", "0.002", "--dir", str(work), "--json", "--output", str(out_file)]
     )
@@ -89,7 +90,7 @@ def test_cli_tune_rejects_bad_block_size(tmp_path: Path) -> None:
     from ucp.cli.main import app
 
     result = CliRunner().invoke(app, ["tune", "--dir", str(tmp_path), "--block-sizes", "1000"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input
     assert "block_size must be a positive multiple of 4096" in result.output
 
 

@@ -59,9 +59,9 @@ def _cli(args: list[str]):
 
 
 def _clean_exit(result, fragment: str) -> None:
-    """A CLI refusal: exit 1, a one-line ``error:`` on stderr, no Python exception escaping."""
+    """A CLI refusal of bad input: exit 2, a one-line ``error:`` on stderr, no Python exception escaping."""
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "error:" in result.stderr and fragment in result.stderr
 
 
@@ -166,10 +166,11 @@ def test_empty_grid_is_refused_with_a_message(disk_dir: Path) -> None:
 @pytest.mark.parametrize("grid_args", [["--queue-depths", "4", "--threads", "8"], ["--queue-depths", ","]])
 def test_cli_empty_grid_is_a_clean_error(tmp_path: Path, grid_args: list[str]) -> None:
     work = tmp_path / "w"
+    work.mkdir()
     result = _cli(["tune", "--dir", str(work), "--size-gib", "0.0002", "--engines", "threads",
                    "--block-sizes", "64KiB", *grid_args])  # fmt: skip
     _clean_exit(result, "candidate")
-    assert not work.exists()  # refused before anything was made
+    assert list(work.iterdir()) == []  # refused before anything was made
 
 
 def test_ranking_ties_keep_grid_order_and_units_are_decimal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -304,6 +305,7 @@ def test_too_little_free_space_is_refused_before_writing(monkeypatch: pytest.Mon
 
 
 def test_cli_unwritable_output_is_a_clean_error(tmp_path: Path) -> None:
+    (tmp_path / "w").mkdir()
     result = _cli(["tune", "--dir", str(tmp_path / "w"), "--size-gib", "0.0002", "--engines", "threads",
                    "--block-sizes", "64KiB", "--queue-depths", "4", "--threads", "2",
                    "--output", str(tmp_path / "missing" / "best.json")])  # fmt: skip

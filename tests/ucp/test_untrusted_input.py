@@ -240,43 +240,50 @@ def test_state_tree_error_under_long_keys_names_the_path_cut_short(tmp_path: Pat
 # -- untrusted UCP checkpoints: symlinked data files ---------------------------------------------------
 
 
-def test_symlinked_data_file_is_followed_but_its_size_header_and_crc_are_checked(tmp_path: Path) -> None:
-    """Data files are opened by name through symlinks (not documented; acceptable since the size,
-    header and CRC checks keep a link to an unrelated file from loading, and the message shows no bytes
-    of it). A link to an identical copy loads."""
+def test_symlinked_data_file_outside_the_checkpoint_is_refused_and_shows_no_bytes(tmp_path: Path) -> None:
+    """A data file that resolves outside the checkpoint directory is refused, even a link to an identical
+    copy; the message names the file and shows none of the foreign bytes. A link inside the directory loads."""
     ck = _save(tmp_path / "ck")
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    shutil.copy(ck / RANK0, outside / "copy")
+    inside = ck / "kept-copy"
+    shutil.copy(ck / RANK0, inside)
     (ck / RANK0).unlink()
-    (ck / RANK0).symlink_to(outside / "copy")
+    (ck / RANK0).symlink_to(inside)
     assert torch.equal(ucp.load(ck)["model"]["w"], torch.arange(16.0))
 
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(inside, outside / "copy")
     secret = outside / "secret"
     size = _manifest(ck)["files"][RANK0]["size"]
     secret.write_bytes((b"TOP-SECRET " * size)[:size])  # exactly the data file's size
-    (ck / RANK0).unlink()
-    (ck / RANK0).symlink_to(secret)
-    for attempt in (
-        lambda: ucp.load(ck),
-        lambda: ucp.load(ck, verify=False),
-        lambda: ucp.load(ck, into={"model": {"w": torch.empty(16)}}, verify=False),
-    ):
-        with pytest.raises(CorruptCheckpointError, match=RANK0) as info:
-            attempt()
-        assert "SECRET" not in str(info.value)
+    for target in (outside / "copy", secret):
+        (ck / RANK0).unlink()
+        (ck / RANK0).symlink_to(target)
+        for attempt in (
+            lambda: ucp.load(ck),
+            lambda: ucp.load(ck, verify=False),
+            lambda: ucp.load(ck, into={"model": {"w": torch.empty(16)}}, verify=False),
+        ):
+            with pytest.raises(CorruptCheckpointError, match=f"{RANK0}.*outside the checkpoint") as info:
+                attempt()
+            assert "SECRET" not in str(info.value)
 
 
 def test_symlinked_data_file_to_a_device_or_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     ck = _save(tmp_path / "ck")
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    for target in ("/dev/zero", str(fifo)):
+    outside_fifo = tmp_path / "fifo"
+    os.mkfifo(outside_fifo)
+    for target in ("/dev/zero", str(outside_fifo)):
         (ck / RANK0).unlink()
         (ck / RANK0).symlink_to(target)
-        with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        with pytest.raises(CorruptCheckpointError, match="outside the checkpoint"):
             ucp.load(ck)
         assert not ucp.verify(ck).ok
+    (ck / RANK0).unlink()
+    os.mkfifo(ck / RANK0)  # a fifo inside the directory itself: refused as not a regular file, no blocking
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        ucp.load(ck)
+    assert not ucp.verify(ck).ok
 
 
 # -- exports: tensor names never escape the output directory ------------------------------------------

@@ -32,6 +32,7 @@ from ucp.bench.common import MAX_SIZE_GIB, NO_FIO_ENV, BenchError, evict, fio_sw
 from ucp.bench.methods import AioMethod, Method, MethodKind, RawMethod, SafetensorsMethod, TorchMethod, versions
 from ucp.bench.raw import Dd, Fio, RawRun, RawTool, direct_io_supported, fio_available
 from ucp.bench.report import BenchReport, ReportCheck, ReportRow, source_commit
+from ucp.errors import BenchOptionError
 
 METHOD_CHOICES = ("raw", "libaio", "threads", "torch", "safetensors")
 
@@ -214,7 +215,7 @@ def run_bench_io(
     """Run the bench; raises ``BenchError`` if a method reads back wrong data."""
     unknown = sorted(set(options.methods) - set(METHOD_CHOICES))
     if unknown:
-        raise BenchError(f"unknown method(s) {unknown}; choose from {list(METHOD_CHOICES)}")
+        raise BenchOptionError(f"unknown method(s) {unknown}; choose from {list(METHOD_CHOICES)}")
     nbytes = options.size_bytes
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     work = WorkDir(options.directory, ".ucp-bench-")  # every file of the run goes in here

@@ -38,6 +38,7 @@ from ucp.bench.io import _environment, machine_line
 from ucp.bench.raw import Dd, Fio, RawTool, direct_io_supported, fio_available
 from ucp.bench.report import BenchReport, ReportCheck, ReportRow
 from ucp.bench.save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
+from ucp.errors import BenchOptionError
 
 METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
 MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp"]
@@ -481,9 +482,9 @@ def run_bench_save(
     """Run the bench; raises BenchError if a rank fails or a method loads back wrong bytes."""
     unknown = sorted(set(options.methods) - set(METHOD_CHOICES))
     if unknown:
-        raise BenchError(f"unknown method(s) {unknown}; choose from {list(METHOD_CHOICES)}")
+        raise BenchOptionError(f"unknown method(s) {unknown}; choose from {list(METHOD_CHOICES)}")
     if not options.ranks or any(n < 1 for n in options.ranks) or len(set(options.ranks)) != len(options.ranks):
-        raise BenchError(f"--ranks must list distinct world sizes >= 1, got {options.ranks}")
+        raise BenchOptionError(f"--ranks must list distinct world sizes >= 1, got {options.ranks}")
     spec = gpt_spec(round(options.size_gib * GIB))
     state_bytes = spec.state_bytes
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

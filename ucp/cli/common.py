@@ -53,6 +53,7 @@ def exit_code(exc: BaseException | type[BaseException]) -> int:
     :func:`fail_with` rather than choosing a code themselves.
     """
     from ucp.errors import (
+        BenchOptionError,
         CheckpointError,
         DestinationError,
         ExportError,
@@ -66,6 +67,7 @@ def exit_code(exc: BaseException | type[BaseException]) -> int:
         UnsupportedFormatError,  # a checkpoint of a format version this reader does not know
         UnsafePickleError,  # needs --trust-pickle
         ExportError,  # an export option, or a destination in the way
+        BenchOptionError,  # a bench method or world size that does not exist
         DestinationError,  # DST exists (no --overwrite), is not a checkpoint, or holds SRC
         FileNotFoundError,
         NotADirectoryError,
@@ -186,7 +188,7 @@ def load_aio_config(path: Path | None):  # -> aio.AioConfig (imported lazily)
     try:
         return config_from_json(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:
-        raise fail(f"cannot use {path} as an aio config: {exc}") from exc
+        raise fail(f"cannot use {path} as an aio config: {exc}", EXIT_BAD_INPUT) from exc
 
 
 @contextmanager

@@ -132,11 +132,11 @@ def test_bad_options_fail_cleanly(tmp_path: Path) -> None:
     result = runner.invoke(
         app, ["bench", "save", "--size-gib", "0.01", "--dir", str(tmp_path), "--methods", "ucp,nope"]
     )
-    assert result.exit_code == 1 and "nope" in result.output
+    assert result.exit_code == 2 and "nope" in result.output
     result = runner.invoke(app, ["bench", "save", "--size-gib", "0.01", "--dir", str(tmp_path), "--ranks", "0"])
-    assert result.exit_code == 1 and "ranks" in result.output
+    assert result.exit_code == 2 and "ranks" in result.output
     result = runner.invoke(app, ["bench", "save", "--size-gib", "0.01", "--dir", str(tmp_path), "--ranks", "x"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
 
 
 @pytest.mark.parametrize("size", [2 << 20, 20 << 20, 2 << 30, 16 << 30])

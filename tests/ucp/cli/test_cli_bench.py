@@ -121,7 +121,7 @@ def test_bench_io_raw_dd_option_and_table_output(tmp_path: Path) -> None:
 
 def test_bench_rejects_unknown_method(tmp_path: Path) -> None:
     result = runner.invoke(app, ["bench", "io", "--size-gib", "0.004", "--dir", str(tmp_path), "--methods", "raw,nope"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input
     assert "nope" in result.output
 
 

@@ -572,12 +572,20 @@ def test_top_level_tensors_can_be_reshaped(tmp_path: Path) -> None:
     assert torch.equal(ucp.load(tmp_path / "tp1")["w"], w)
 
 
-def test_top_level_tensors_without_a_root_section_are_refused_with_a_hint(tmp_path: Path) -> None:
-    ucp.save({"w": torch.arange(12.0).reshape(4, 3)}, tmp_path / "src")
+def test_top_level_tensors_are_the_weights_unless_sections_exist_then_refused_with_a_hint(tmp_path: Path) -> None:
+    """A checkpoint whose tensors lie in no section (a plain state dict) reshapes with the root as its
+    weights; one that also has the engine's sections is refused, with a hint, for its top-level tensors."""
+    w = torch.arange(12.0).reshape(4, 3)
+    ucp.save({"w": w}, tmp_path / "plain")
     lay = Layout(rules=(Rule(name="w", dims="(tp r) c"),), mesh=Mesh(tp=2))
+    reshape(tmp_path / "plain", tmp_path / "plain-tp2", layout=lay, shapes={"w": (4, 3)})
+    assert regions_by_file(tmp_path / "plain-tp2", "")[("rank-00001.safetensors", "w")] == [Box((2, 0), (2, 3))]
+    assert torch.equal(ucp.load(tmp_path / "plain-tp2")["w"], w)
+
+    ucp.save({"model": {"v": torch.ones(2)}, "w": w}, tmp_path / "mixed")
     hint = r"parameter 'w' .* no section \(model, .*sections=\{'': 'weights'\}"
     with pytest.raises(ucp.LayoutMismatchError, match=hint):
-        reshape(tmp_path / "src", tmp_path / "dst", layout=lay, shapes={"w": (4, 3)})
+        reshape(tmp_path / "mixed", tmp_path / "dst", layout=lay, shapes={"w": (4, 3)})
     assert not (tmp_path / "dst").exists()
 
 

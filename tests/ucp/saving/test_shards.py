@@ -284,11 +284,11 @@ def test_check_replicas_through_the_async_saver_and_manager(tmp_path, snapshot):
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_the_manager_passes_check_replicas_on(tmp_path, monkeypatch, async_save):
-    import ucp.manager
+    import ucp.saving.sync_save as sync_save  # the manager imports the save at call time
 
     seen = []
-    real_sync, real_async = ucp.manager._save, AsyncSaver.save
-    monkeypatch.setattr(ucp.manager, "_save", lambda *a, **k: (seen.append(k["check_replicas"]), real_sync(*a, **k))[1])
+    real_sync, real_async = sync_save.save, AsyncSaver.save
+    monkeypatch.setattr(sync_save, "save", lambda *a, **k: (seen.append(k["check_replicas"]), real_sync(*a, **k))[1])
     monkeypatch.setattr(
         AsyncSaver, "save", lambda self, *a, **k: (seen.append(k["check_replicas"]), real_async(self, *a, **k))[1]
     )

@@ -297,8 +297,10 @@ def test_manager_retention_out_of_order_equal_steps_and_none(tmp_path):
     for step in (30, 10, 20, 40):
         m.save(state_at(step), step)
     assert sorted(os.listdir(tmp_path / "a")) == ["latest", "step-00000030", "step-00000040"]
-    m.save(state_at(5), 5)  # older than latest: latest follows the save, retention keeps it + the highest
-    assert read_latest(tmp_path / "a") == (5, "step-00000005") and m.latest() == 5
+    m.save(
+        state_at(5), 5
+    )  # older than latest: latest stays at the newest complete step; retention keeps it + the highest
+    assert read_latest(tmp_path / "a") == (40, "step-00000040") and m.latest() == 40
     assert sorted(os.listdir(tmp_path / "a")) == ["latest", "step-00000005", "step-00000040"]
     assert_same_state(m.load(40), state_at(40))
 
@@ -311,7 +313,7 @@ def test_manager_retention_out_of_order_equal_steps_and_none(tmp_path):
     mall = CheckpointManager(tmp_path / "c")  # keep_last=None keeps everything
     for step in (3, 1, 2):
         mall.save(state_at(step), step)
-    assert [i.step for i in mall.list()] == [1, 2, 3] and mall.latest() == 2
+    assert [i.step for i in mall.list()] == [1, 2, 3] and mall.latest() == 3
     for bad in (0, -1):
         with pytest.raises(ValueError):
             CheckpointManager(tmp_path / "d", keep_last=bad)
