@@ -38,6 +38,7 @@ from .compat import check_resumable
 from .layout import gpt_layout, gpt_shapes
 from .mesh import ParallelMesh, build_mesh
 from .models.gpt import PRESETS, GPTConfig, batch_for_step
+from .offload import OffloadConfig
 from .parallel.gpt import build_stage
 from .parallel.pipeline import SCHEDULES
 from .zero import DynamicLossScaler, LossScaleConfig, ZeroOptimizer
@@ -72,6 +73,10 @@ class EngineConfig(BaseModel):
     prefetch: bool = True
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     device: str = Field("cpu", description='"cpu", "cuda" (this process\'s current CUDA device) or "cuda:N"')
+    offload: OffloadConfig = Field(
+        OffloadConfig(),
+        description="DeepSpeed's offload_optimizer / offload_param / sub_group_size / aio (OffloadConfig.from_deepspeed)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -82,6 +87,16 @@ class EngineConfig(BaseModel):
             raise ValueError("pipeline parallelism (pp > 1) supports ZeRO stages 0 and 1 only")
         if self.mesh.pp > self.model.n_layer:
             raise ValueError(f"pp={self.mesh.pp} exceeds the number of layers ({self.model.n_layer})")
+        off = self.offload
+        if off.zero_stage is not None and off.zero_stage != self.zero_stage:
+            raise ValueError(
+                f"zero_optimization.stage {off.zero_stage} of the offload config differs from zero_stage {self.zero_stage}"
+            )
+        param = off.offload_param.device
+        if param != "none" and self.zero_stage != 3:
+            raise ValueError(f"offload_param.device {param!r} needs ZeRO stage 3 (zero_stage is {self.zero_stage})")
+        if param == "nvme" or (param == "cpu" and self.device != "cpu"):
+            raise ValueError(f"offload_param.device {param!r} is not supported yet (parameters stay on {self.device})")
         return self
 
     @property
@@ -155,10 +170,16 @@ class Engine:
             tied=tied,
             tied_comm=self.mesh.embed_comm,
             prefetch=cfg.prefetch,
+            offload=cfg.offload,
         )
         self.step = 0  # optimizer steps completed (the next train_step's step number)
         self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
         self.last_stats: dict[str, Any] = {}
+
+    def close(self) -> None:
+        """Release what outlives a step: the optimizer's offload tier (its swap directory is removed).
+        Idempotent; also done at interpreter exit."""
+        self.optimizer.close()
 
     # -- training ------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:

@@ -37,6 +37,7 @@ from torch import nn
 from reshard import Layout, LocalBuffer, RankView
 from training.adam import AdamConfig, adam_update
 from training.comm import Comm
+from training.offload import OffloadConfig, OffloadError, OptimizerOffload
 
 from .groups import GroupPlan
 from .loss_scale import DynamicLossScaler
@@ -64,6 +65,9 @@ class ZeroOptimizer:
     ``world``: the group a global reduction (gradient norm, overflow) spans, ``tied``: names whose
     gradients are summed over ``tied_comm`` first (a tied embedding on the first and last pipeline
     stage). ``group_weight_decay[g]`` overrides the config's weight decay for layout group ``g``.
+    ``offload``: with ``offload_optimizer.device`` cpu or nvme, the fp32 masters and Adam moments live
+    in that tier (training.offload) instead of :attr:`master` / :attr:`exp_avg` / :attr:`exp_avg_sq`,
+    which then stay empty; call :meth:`close` to remove its swap files.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class ZeroOptimizer:
         tied: Iterable[str] = (),
         tied_comm: Comm | None = None,
         prefetch: bool = True,
+        offload: OffloadConfig | None = None,
     ) -> None:
         self.module, self.layout, self.view = module, layout, view
         self.stage = layout.zero.stage
@@ -133,7 +138,15 @@ class ZeroOptimizer:
         self._check_against_view()
         self.adam_step = 0  # Adam updates applied (skipped fp16 steps do not count)
         self._micro = 0  # backward passes accumulated since the last step
-        self._build_buffers()
+        self.offload: OptimizerOffload | None = None
+        if offload is not None and offload.enabled:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.offload = OptimizerOffload(offload, [plan.size for plan in self.plans], rank=rank)
+        try:
+            self._build_buffers()
+        except BaseException:
+            self.close()
+            raise
         self._counted = self._norm_ranges()
         self._inflight: list[_Pending] = []
         self._reset_buckets()
@@ -165,6 +178,7 @@ class ZeroOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         broadcast: bool = True,
         prefetch: bool = True,
+        offload: OffloadConfig | None = None,
     ) -> "ZeroOptimizer":
         """ZeRO over plain data parallelism for any module (every parameter replicated over ``dp``, default: the world).
 
@@ -194,6 +208,7 @@ class ZeroOptimizer:
             group_weight_decay=group_weight_decay,
             loss_scaler=loss_scaler,
             prefetch=prefetch,
+            offload=offload,
         )
 
     # -- setup ---------------------------------------------------------------------------------
@@ -240,6 +255,9 @@ class ZeroOptimizer:
                     self.params[n].data = flat[plan.offsets[i] : plan.offsets[i] + plan.numels[i]].view(plan.shapes[i])
                 self.flat_param.append(flat)
                 self.param_part.append(torch.empty(0, dtype=self.dtype))
+            if self.offload is not None:  # the state goes to its tier now; only the gradients stay here
+                self.offload.init_group(len(self.master), master)
+                master = torch.empty(0, dtype=torch.float32, device=dev)
             self.master.append(master)
             self.exp_avg.append(torch.zeros_like(master))
             self.exp_avg_sq.append(torch.zeros_like(master))
@@ -400,8 +418,18 @@ class ZeroOptimizer:
                 coef = min(self.clip / (norm + 1e-6), 1.0)  # folded into the update's read of the gradient
             self.adam_step += 1
             casts = [self._cast_target(g) for g in range(len(self.plans))]
+            if self.offload is not None:
+                self.offload.step(
+                    grads,
+                    casts,
+                    adam=self.adam,
+                    step=self.adam_step,
+                    lr=lr,
+                    weight_decay=self.weight_decay,
+                    grad_scale=coef,
+                )
             for g, gr in enumerate(grads):
-                if self.master[g].numel():
+                if self.offload is None and self.master[g].numel():
                     adam_update(
                         self.master[g],
                         gr,
@@ -431,12 +459,15 @@ class ZeroOptimizer:
     def _cast_target(self, g: int) -> torch.Tensor | None:
         """Where the update writes group ``g``'s compute-dtype weights in its own pass (the copy-back):
         the weights themselves (stages 0/3) or this rank's slot, to be all-gathered (stages 1/2)."""
-        if not self.master[g].numel():
+        size = self.plans[g].size
+        if not size:
             return None
         target = self.param_part[g] if self.stage == 3 else self.flat_param[g] if self.stage == 0 else None
         if target is None:
-            return torch.empty(self.plans[g].size, dtype=self.dtype, device=self.device)
-        return target if target.is_contiguous() and target.numel() == self.master[g].numel() else None
+            return torch.empty(size, dtype=self.dtype, device=self.device)
+        if target.is_contiguous() and target.numel() == size:
+            return target
+        return torch.empty(size, dtype=self.dtype, device=self.device) if self.offload is not None else None
 
     @torch.no_grad()
     def publish(self, casts: Sequence[torch.Tensor | None] | None = None) -> None:
@@ -445,14 +476,20 @@ class ZeroOptimizer:
         ``casts[g]`` is :meth:`_cast_target`'s tensor already holding the cast (the fused update wrote
         it); ``None`` entries (or no ``casts``) are cast here.
         """
+        if self.offload is not None and casts is None:
+            raise self._offloaded("re-deriving the weights from the fp32 masters (a load)")
         for g, plan in enumerate(self.plans):
             done = casts[g] if casts is not None else None
             if self.stage == 3:
                 if done is None:
                     self.param_part[g].copy_(self.master[g])
+                elif done is not self.param_part[g]:
+                    self.param_part[g].copy_(done)
             elif self.stage == 0:
                 if done is None:
                     self.flat_param[g].copy_(self.master[g])
+                elif done is not self.flat_param[g]:
+                    self.flat_param[g].copy_(done)
             elif plan.size:
                 mine = done if done is not None else self.master[g].to(self.dtype)
                 self.dp.all_gather(self.flat_param[g], mine)
@@ -460,6 +497,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def masters_from_weights(self) -> None:
         """fp32 masters from the compute-dtype weights (after loading weights only)."""
+        if self.offload is not None:
+            raise self._offloaded("setting the fp32 masters from the weights (a weights-only load)")
         for g, plan in enumerate(self.plans):
             if self.stage == 3:
                 self.master[g].copy_(self.param_part[g])
@@ -497,6 +536,8 @@ class ZeroOptimizer:
         :data:`STATE_KEYS`. Slots of each buffer name the *parameter* (global name); the tensor is a
         view of the live storage, so filling it in place loads the engine.
         """
+        if self.offload is not None:
+            raise self._offloaded("checkpointing (save or load)")
         out: list[tuple[str, LocalBuffer, torch.Tensor]] = []
         for buf in self.view.weights():
             n = buf.name
@@ -532,6 +573,18 @@ class ZeroOptimizer:
         self.adam_step = int(state["adam_step"])
         if self.scaler is not None and state.get("loss_scale") is not None:
             self.scaler.load_state_dict(state["loss_scale"])
+
+    def _offloaded(self, doing: str) -> OffloadError:
+        assert self.offload is not None
+        return OffloadError(
+            f"{doing} with offload_optimizer.device {self.offload.device!r} is not supported yet: "
+            "the fp32 masters and Adam moments live in the swap tier (training.offload)"
+        )
+
+    def close(self) -> None:
+        """Release the offload tier (its swap directory is removed); idempotent. Without offload: nothing."""
+        if self.offload is not None:
+            self.offload.close()
 
 
 class _Null:

@@ -1,0 +1,258 @@
+"""The offloaded Adam step: sub-groups streamed through a swap tier, pipelined.
+
+:class:`OptimizerOffload` owns this rank's fp32 masters and Adam moments once ZeRO has built them:
+they leave memory for the tier (:mod:`training.offload.store`) at start-up, and each step walks the
+sub-groups in order::
+
+    read sub-group i+1   ∥   Adam on sub-group i   ∥   write-back of sub-group i-1
+
+Reads run on one I/O thread, write-backs on another, Adam on the calling thread (the kernel's own
+threads); the swap pool's slots bound what is in flight. ``pipeline_read`` off: a sub-group is read
+only when it is needed; ``pipeline_write`` off: each write-back is waited for before the next
+sub-group. Adam is elementwise and sub-groups are cut at multiples of the I/O alignment, so the
+update is bit-identical to the in-memory one over the whole partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from training.adam import AdamConfig, adam_update
+
+from .config import OffloadConfig
+from .errors import OffloadError
+from .store import FP32, HostStore, NvmeStore, Record, SubGroup, split
+from .swapdir import MIN_ALIGNMENT, SwapDir
+
+log = logging.getLogger(__name__)
+
+Store = HostStore | NvmeStore
+
+
+class OptimizerOffload:
+    """This rank's optimizer state in a swap tier (``config.offload_optimizer.device``: cpu or nvme).
+
+    ``sizes[g]``: elements of ZeRO group ``g``'s partition on this rank; ``rank`` names the swap directory.
+    Fill it with :meth:`init_group` (once per group, the initial masters; moments start at zero), then
+    call :meth:`step` per optimizer step; :meth:`close` removes the swap directory.
+    """
+
+    def __init__(self, config: OffloadConfig, sizes: Sequence[int], *, rank: int) -> None:
+        oc = config.offload_optimizer
+        if oc.device == "none":
+            raise ValueError("OptimizerOffload needs offload_optimizer.device cpu or nvme")
+        self.config = config
+        self.sizes = list(sizes)
+        self.pipeline_read, self.pipeline_write = oc.pipeline_read, oc.pipeline_write
+        pin = oc.pin_memory and torch.cuda.is_available()
+        self.dir: SwapDir | None = None
+        self.store: Store
+        if oc.device == "nvme":
+            assert oc.nvme_path is not None
+            self.dir = SwapDir(oc.nvme_path, rank=rank, what="optimizer", key="offload_optimizer.nvme_path")
+            try:
+                quantum = self.dir.alignment // FP32
+                self.subgroups = split(self.sizes, config.sub_group_size, quantum)
+                self.store = NvmeStore(
+                    self.subgroups, self.dir, config.aio, slots=oc.slots, budget=config.swap_budget, pin=pin
+                )
+            except BaseException:
+                self.dir.remove()
+                raise
+        else:
+            self.subgroups = split(self.sizes, config.sub_group_size, MIN_ALIGNMENT // FP32)
+            self.store = HostStore(self.subgroups, pin=pin)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
+        self._initialised: set[int] = set()
+        self.last: dict[str, float] = {}  # the last step's figures (seconds, bytes)
+
+    @property
+    def device(self) -> str:
+        return self.store.kind
+
+    def of_group(self, g: int) -> list[SubGroup]:
+        return [sg for sg in self.subgroups if sg.group == g]
+
+    # -- start-up --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_group(self, g: int, master: torch.Tensor) -> None:
+        """Write group ``g``'s initial fp32 master (its whole partition, any device) with zero moments."""
+        if master.numel() != self.sizes[g]:
+            raise ValueError(f"group {g}: master of {master.numel()} elements, partition of {self.sizes[g]}")
+        flat = master.detach().reshape(-1)
+
+        def fill(sg: SubGroup, rec: Record) -> None:
+            rec.master.copy_(flat[sg.lo : sg.hi])
+            rec.exp_avg.zero_()
+            rec.exp_avg_sq.zero_()
+
+        self._walk(self.of_group(g), fill, read=False)
+        self._initialised.add(g)
+
+    # -- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(
+        self,
+        grads: Sequence[torch.Tensor],
+        casts: Sequence[torch.Tensor | None],
+        *,
+        adam: AdamConfig,
+        step: int,
+        lr: float | None,
+        weight_decay: Sequence[float],
+        grad_scale: float,
+    ) -> None:
+        """One Adam update of every sub-group: ``grads[g]`` (this rank's fp32 gradient partition of group
+        ``g``) read, ``casts[g]`` (the compute-dtype weights of the partition) written in the same pass."""
+        missing = [g for g, n in enumerate(self.sizes) if n and g not in self._initialised]
+        if missing:
+            raise RuntimeError(f"offloaded optimizer groups {missing} were never initialised (init_group)")
+
+        def update(sg: SubGroup, rec: Record) -> None:
+            grad = grads[sg.group][sg.lo : sg.hi]
+            out = casts[sg.group]
+            if out is None:
+                raise RuntimeError(f"group {sg.group}: no compute-dtype target for the offloaded update")
+            out = out[sg.lo : sg.hi]
+            host_out = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
+            adam_update(
+                rec.master,
+                grad if grad.device.type == "cpu" else grad.cpu(),
+                rec.exp_avg,
+                rec.exp_avg_sq,
+                step,
+                adam,
+                lr=lr,
+                weight_decay=weight_decay[sg.group],
+                grad_scale=grad_scale,
+                out=host_out,
+            )
+            if host_out is not out:
+                out.copy_(host_out)
+
+        self._walk(self.subgroups, update, read=True)
+
+    def _walk(self, order: Sequence[SubGroup], work: Callable[[SubGroup, Record], None], *, read: bool) -> None:
+        """Run ``work`` on each sub-group of ``order`` in turn with its record in a slot: reads ahead (while
+        slots are free) on the read thread, write-backs behind on the write thread."""
+        store = self.store
+        t_start = time.perf_counter()
+        read0, written0 = store.bytes_read, store.bytes_written
+        waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0}
+        reads: dict[int, Future[Record]] = {}
+        writes: list[Future[None]] = []
+        issued = 0  # sub-groups whose read was issued (in order)
+
+        def load(sg: SubGroup, rec: Record) -> Record:
+            try:
+                store.read(sg, rec)
+            except BaseException:
+                store.release(rec)
+                raise
+            return rec
+
+        def save(sg: SubGroup, rec: Record) -> None:
+            try:
+                store.write(sg, rec)
+            finally:
+                store.release(rec)
+
+        def issue(j: int, block: bool) -> bool:
+            rec = store.acquire(order[j], block)
+            if rec is None:
+                return False
+            if read:
+                reads[j] = self._reader.submit(load, order[j], rec)
+            else:
+                done: Future[Record] = Future()
+                done.set_result(rec)
+                reads[j] = done
+            return True
+
+        try:
+            for i, sg in enumerate(order):
+                t0 = time.perf_counter()
+                if issued <= i:
+                    issue(i, block=True)
+                    issued = i + 1
+                if read and self.pipeline_read:
+                    while issued < len(order) and issued <= i + store_slots(store) and issue(issued, block=False):
+                        issued += 1
+                rec = reads.pop(i).result()
+                t1 = time.perf_counter()
+                waits["read_wait"] += t1 - t0
+                try:
+                    work(sg, rec)
+                except BaseException:
+                    store.release(rec)
+                    raise
+                t2 = time.perf_counter()
+                waits["compute"] += t2 - t1
+                fut = self._writer.submit(save, sg, rec)
+                writes.append(fut)
+                if not self.pipeline_write:
+                    fut.result()
+                    waits["write_wait"] += time.perf_counter() - t2
+                while writes and writes[0].done():  # a failed write-back stops the step here
+                    writes.pop(0).result()
+            t3 = time.perf_counter()
+            for w in writes:
+                w.result()
+            waits["write_wait"] += time.perf_counter() - t3
+        finally:
+            _settle([*reads.values(), *writes])  # no buffer may be reused while I/O may still touch it
+            for pending in reads.values():
+                if pending.done() and pending.exception() is None:
+                    store.release(pending.result())
+        self.last = {
+            "seconds": time.perf_counter() - t_start,
+            "bytes_read": float(store.bytes_read - read0),
+            "bytes_written": float(store.bytes_written - written0),
+            **waits,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """The tier's shape, for logs and reports."""
+        out: dict[str, Any] = {"device": self.device, "subgroups": len(self.subgroups)}
+        if isinstance(self.store, NvmeStore):
+            out |= {
+                "dir": str(self.store.dir.path),
+                "alignment": self.store.alignment,
+                "slots": self.store.slots,
+                "slot_bytes": self.store.slot_bytes,
+                "pool_bytes": self.store.pool_bytes,
+                "budget": self.store.budget,
+            }
+        else:
+            out["resident_bytes"] = self.store.resident_bytes
+        return out
+
+    def close(self) -> None:
+        """Stop the I/O threads, close the tier and remove the swap directory (idempotent)."""
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.store.close()
+        if self.dir is not None:
+            self.dir.remove()
+
+
+def store_slots(store: Store) -> int:
+    """How far ahead reads may run: the pool's slots (a HostStore lends every record at once)."""
+    return store.slots if isinstance(store, NvmeStore) else len(store.subgroups)
+
+
+def _settle(futures: Sequence[Future]) -> None:
+    for fut in futures:
+        try:
+            fut.exception()
+        except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
+            pass
+
+
+__all__ = ["OffloadError", "OptimizerOffload"]

@@ -1,0 +1,282 @@
+"""Where optimizer sub-groups live between steps: swap files through ``aio`` (NVMe tier) or host memory (CPU tier).
+
+A *sub-group* is a run of at most ``sub_group_size`` elements of one ZeRO group's partition on this
+rank. Its *record* is three fp32 tensors (master, exp_avg, exp_avg_sq), each padded to the I/O
+alignment, back to back: one swap file per sub-group, read and written whole.
+
+:class:`NvmeStore` keeps records in swap files (O_DIRECT where the file system allows, preallocated
+so a full device fails at start-up, not mid-run) and lends out *slots*: page-aligned, pre-faulted
+buffers of one record each, from a pool whose size is a byte budget. Every write records the
+record's CRC-32C; every read checks it, and checks that the whole record came back, so a swap file
+truncated or changed under the run is an :class:`OffloadError` naming the file and the sub-group,
+never silent garbage. :class:`HostStore` keeps each record resident in its own aligned buffer
+(pinned where a GPU exists); its reads and writes are no-ops.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import crc32c
+import torch
+
+from aio.buffers import AlignedBuffer, round_up
+from aio.config import AioConfig
+from aio.engines import create_engine
+from aio.errors import AioError, is_no_space
+from aio.files import OpenFile, open_file, preallocate
+from aio.sizes import format_size
+
+from .errors import OffloadError
+from .swapdir import SwapDir
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """Elements ``[lo, hi)`` of ZeRO group ``group``'s partition; ``index``: its place in the step order."""
+
+    index: int
+    group: int
+    lo: int
+    hi: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    def describe(self) -> str:
+        return f"sub-group {self.index} (group {self.group}, elements [{self.lo}, {self.hi}))"
+
+
+def split(sizes: Sequence[int], sub_group_size: int, quantum: int) -> list[SubGroup]:
+    """Cut each group's partition (``sizes[g]`` elements) into sub-groups of ``sub_group_size`` elements,
+    rounded down to a multiple of ``quantum`` (at least one quantum), the last of each group shorter."""
+    step = max(quantum, sub_group_size // quantum * quantum)
+    out: list[SubGroup] = []
+    for g, n in enumerate(sizes):
+        for lo in range(0, n, step):
+            out.append(SubGroup(len(out), g, lo, min(n, lo + step)))
+    return out
+
+
+class Record:
+    """Views of one record (master, exp_avg, exp_avg_sq) in a buffer laid out for ``numel`` elements."""
+
+    def __init__(self, buf: AlignedBuffer, numel: int, stride: int) -> None:
+        self.buf = buf
+        whole = buf.tensor(3 * stride)
+        self.nbytes = 3 * stride
+        self.master, self.exp_avg, self.exp_avg_sq = (
+            whole[i * stride : i * stride + numel * FP32].view(torch.float32) for i in range(3)
+        )
+
+
+class HostStore:
+    """The CPU tier: every record resident in host memory (pinned where a GPU exists and ``pin``)."""
+
+    kind = "cpu"
+
+    def __init__(self, subgroups: Sequence[SubGroup], *, pin: bool, alignment: int = 4096) -> None:
+        self.subgroups = list(subgroups)
+        self.alignment = alignment
+        self._records: list[Record] = []
+        for sg in self.subgroups:
+            stride = round_up(sg.numel * FP32, alignment)
+            self._records.append(Record(AlignedBuffer(3 * stride, pin=pin if pin else False), sg.numel, stride))
+        self.bytes_read = self.bytes_written = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(r.nbytes for r in self._records)
+
+    def acquire(self, sg: SubGroup, block: bool = True) -> Record | None:
+        return self._records[sg.index]
+
+    def read(self, sg: SubGroup, rec: Record) -> None:
+        return None
+
+    def write(self, sg: SubGroup, rec: Record) -> None:
+        return None
+
+    def release(self, rec: Record) -> None:
+        return None
+
+    def close(self) -> None:
+        self._records.clear()
+
+
+class NvmeStore:
+    """The NVMe tier: a swap file per sub-group in ``swap_dir``, slots from a pool of at most ``slots``
+    buffers of one (largest) record each; ``budget`` (bytes) caps the pool further.
+
+    ``read``/``write`` block until the bytes moved (call them from I/O threads to overlap); each request
+    is at most ``aio.block_size`` bytes and ``aio.queue_depth`` are in flight.
+    """
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        subgroups: Sequence[SubGroup],
+        swap_dir: SwapDir,
+        aio: AioConfig,
+        *,
+        slots: int,
+        budget: int | None = None,
+        pin: bool = False,
+    ) -> None:
+        self.subgroups = list(subgroups)
+        self.dir = swap_dir
+        self.alignment = swap_dir.alignment
+        largest = max((sg.numel for sg in self.subgroups), default=0)
+        self.slot_bytes = 3 * round_up(largest * FP32, self.alignment)
+        if budget is not None:
+            if self.slot_bytes > budget:
+                raise OffloadError(
+                    f"swap_budget {format_size(budget)} holds not one sub-group's state ({format_size(self.slot_bytes)}"
+                    f" for {largest} elements): lower sub_group_size or raise the budget"
+                )
+            slots = min(slots, budget // self.slot_bytes)
+        self.slots = max(1, slots)
+        self.budget = budget
+        self.aio = aio.model_copy(update={"alignment": self.alignment}) if aio.alignment != self.alignment else aio
+        self.block = max(self.alignment, self.aio.block_size // self.alignment * self.alignment)
+        self._engine = create_engine(self.aio)
+        self._pin = pin
+        self._free: list[AlignedBuffer] = []
+        self._created = 0
+        self._cond = threading.Condition()
+        self._crc: list[int | None] = [None] * len(self.subgroups)
+        self._files: list[OpenFile] = []
+        self.bytes_read = self.bytes_written = 0
+        self._count = threading.Lock()
+        try:
+            for sg in self.subgroups:
+                path = swap_dir.file(f"subgroup-{sg.index:05d}-g{sg.group}.swp")
+                f = open_file(path, "w", direct=self.aio.use_direct)
+                self._files.append(f)
+                try:
+                    preallocate(f, self.record_bytes(sg))
+                except AioError as exc:
+                    raise self._io_error("reserving space for", sg, exc) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    # -- layout ------------------------------------------------------------------------------
+    def stride(self, sg: SubGroup) -> int:
+        return round_up(sg.numel * FP32, self.alignment)
+
+    def record_bytes(self, sg: SubGroup) -> int:
+        return 3 * self.stride(sg)
+
+    def path(self, sg: SubGroup) -> Path:
+        return Path(self._files[sg.index].path) if self._files else self.dir.path
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the slots made so far (at most ``slots × slot_bytes``)."""
+        return self._created * self.slot_bytes
+
+    # -- slots -------------------------------------------------------------------------------
+    def acquire(self, sg: SubGroup, block: bool = True) -> Record | None:
+        """A slot laid out for ``sg``; None when ``block`` is False and every slot is lent out."""
+        with self._cond:
+            while not self._free and self._created >= self.slots:
+                if not block:
+                    return None
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+            else:
+                self._created += 1
+                buf = None
+        if buf is None:
+            buf = AlignedBuffer(self.slot_bytes, pin=self._pin if self._pin else False)
+        return Record(buf, sg.numel, self.stride(sg))
+
+    def release(self, rec: Record) -> None:
+        with self._cond:
+            self._free.append(rec.buf)
+            self._cond.notify()
+
+    # -- moving records ----------------------------------------------------------------------
+    def write(self, sg: SubGroup, rec: Record) -> None:
+        """Write ``rec`` as ``sg``'s swap file (CRC-32C noted for the next read)."""
+        view = rec.buf.view(rec.nbytes)
+        self._crc[sg.index] = crc32c.crc32c(view)
+        f = self._files[sg.index]
+        futures = [
+            (off, self._engine.submit_write(f, off, view[off : off + self.block]))
+            for off in range(0, rec.nbytes, self.block)
+        ]
+        error = _wait(futures)
+        if error is not None:
+            self._crc[sg.index] = None
+            raise self._io_error("writing", sg, error) from error
+        with self._count:
+            self.bytes_written += rec.nbytes
+
+    def read(self, sg: SubGroup, rec: Record) -> None:
+        """Fill ``rec`` from ``sg``'s swap file and check it is whole and unchanged."""
+        expected = self._crc[sg.index]
+        if expected is None:
+            raise OffloadError(f"{sg.describe()} has no record in {self.path(sg)}: it was never written whole")
+        view = rec.buf.view(rec.nbytes)
+        f = self._files[sg.index]
+        futures = [
+            (off, self._engine.submit_read(f, off, view[off : off + self.block]))
+            for off in range(0, rec.nbytes, self.block)
+        ]
+        error = _wait(futures)
+        if error is not None:
+            raise self._io_error("reading", sg, error) from error
+        for off, fut in futures:
+            want = min(self.block, rec.nbytes - off)
+            if fut.result() != want:
+                size = os.fstat(f.fd).st_size
+                raise OffloadError(
+                    f"swap file {f.path} of {sg.describe()} is truncated: {size} bytes, its record needs "
+                    f"{rec.nbytes} (changed under the run; the optimizer state is lost)"
+                )
+        got = crc32c.crc32c(view)
+        if got != expected:
+            raise OffloadError(
+                f"swap file {f.path} of {sg.describe()} is corrupt: CRC-32C {got:#010x}, written as "
+                f"{expected:#010x} (changed under the run; the optimizer state is lost)"
+            )
+        with self._count:
+            self.bytes_read += rec.nbytes
+
+    def _io_error(self, doing: str, sg: SubGroup, exc: BaseException) -> OffloadError:
+        path = getattr(exc, "filename", None) or self.path(sg)
+        if is_no_space(exc):
+            why = f"the device is full ({os.strerror(exc.errno or 28)})"  # type: ignore[attr-defined]
+        else:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return OffloadError(f"{doing} swap file {path} of {sg.describe()} failed: {why}")
+
+    def close(self) -> None:
+        """Close the files and the engine, free the slots (the directory is the owner's to remove)."""
+        for f in self._files:
+            f.close()
+        self._engine.close()
+        with self._cond:
+            self._free.clear()
+
+
+def _wait(futures: list[tuple[int, Future]]) -> BaseException | None:
+    """Wait for every request (a buffer must not be reused while the device may write it); the first error."""
+    error: BaseException | None = None
+    for _, fut in futures:
+        exc = fut.exception()
+        if exc is not None and error is None:
+            error = exc
+    return error
