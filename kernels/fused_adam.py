@@ -105,8 +105,9 @@ def adam(
     ``step`` is 1-based and counts this update. ``grad`` is read, never written; its effective value
     is ``grad * grad_scale``. ``out`` (bf16, fp16 or fp32, same element count) receives the updated
     weights. ``torch_sqrt`` selects the sqrt that makes the result bit-equal to torch.optim's
-    single-tensor path (see the module docstring). Threads: ``torch.get_num_threads()``. Tensors on
-    another device than the CPU take the op-by-op torch path (:func:`adam_reference`) on that device.
+    single-tensor path (see the module docstring). Threads: ``torch.get_num_threads()``. CUDA tensors
+    run the Triton kernel (:mod:`kernels.triton_adam`; an error if Triton is missing, unless
+    ``UCP_KERNELS=torch``); other devices take the op-by-op torch path (:func:`adam_reference`).
     """
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -122,7 +123,16 @@ def adam(
         raise ValueError(f"kernels.adam: grad_scale {grad_scale} and lr {lr} must be finite")
     if n == 0:
         return
-    ext = extension()[0] if param.device.type == "cpu" else None  # other devices: torch ops (GPU kernels to come)
+    if param.device.type == "cuda":  # the Triton kernel (kernels/triton_adam.py: Triton is imported on first use)
+        from .triton_adam import adam_step, torch_forced
+
+        if not torch_forced():
+            adam_step(
+                param, grad, exp_avg, exp_avg_sq, out, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
+            )  # fmt: skip
+            return
+    ext = extension()[0] if param.device.type == "cpu" else None  # other devices (or UCP_KERNELS=torch): torch ops
     if ext is None:
         adam_reference(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
