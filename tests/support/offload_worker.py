@@ -1,0 +1,54 @@
+"""One rank of a multi-process offload test: train the same GPT with and without optimizer offload.
+
+Usage: offload_worker.py RANK WORLD INIT_FILE OUT_DIR SCENARIOS_JSON
+
+Scenario: ``{"name", "model": GPTConfig fields, "mesh", "options": Engine options, "offload": OffloadConfig
+fields or null, "steps"}``. Every rank writes ``{name}.rank{r}.json``: the losses, a SHA-256 of its weights
+after the last step, the offload tier's description and last-step figures, its state bytes, and whether
+its swap directory was gone once the engine was closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from world import serve_scenarios
+
+from training import Engine
+from training.models.gpt import GPTConfig
+from training.offload import OffloadConfig
+
+
+def weights_digest(engine: Engine) -> str:
+    """SHA-256 over this rank's compute-dtype weights (flat buffers, or stage-3 partitions)."""
+    h = hashlib.sha256()
+    opt = engine.optimizer
+    for t in [*opt.flat_param, *opt.param_part]:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_scenario(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
+    offload = OffloadConfig.model_validate(sc["offload"]) if sc.get("offload") else OffloadConfig()
+    engine = Engine(GPTConfig(**sc["model"]), mesh=sc["mesh"], offload=offload, **sc["options"])
+    losses = [engine.train_step(s) for s in range(sc["steps"])]
+    off = engine.optimizer.offload
+    facts: dict[str, Any] = {
+        "losses": losses,
+        "digest": weights_digest(engine),
+        "state_bytes": 12 * sum(p.size for p in engine.optimizer.plans),
+        "tier": off.describe() if off is not None else None,
+        "last": off.last if off is not None else None,
+    }
+    swap_dir = Path(off.describe()["dir"]) if off is not None and off.device == "nvme" else None
+    engine.close()
+    facts["dir_removed"] = None if swap_dir is None else not swap_dir.exists()
+    (out / f"{sc['name']}.rank{rank}.json").write_text(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    serve_scenarios(run_scenario)
