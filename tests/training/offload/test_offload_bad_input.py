@@ -115,7 +115,7 @@ def test_enospc_in_a_write_back_mid_run_names_file_and_sub_group(
     e = engine(config(tmp_path))
     try:
         e.train_step(0)
-        store = e.optimizer.offload.store  # type: ignore[union-attr]
+        store = e.optimizer.offload.store
         real = store._engine.submit_write
         target = swap_files(e)[5]
 
@@ -170,7 +170,7 @@ def test_a_stale_swap_directory_is_never_read(tmp_path: Path, reference: tuple[l
         (stale / f"subgroup-{i:05d}-g{i % 2}.swp").write_bytes(garbage)
     e = engine(config(tmp_path))
     try:
-        assert Path(e.optimizer.offload.describe()["dir"]) != stale  # type: ignore[union-attr]
+        assert Path(e.optimizer.offload.describe()["dir"]) != stale
         losses = [e.train_step(s) for s in range(STEPS)]
         assert (losses, weights_digest(e)) == reference
     finally:
