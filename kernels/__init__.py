@@ -1,7 +1,12 @@
 """kernels: fused CPU kernels at memory bandwidth (a leaf package: imports neither ucp nor training).
 
 * :func:`adam` — Adam/AdamW over flat fp32 buffers in one pass, with optional bf16/fp16 copy-back.
-* :func:`copy_crc32c` — copy bytes and CRC-32C them in one pass.
+* :func:`copy_crc32c` — copy bytes and CRC-32C them in one pass:
+  ``copy_crc32c(dst, src, value=0) -> int`` (as ``crc32c.crc32c(src, value)``).
+* :func:`cast_flatten` — cast tensors and lay them back to back in one flat staging buffer in one
+  pass: ``cast_flatten(tensors, out, dtype=None, *, crc=False) -> list[int] | None`` (the bytes of
+  ``torch.cat([t.to(dtype).flatten() for t in tensors])`` at the start of ``out``; each tensor's
+  CRC-32C of the written bytes with ``crc=True``).
 * :func:`backend` — which implementation runs (the C++ extension, JIT-built once into a cache, or
   the pure-torch fallback) and why.
 """
@@ -9,6 +14,7 @@
 from __future__ import annotations
 
 from ._build import extension
+from .cast import cast_flatten
 from .crc import copy_crc32c
 from .fused_adam import adam, adam_reference
 
@@ -19,4 +25,4 @@ def backend() -> str:
     return f"{'cpp' if ext is not None else 'torch'}: {why}"
 
 
-__all__ = ["adam", "adam_reference", "backend", "copy_crc32c"]
+__all__ = ["adam", "adam_reference", "backend", "cast_flatten", "copy_crc32c"]

@@ -16,7 +16,7 @@ import torch
 
 from ._build import extension
 
-GRAIN = 1 << 20  # bytes per parallel chunk at least
+GRAIN = 4 << 20  # bytes per parallel block (fewer when that would leave a thread idle)
 
 
 def _view(obj: Any, name: str, writable: bool) -> np.ndarray:

@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -149,6 +151,33 @@ __attribute__((always_inline)) inline void adam_loop(float* __restrict p, const 
   }
 }
 
+// Runs fn(lo, hi) over [0, n) in blocks of `block` items, handed out one at a time from a shared
+// counter to min(torch.get_num_threads(), blocks) OpenMP threads (torch's own runtime: the extension
+// links the libgomp torch loaded). Dynamic hand-out rather than at::parallel_for's one static range
+// per thread: the step is memory-bound, and on a shared host a thread that loses its core for a
+// while no longer holds the whole step back (the others take its remaining blocks). Serial inside
+// another parallel region, or when one block covers everything.
+template <typename F>
+void parallel_blocks(int64_t n, int64_t block, const F& fn) {
+  if (n <= 0) return;
+  block = std::max<int64_t>(1, block);
+  const int64_t blocks = (n + block - 1) / block;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    fn(int64_t(0), n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(int(threads))
+  {
+    for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < blocks;
+         b = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t lo = b * block;
+      fn(lo, std::min(n, lo + block));
+    }
+  }
+}
+
 using AdamFn = void (*)(float*, const float*, float*, float*, void*, int64_t, const AdamScalars&);
 
 template <int OUT, int DECAY, bool SMALL, bool MKL>
@@ -260,7 +289,7 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, t
   float* v = exp_avg_sq.data_ptr<float>();
   const int64_t esize = kind == 3 ? 4 : 2;
   char* ob = static_cast<char*>(o);
-  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+  parallel_blocks(n, grain, [&](int64_t b, int64_t e) {
     fn(p + b, g + b, m + b, v + b, ob ? ob + b * esize : nullptr, e - b, s);
   });
 }
@@ -301,8 +330,8 @@ uint32_t x8nmodp(uint64_t len) {
   return p;
 }
 
-// Raw register update (no pre/post inversion) over n bytes, copying them from src to dst.
-uint32_t crc_copy_base(uint32_t crc, unsigned char* dst, const unsigned char* src, int64_t n) {
+// Raw register update (no pre/post inversion) over n bytes; copies them to dst first when dst is set.
+uint32_t crc_base(uint32_t crc, unsigned char* dst, const unsigned char* src, int64_t n) {
   static const std::vector<uint32_t> table = [] {
     std::vector<uint32_t> t(256);
     for (uint32_t i = 0; i < 256; ++i) {
@@ -312,88 +341,302 @@ uint32_t crc_copy_base(uint32_t crc, unsigned char* dst, const unsigned char* sr
     }
     return t;
   }();
-  std::memmove(dst, src, size_t(n));
+  if (dst != nullptr) std::memmove(dst, src, size_t(n));
   for (int64_t i = 0; i < n; ++i) crc = table[(crc ^ src[i]) & 0xFF] ^ (crc >> 8);
   return crc;
 }
 
 #if UCP_X86
-constexpr int64_t LANE = 4096;  // bytes per interleaved stream: three crc32 chains hide its latency
-
-__attribute__((target("sse4.2"))) uint32_t crc_copy_hw(uint32_t crc, unsigned char* dst, const unsigned char* src,
-                                                      int64_t n) {
-  static const uint32_t shift1 = x8nmodp(LANE), shift2 = x8nmodp(2 * LANE);
-  while (n >= 3 * LANE) {
-    uint64_t a = crc, b = 0, c = 0;
-    for (int64_t i = 0; i < LANE; i += 8) {
-      uint64_t x, y, z;
-      std::memcpy(&x, src + i, 8);
-      std::memcpy(&y, src + LANE + i, 8);
-      std::memcpy(&z, src + 2 * LANE + i, 8);
-      std::memcpy(dst + i, &x, 8);
-      std::memcpy(dst + LANE + i, &y, 8);
-      std::memcpy(dst + 2 * LANE + i, &z, 8);
-      a = _mm_crc32_u64(a, x);
-      b = _mm_crc32_u64(b, y);
-      c = _mm_crc32_u64(c, z);
-    }
-    crc = multmodp(shift2, uint32_t(a)) ^ multmodp(shift1, uint32_t(b)) ^ uint32_t(c);
-    src += 3 * LANE;
-    dst += 3 * LANE;
-    n -= 3 * LANE;
-  }
+// One chain of SSE4.2's crc32 instruction (latency 3, one per cycle): for short runs and remainders.
+__attribute__((target("sse4.2"))) uint32_t crc_serial_hw(uint32_t crc, unsigned char* dst, const unsigned char* src,
+                                                        int64_t n) {
+  if (dst != nullptr) std::memcpy(dst, src, size_t(n));
   uint64_t a = crc;
-  for (; n >= 8; n -= 8, src += 8, dst += 8) {
+  for (; n >= 8; n -= 8, src += 8) {
     uint64_t x;
     std::memcpy(&x, src, 8);
-    std::memcpy(dst, &x, 8);
     a = _mm_crc32_u64(a, x);
   }
   uint32_t r = uint32_t(a);
-  for (; n > 0; --n, ++src, ++dst) {
-    *dst = *src;
-    r = _mm_crc32_u8(r, *src);
-  }
+  for (; n > 0; --n, ++src) r = _mm_crc32_u8(r, *src);
   return r;
 }
-#endif
 
-uint32_t crc_copy_raw(uint32_t crc, unsigned char* dst, const unsigned char* src, int64_t n) {
-#if UCP_X86
+// Three crc32 chains over three contiguous lanes of `lane` bytes (a multiple of 64) hide the
+// instruction's latency; each 64-byte line is loaded once as a vector for the copy (a streaming,
+// cache-bypassing store when NT: dst must then be 64-byte aligned) and read again as eight words for
+// the CRC from L1. The lanes' registers are joined with x^(8·lane) shifts in GF(2).
+#define UCP_CRC3_BODY(LOAD, STORE, STREAM, VEC, STEP)                                            \
+  uint64_t a = crc, b = 0, c = 0;                                                                \
+  const unsigned char *s1 = src + lane, *s2 = src + 2 * lane;                                    \
+  unsigned char *d1 = dst + lane, *d2 = dst + 2 * lane;                                          \
+  for (int64_t i = 0; i < lane; i += 64) {                                                       \
+    if (COPY) {                                                                                  \
+      for (int k = 0; k < 64; k += STEP) {                                                       \
+        const VEC x = LOAD(src + i + k), y = LOAD(s1 + i + k), z = LOAD(s2 + i + k);             \
+        if (NT) {                                                                                \
+          STREAM(dst + i + k, x);                                                                \
+          STREAM(d1 + i + k, y);                                                                 \
+          STREAM(d2 + i + k, z);                                                                 \
+        } else {                                                                                 \
+          STORE(dst + i + k, x);                                                                 \
+          STORE(d1 + i + k, y);                                                                  \
+          STORE(d2 + i + k, z);                                                                  \
+        }                                                                                        \
+      }                                                                                          \
+    }                                                                                            \
+    _Pragma("GCC unroll 8") for (int k = 0; k < 64; k += 8) {                                    \
+      uint64_t u, v, w;                                                                          \
+      std::memcpy(&u, src + i + k, 8);                                                           \
+      std::memcpy(&v, s1 + i + k, 8);                                                            \
+      std::memcpy(&w, s2 + i + k, 8);                                                            \
+      a = _mm_crc32_u64(a, u);                                                                   \
+      b = _mm_crc32_u64(b, v);                                                                   \
+      c = _mm_crc32_u64(c, w);                                                                   \
+    }                                                                                            \
+  }                                                                                              \
+  if (NT) _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */ \
+  return multmodp(x8nmodp(uint64_t(2 * lane)), uint32_t(a)) ^ multmodp(x8nmodp(uint64_t(lane)), uint32_t(b)) ^ uint32_t(c);
+
+inline __m128i ld128(const unsigned char* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline void st128(unsigned char* p, __m128i x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x); }
+inline void nt128(unsigned char* p, __m128i x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), x); }
+
+template <bool COPY, bool NT>
+__attribute__((target("sse4.2"))) uint32_t crc3_sse(uint32_t crc, unsigned char* dst, const unsigned char* src,
+                                                   int64_t lane) {
+  UCP_CRC3_BODY(ld128, st128, nt128, __m128i, 16)
+}
+
+__attribute__((target("avx512f"))) inline __m512i ld512(const unsigned char* p) { return _mm512_loadu_si512(p); }
+__attribute__((target("avx512f"))) inline void st512(unsigned char* p, __m512i x) { _mm512_storeu_si512(p, x); }
+__attribute__((target("avx512f"))) inline void nt512(unsigned char* p, __m512i x) {
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), x);
+}
+
+template <bool COPY, bool NT>
+__attribute__((target("sse4.2,avx512f"))) uint32_t crc3_avx512(uint32_t crc, unsigned char* dst,
+                                                              const unsigned char* src, int64_t lane) {
+  UCP_CRC3_BODY(ld512, st512, nt512, __m512i, 64)
+}
+#undef UCP_CRC3_BODY
+
+bool has_sse42() {
   static const bool hw = [] {
     __builtin_cpu_init();
     return bool(__builtin_cpu_supports("sse4.2"));
   }();
-  if (hw) return crc_copy_hw(crc, dst, src, n);
+  return hw;
+}
 #endif
-  return crc_copy_base(crc, dst, src, n);
+
+constexpr int64_t MIN_LANE = 256;  // below 3 lanes of this, one chain
+
+// Raw register update over one block of n bytes, copying it to dst when dst is set (streaming
+// stores when nt). Any alignment, any length.
+uint32_t crc_block(uint32_t crc, unsigned char* dst, const unsigned char* src, int64_t n, bool nt) {
+#if UCP_X86
+  if (has_sse42()) {
+    if (dst != nullptr && nt) {  // streaming stores need 64-byte-aligned destinations: do the head first
+      const int64_t head = std::min<int64_t>(n, int64_t((64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63));
+      crc = crc_serial_hw(crc, dst, src, head);
+      dst += head;
+      src += head;
+      n -= head;
+    }
+    const int64_t lane = (n / 3) & ~int64_t(63);
+    if (lane >= MIN_LANE) {
+      const bool wide = isa_level() == 2;
+      if (dst == nullptr)
+        crc = wide ? crc3_avx512<false, false>(crc, dst, src, lane) : crc3_sse<false, false>(crc, dst, src, lane);
+      else if (nt)
+        crc = wide ? crc3_avx512<true, true>(crc, dst, src, lane) : crc3_sse<true, true>(crc, dst, src, lane);
+      else
+        crc = wide ? crc3_avx512<true, false>(crc, dst, src, lane) : crc3_sse<true, false>(crc, dst, src, lane);
+      src += 3 * lane;
+      if (dst != nullptr) dst += 3 * lane;
+      n -= 3 * lane;
+    }
+    return crc_serial_hw(crc, dst, src, n);
+  }
+#endif
+  return crc_base(crc, dst, src, n);
 }
 
-// Copies n bytes src -> dst (non-overlapping) and returns crc32c(src, value), value being the
-// CRC of what came before (0 to start), as crc32c.crc32c(data, value). Chunks run in parallel
-// and their CRCs are combined; the GIL is released by the caller's binding.
+// Copies past this many bytes use streaming stores: the copy is then far larger than the caches, the
+// destination is not read back soon (it goes to storage), and skipping the read-for-ownership of each
+// destination line is what brings copy + CRC to plain-copy speed.
+constexpr int64_t NT_MIN = int64_t(4) << 20;
+
+// Copies n bytes src -> dst (non-overlapping; dst may be 0 for a CRC alone) and returns
+// crc32c(src, value), value being the CRC of what came before (0 to start), as
+// crc32c.crc32c(data, value). Blocks of `grain` bytes (fewer when that leaves a thread idle) run in
+// parallel and their CRCs are joined; the GIL is released by the caller's binding.
 int64_t copy_crc32c(int64_t dst_addr, int64_t src_addr, int64_t n, int64_t value, int64_t grain) {
   auto* dst = reinterpret_cast<unsigned char*>(dst_addr);
   const auto* src = reinterpret_cast<const unsigned char*>(src_addr);
-  uint32_t start = ~uint32_t(value);
+  const uint32_t start = ~uint32_t(value);
   if (n <= 0) return int64_t(~start);
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
-  if (chunks == 1) return int64_t(~crc_copy_raw(start, dst, src, n));
-  const int64_t step = (n + chunks - 1) / chunks;
-  std::vector<uint32_t> crcs(size_t(chunks), 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) {
-      const int64_t lo = c * step, hi = std::min(n, lo + step);
-      if (lo < hi) crcs[size_t(c)] = crc_copy_raw(c == 0 ? start : 0u, dst + lo, src + lo, hi - lo);
+  const bool nt = dst != nullptr && n >= NT_MIN;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t even = ((n + threads - 1) / threads + 63) & ~int64_t(63);
+  const int64_t block = std::max<int64_t>(1, std::min(grain, even));
+  const int64_t blocks = (n + block - 1) / block;
+  std::vector<uint32_t> crcs(size_t(blocks), 0);
+  parallel_blocks(blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t lo = i * block;
+      crcs[size_t(i)] = crc_block(i == 0 ? start : 0u, dst ? dst + lo : nullptr, src + lo, std::min(block, n - lo), nt);
     }
   });
   uint32_t crc = crcs[0];
-  for (int64_t c = 1; c < chunks; ++c) {
-    const int64_t lo = c * step, hi = std::min(n, lo + step);
-    if (lo >= hi) break;
-    crc = multmodp(x8nmodp(uint64_t(hi - lo)), crc) ^ crcs[size_t(c)];
+  const uint32_t shift = x8nmodp(uint64_t(block));
+  for (int64_t i = 1; i < blocks; ++i) {
+    const int64_t len = std::min(block, n - i * block);
+    crc = multmodp(len == block ? shift : x8nmodp(uint64_t(len)), crc) ^ crcs[size_t(i)];
   }
   return int64_t(~crc);
+}
+
+// ---- cast + flatten ------------------------------------------------------------------------------
+// bf16 -> fp32 is exact; fp16 -> fp32 is c10's fp16_ieee_to_fp32_value (exact; NaN stays NaN).
+inline float from_bf16(uint16_t h) { return u2f(uint32_t(h) << 16); }
+inline float from_fp16(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * u2f(0x7800000u);  // * 2^-112
+  const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
+  return u2f(sign | (two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized)));
+}
+
+// Element kinds: 0 fp32, 1 bf16, 2 fp16. Each element goes through fp32 (exact for every source
+// kind here), then rounds once to the destination as torch's .to() does (RNE; NaN -> 0x7FC0 for
+// bf16, sign | 0x7E00 for fp16).
+template <int SK, int DK>
+__attribute__((always_inline)) inline void cast_loop(const void* __restrict s, void* __restrict d, int64_t n) {
+  const float* __restrict s32 = static_cast<const float*>(s);
+  const uint16_t* __restrict s16 = static_cast<const uint16_t*>(s);
+  float* __restrict d32 = static_cast<float*>(d);
+  uint16_t* __restrict d16 = static_cast<uint16_t*>(d);
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = SK == 0 ? s32[i] : SK == 1 ? from_bf16(s16[i]) : from_fp16(s16[i]);
+    if (DK == 0) d32[i] = x;
+    if (DK == 1) d16[i] = to_bf16(x);
+    if (DK == 2) d16[i] = to_fp16(x);
+  }
+}
+
+using CastFn = void (*)(const void*, void*, int64_t);
+template <int SK, int DK>
+void cast_base(const void* s, void* d, int64_t n) {
+  cast_loop<SK, DK>(s, d, n);
+}
+#if UCP_X86
+template <int SK, int DK>
+__attribute__((target("avx2,fma,f16c"))) void cast_avx2(const void* s, void* d, int64_t n) {
+  cast_loop<SK, DK>(s, d, n);
+}
+template <int SK, int DK>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void cast_avx512(const void* s, void* d,
+                                                                                            int64_t n) {
+  cast_loop<SK, DK>(s, d, n);
+}
+#endif
+template <int SK, int DK>
+CastFn cast_pick2() {
+#if UCP_X86
+  switch (isa_level()) {
+    case 2:
+      return &cast_avx512<SK, DK>;
+    case 1:
+      return &cast_avx2<SK, DK>;
+    default:
+      break;
+  }
+#endif
+  return &cast_base<SK, DK>;
+}
+template <int SK>
+CastFn cast_pick1(int dk) {
+  return dk == 0 ? cast_pick2<SK, 0>() : dk == 1 ? cast_pick2<SK, 1>() : cast_pick2<SK, 2>();
+}
+CastFn cast_pick(int sk, int dk) {
+  return sk == 0 ? cast_pick1<0>(dk) : sk == 1 ? cast_pick1<1>(dk) : cast_pick1<2>(dk);
+}
+
+int kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return 0;
+    case at::kBFloat16:
+      return 1;
+    case at::kHalf:
+      return 2;
+    default:
+      TORCH_CHECK(false, "cast_flatten: dtype ", t, " is not float32, bfloat16 or float16");
+  }
+  return -1;
+}
+
+constexpr int64_t CAST_TILE = 4096;  // elements converted, then CRC'd while still in L1/L2
+
+// Writes each contiguous CPU tensor srcs[i] (fp32/bf16/fp16), cast to out's dtype (same set), at
+// element offset offsets[i] of out. Work is cut into pieces of at most `grain` elements run in
+// parallel; with want_crc it returns the CRC-32C of each tensor's written bytes (pieces' CRCs are
+// computed tile by tile from cache right after the tile is written, then joined), else an empty list.
+std::vector<int64_t> cast_flatten(const std::vector<torch::Tensor>& srcs, const std::vector<int64_t>& offsets,
+                                  torch::Tensor out, bool want_crc, int64_t grain) {
+  TORCH_CHECK(srcs.size() == offsets.size(), "cast_flatten: ", srcs.size(), " tensors, ", offsets.size(), " offsets");
+  const int dk = kind_of(out.scalar_type());
+  const int64_t dsize = out.element_size();
+  auto* obase = static_cast<unsigned char*>(out.data_ptr());
+  grain = std::max<int64_t>(1, grain);
+  struct Piece {
+    size_t t;
+    int64_t lo, hi;
+  };
+  std::vector<Piece> pieces;
+  std::vector<CastFn> fns(srcs.size());
+  std::vector<size_t> first(srcs.size() + 1, 0);
+  for (size_t t = 0; t < srcs.size(); ++t) {
+    const int64_t n = srcs[t].numel();
+    TORCH_CHECK(offsets[t] >= 0 && offsets[t] + n <= out.numel(), "cast_flatten: tensor ", t, " does not fit");
+    fns[t] = cast_pick(kind_of(srcs[t].scalar_type()), dk);
+    first[t] = pieces.size();
+    for (int64_t lo = 0; lo < n; lo += grain) pieces.push_back({t, lo, std::min(n, lo + grain)});
+    first[t + 1] = pieces.size();
+  }
+  std::vector<uint32_t> crcs(pieces.size(), 0);
+  parallel_blocks(int64_t(pieces.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Piece& pc = pieces[size_t(k)];
+      const auto* s = static_cast<const unsigned char*>(srcs[pc.t].data_ptr());
+      const int64_t ssize = srcs[pc.t].element_size();
+      unsigned char* d = obase + (offsets[pc.t] + pc.lo) * dsize;
+      uint32_t crc = pc.lo == 0 ? ~0u : 0u;
+      for (int64_t lo = pc.lo; lo < pc.hi; lo += CAST_TILE) {
+        const int64_t len = std::min(CAST_TILE, pc.hi - lo);
+        unsigned char* dt = d + (lo - pc.lo) * dsize;
+        fns[pc.t](s + lo * ssize, dt, len);
+        if (want_crc) crc = crc_block(crc, nullptr, dt, len * dsize, false);
+      }
+      crcs[size_t(k)] = crc;
+    }
+  });
+  std::vector<int64_t> result;
+  if (!want_crc) return result;
+  result.reserve(srcs.size());
+  for (size_t t = 0; t < srcs.size(); ++t) {
+    uint32_t crc = ~0u;  // an empty tensor: crc32c(b"") == 0
+    for (size_t k = first[t]; k < first[t + 1]; ++k) {
+      const Piece& pc = pieces[k];
+      crc = k == first[t] ? crcs[k] : multmodp(x8nmodp(uint64_t((pc.hi - pc.lo) * dsize)), crc) ^ crcs[k];
+    }
+    result.push_back(int64_t(~crc));
+  }
+  return result;
 }
 
 std::string isa() {
@@ -413,6 +656,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("adam_step", &adam_step, "fused Adam(W) step over flat fp32 buffers",
           pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("copy_crc32c", &copy_crc32c, "copy bytes and return their CRC-32C",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("cast_flatten", &cast_flatten, "cast tensors into one flat buffer (and CRC each)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("isa", &isa, "the instruction set the kernels dispatch to on this CPU");
 }

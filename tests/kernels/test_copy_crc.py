@@ -67,3 +67,19 @@ def test_bad_buffers_are_refused_with_the_reason(request: pytest.FixtureRequest,
         kernels.copy_crc32c(bytearray(16), torch.zeros(8, dtype=torch.uint8)[::2])
     with pytest.raises(ValueError, match="value 4294967296 is not a 32-bit CRC"):
         kernels.copy_crc32c(bytearray(4), b"abcd", 1 << 32)
+
+
+@pytest.mark.parametrize("backend", ["cpp_backend", "torch_backend"])
+def test_unaligned_starts_and_streaming_sizes_copy_exactly(
+    request: pytest.FixtureRequest, backend: str, threads: None
+) -> None:
+    """Past 4 MiB the copy streams (64-byte-aligned stores after a head): any src/dst misalignment."""
+    request.getfixturevalue(backend)
+    data = torch.randint(0, 256, ((8 << 20) + 200,), dtype=torch.uint8)
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        for n, s_off, d_off in ((8 << 20) + 13, 3, 1), ((4 << 20) + 777, 0, 63), ((4 << 20) - 1, 5, 0), (200_003, 1, 2):
+            src = data[s_off : s_off + n]
+            dst = torch.zeros(n + 64 + 8, dtype=torch.uint8)
+            assert kernels.copy_crc32c(dst[d_off:], src) == crc32c.crc32c(src.numpy().tobytes()), (t, n, s_off, d_off)
+            assert torch.equal(dst[d_off : d_off + n], src) and not dst[:d_off].any() and not dst[d_off + n :].any()
