@@ -12,6 +12,10 @@ line each) and ``--resume`` continues from the latest complete one, whatever mes
     torchrun --nproc-per-node 4 -m training.run --tp 2 --dp 2 --zero 2 --total-steps 20 --save-dir ck
     torchrun --nproc-per-node 2 -m training.run --dp 2 --zero 3 --total-steps 20 --save-dir ck --resume
 
+Optimizer state can live off memory, as DeepSpeed's ZeRO-Offload/Infinity puts it (docs/offload.md):
+``--offload-optimizer cpu|nvme --nvme-path DIR [--sub-group-size N] [--swap-budget 1GiB]``, or a
+DeepSpeed JSON config's ``zero_optimization`` offload keys and ``aio`` section (``--ds-config ds.json``).
+
 Exit codes: 0 when every step ran and every checkpoint was written; 1 when a checkpoint save failed
 (also an asynchronous one that failed after its ``checkpoint`` line) or training raised; 2 for bad
 options, checked before anything is built. Option names avoid prefixes of torchrun's own (no
@@ -30,6 +34,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from aio.sizes import SIZE_HELP
 
 
 def positive_int(text: str) -> int:
@@ -97,6 +103,20 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         "with background and none the engine waits for the copy or write before its optimizer step",
     )
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
+    p.add_argument(
+        "--ds-config",
+        default=None,
+        help="a DeepSpeed JSON config: its zero_optimization offload keys and aio section are used (docs/offload.md)",
+    )
+    p.add_argument(
+        "--offload-optimizer",
+        default=None,
+        choices=("none", "cpu", "nvme"),
+        help="where the fp32 masters and Adam moments live between steps (overrides --ds-config's)",
+    )
+    p.add_argument("--nvme-path", default=None, help="directory the nvme tier swaps to (a fresh one is made inside)")
+    p.add_argument("--sub-group-size", type=positive_int, default=None, help="elements per offloaded sub-group")
+    p.add_argument("--swap-budget", default=None, help=f"most bytes of the nvme tier's buffer pool ({SIZE_HELP})")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
@@ -116,7 +136,37 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         p.error("--start-step is ignored with --resume (the run continues at the checkpoint's step): give one of them")
     if args.start_step is None:
         args.start_step = 0
+    try:
+        args.offload = offload_config(args)
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    if args.offload.zero_stage is not None and args.offload.zero_stage != args.zero:
+        p.error(f"--ds-config names ZeRO stage {args.offload.zero_stage}, --zero is {args.zero}")
     return args
+
+
+def offload_config(args: argparse.Namespace) -> Any:
+    """The engine's OffloadConfig from ``--ds-config`` and the offload options (which override it)."""
+    from training.offload import OffloadConfig
+
+    base: dict[str, Any] = {}
+    if args.ds_config is not None:
+        with open(args.ds_config) as f:
+            base = json.load(f)
+    config = OffloadConfig.from_deepspeed(base)
+    optimizer = config.offload_optimizer.model_dump(exclude_unset=True)
+    if args.offload_optimizer is not None:
+        optimizer["device"] = args.offload_optimizer
+    if args.nvme_path is not None:
+        optimizer["nvme_path"] = args.nvme_path
+    update: dict[str, Any] = {"offload_optimizer": optimizer}
+    if args.sub_group_size is not None:
+        update["sub_group_size"] = args.sub_group_size
+    if args.swap_budget is not None:
+        update["swap_budget"] = args.swap_budget
+    data = {**config.model_dump(exclude_unset=True), **update}
+    data["aio"] = config.aio
+    return OffloadConfig.model_validate(data)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         zero_alignment=args.zero_alignment,
         pad_vocab_to=args.pad_vocab_to,
         device="cuda" if torch.cuda.is_available() else "cpu",
+        offload=args.offload,
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
 
@@ -203,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if manager is not None:
             saved = finish_saves(manager)
+        engine.close()  # the offload tier's swap directory goes now
     if not saved:
         return 1
     emit(
