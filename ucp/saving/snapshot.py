@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
+import kernels
 from reshard.box import Box, FlatRange
 from ucp.errors import SnapshotChangedError, UnsupportedStateError
 from ucp.format.sharding import FlatShard, ShardedTensor, Shards
@@ -184,11 +185,15 @@ def snapshot_into(
 ) -> list[Any]:
     """Copy the rank file's image (header, then every piece at its offset, zeros between) into ``arena``.
 
-    Host tensors are copied chunk by chunk with ``Tensor.copy_`` (which splits
-    large copies over torch's intra-op threads), advancing ``progress`` so the
-    writer can follow. CUDA tensors are queued on a side stream (returned events mark
-    their completion); the caller's current stream waits for those copies, so
-    later kernels cannot change the bytes before they are copied.
+    Contiguous host tensors are copied chunk by chunk with ``kernels.copy_crc32c``, which
+    checksums the bytes as it copies them (one pass over memory; the writer then reads only
+    what it writes, never again for the checksum): they are declared in
+    ``progress.checksummed`` and their CRC-32C put in ``progress.crcs``. Other host tensors
+    (non-contiguous, conjugate or negative views) are copied with ``Tensor.copy_`` and
+    checksummed by the writer. Each chunk advances ``progress`` so the writer can follow.
+    CUDA tensors are queued on a side stream (returned events mark their completion); the
+    caller's current stream waits for those copies, so later kernels cannot change the bytes
+    before they are copied.
 
     ``watch`` (deferred snapshots, host tensors only): each piece's tensor is checked after its
     copy, and all of them once more before the last byte is released to the writer, so a tensor
@@ -200,37 +205,72 @@ def snapshot_into(
     def advance(n: int) -> None:
         progress.advance(min(n, hold))
 
+    # Declared before the first advance: the writer reads it once it sees the first bytes.
+    progress.checksummed = frozenset(
+        i for i, p in enumerate(plan.pieces) if _fused_copy(local_tensor(leaves[p.leaf], p.part))
+    )
     events: list[Any] = []
     for i, src in image_sources(plan, leaves, arena):
         if i == 0:
             advance(plan.data_start)
         p = plan.pieces[i]
+        if i in progress.checksummed:
+            _copy_checksummed(i, src, p.offset, arena, progress, chunk, advance if not events else None, watch)
+            continue
         dst = arena.tensor(p.length, p.offset).view(src.dtype)
         if src.device.type == "cuda":
             events.append(_copy_from_cuda(dst.view(src.shape), src, stream_for(src.device)))
             continue
         if src.device.type != "cpu":
             src = src.cpu()
-        if src.is_contiguous() and not events:
-            flat, step = src.reshape(-1), max(1, chunk // max(1, src.element_size()))
-            for a in range(0, flat.numel(), step):
-                b = min(a + step, flat.numel())
-                dst[a:b].copy_(flat[a:b])
-                if watch is not None:
-                    watch.check_piece(i)
-                advance(p.offset + b * src.element_size())
-        else:
-            dst.view(src.shape).copy_(src)
-            if watch is not None:
-                watch.check_piece(i)
-            if not events:
-                advance(p.offset + p.length)
+        dst.view(src.shape).copy_(src)
+        if watch is not None:
+            watch.check_piece(i)
+        if not events:
+            advance(p.offset + p.length)
     if watch is not None:
         watch.check_all()
         watch.release()
     if not events:
         progress.advance(plan.file_size)
     return events
+
+
+def _fused_copy(t: torch.Tensor) -> bool:
+    """Whether :func:`snapshot_into` copies ``t`` with ``kernels.copy_crc32c`` (its bytes, as they lie)."""
+    return t.device.type == "cpu" and _read_in_place(t)
+
+
+def _copy_checksummed(
+    index: int,
+    src: torch.Tensor,
+    offset: int,
+    arena: Arena,
+    progress: "Progress",
+    chunk: int,
+    advance: Callable[[int], None] | None,
+    watch: ChangeWatch | None,
+) -> None:
+    """Copy piece ``index`` (a contiguous host tensor) to ``offset`` in ``arena``, recording its CRC-32C in
+    ``progress.crcs`` before ``advance`` passes the piece's end (None: no advancing, a CUDA copy before
+    it is still running)."""
+    length = src.numel() * src.element_size()
+    dst = arena.tensor(length, offset)
+    data = src.reshape(-1).view(torch.uint8)
+    crc = 0
+    for a in range(0, length, chunk):
+        b = min(a + chunk, length)
+        crc = kernels.copy_crc32c(dst[a:b], data[a:b], crc)
+        if watch is not None:
+            watch.check_piece(index)
+        if b == length:
+            progress.crcs[index] = crc  # before the writer may pass the piece's end
+        if advance is not None:
+            advance(offset + b)
+    if not length:
+        progress.crcs[index] = 0
+        if watch is not None:
+            watch.check_piece(index)
 
 
 def on_host(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:

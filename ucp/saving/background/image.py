@@ -55,12 +55,19 @@ class Progress:
     CUDA pieces are copied asynchronously; :meth:`complete_after` leaves their
     events with the progress, and the first writer that needs those bytes waits
     for the events (so the training thread never does).
+
+    A snapshot that checksums pieces as it copies them (``kernels.copy_crc32c``: one pass over
+    the bytes, not a copy and then a read-back) declares them in :attr:`checksummed` before its
+    first :meth:`advance`, and puts each one's CRC-32C in :attr:`crcs` before ``ready`` passes
+    the piece's end; the writer checksums only the other pieces.
     """
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.ready = 0
         self.error: str | None = None
+        self.checksummed: frozenset[int] = frozenset()  # piece indices the snapshot's copy checksums
+        self.crcs: dict[int, int] = {}  # piece index -> CRC-32C, from the snapshot's copy
         self._events: Sequence[Any] | None = None
         self._cond = threading.Condition()
         self.listeners: list[Callable[[int], None]] = []
@@ -68,6 +75,13 @@ class Progress:
     @property
     def complete(self) -> bool:
         return self.ready >= self.total and self._events is None
+
+    def piece_crcs(self) -> dict[int, int]:
+        """The CRC-32C of every declared piece (call once every byte is ready); RuntimeError if one is missing."""
+        missing = sorted(self.checksummed - self.crcs.keys())
+        if missing:  # a bug in the snapshot, never a user error
+            raise RuntimeError(f"the snapshot declared pieces {missing[:5]} checksummed but gave no CRC for them")
+        return {i: self.crcs[i] for i in self.checksummed}
 
     def advance(self, upto: int) -> None:
         with self._cond:
@@ -125,8 +139,9 @@ def write_image(
 
     Like :func:`ucp.store.writer.write_rank_file`, but the bytes are already laid out as
     the file, so whole blocks go to disk straight from the (aligned) arena with no
-    copy. Writes are issued in segments of ``queue_depth`` blocks. On error the
-    partial file is deleted.
+    copy. Writes are issued in segments of ``queue_depth`` blocks. Pieces the snapshot
+    checksummed while copying (``progress.checksummed``) are not read again here. On error
+    the partial file is deleted.
     """
     cfg = storage.config
     block = cfg.block_size
@@ -137,8 +152,11 @@ def write_image(
         try:
             pos, first = 0, 0  # pieces are in file order: those before ``first`` are done
             pieces = plan.pieces
+            theirs: frozenset[int] | None = None  # the pieces the snapshot checksums (declared before any byte)
             while pos < size:
                 ready = progress.wait(min(size, pos + block))  # at least a whole block (or the tail)
+                if theirs is None:
+                    theirs = progress.checksummed
                 end = min(ready, pos + segment)
                 if end < size:
                     end = pos + (end - pos) // block * block  # whole blocks: zero-copy, nothing staged
@@ -149,7 +167,7 @@ def write_image(
                     if p.offset >= end:
                         break
                     lo, hi = max(p.offset, pos), min(p.offset + p.length, end)
-                    if lo < hi:
+                    if lo < hi and i not in theirs:
                         parts.append((i, view[lo - pos : hi - pos]))
                     if p.offset + p.length <= end:
                         first = i + 1
@@ -157,7 +175,7 @@ def write_image(
                 writer.write(view, borrow=True)  # the arena stays unchanged until close(): no wait per segment
                 pos = end
             written = writer.close()
-            values = crcs.results()
+            values = {**crcs.results(), **progress.piece_crcs()}
         except BaseException:
             writer.abort()
             raise

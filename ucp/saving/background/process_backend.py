@@ -124,13 +124,22 @@ class ProcessBackend:
                 return fut
             raise
         sent = [0]
+        crcs_sent: set[int] = set()
 
         def forward(ready: int) -> None:
             # Small messages, at most one per PROGRESS_STEP bytes copied. A dead writer shows up in the result.
+            # The first one declares the pieces the snapshot checksums; each carries the CRCs taken since the last.
             if ready >= sent[0] + PROGRESS_STEP or (ready == progress.total and ready > sent[0]):
+                msg: dict[str, Any] = {"op": "progress", "id": job.id, "ready": ready}
+                if not sent[0]:
+                    msg["checksummed"] = sorted(progress.checksummed)
+                new = {i: v for i, v in list(progress.crcs.items()) if i not in crcs_sent}
+                if new:
+                    msg["crcs"] = {str(i): v for i, v in new.items()}
+                    crcs_sent.update(new)
                 sent[0] = ready
                 try:
-                    self._send(proc, {"op": "progress", "id": job.id, "ready": ready})
+                    self._send(proc, msg)
                 except CommitError:
                     pass
 

@@ -62,7 +62,11 @@ class _WriterProcess:
         elif op == "progress":
             entry = self.jobs.get(msg["id"])
             if entry is not None:
-                entry[1].advance(int(msg["ready"]))
+                progress = entry[1]
+                if "checksummed" in msg:  # before the first advance, as in the training process
+                    progress.checksummed = frozenset(int(i) for i in msg["checksummed"])
+                progress.crcs.update({int(i): int(v) for i, v in msg.get("crcs", {}).items()})
+                progress.advance(int(msg["ready"]))
         elif op == "abort":
             entry = self.jobs.get(msg["id"])
             if entry is not None:
