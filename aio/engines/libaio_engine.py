@@ -69,6 +69,9 @@ class LibaioEngine(Engine):
         self._inflight: dict[int, _Request] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._reaper_done = False  # the reaper has stopped (set by it, under the lock)
+        self._completing = False  # the reaper is completing requests it took off _inflight (under the lock)
+        self._reaper_destroys = False  # close() left the context to the reaper (see close)
         self._broken: OSError | None = None
         self._reaper = threading.Thread(target=self._reap, name="ucp-libaio-reaper", daemon=True)
         self._reaper.start()
@@ -162,6 +165,12 @@ class LibaioEngine(Engine):
         except BaseException as exc:  # noqa: BLE001 - nobody else would ever complete the waiting futures
             log.error("libaio reaper failed; failing all in-flight requests", exc_info=True)
             self._fail_all(exc, "libaio reaper failed")
+        finally:
+            with self._lock:
+                self._reaper_done = True
+                destroy = self._reaper_destroys
+            if destroy:  # close() returned at once: the context is ours to destroy, after our last io_getevents
+                _raw.io_destroy(self._ctx)
 
     def _reap_events(self) -> None:
         events = (_raw.io_event * self._max_events)()
@@ -178,22 +187,29 @@ class LibaioEngine(Engine):
                     continue
                 self._fail_all(exc, "io_getevents")
                 return
-            for i in range(n):
-                ev = events[i]
-                key = addressof(ev.obj.contents)
+            if n > 0:
+                with self._lock:  # close() must wait for these: they are off _inflight but not yet done
+                    self._completing = True
+            try:
+                for i in range(n):
+                    ev = events[i]
+                    key = addressof(ev.obj.contents)
+                    with self._lock:
+                        req = self._inflight.pop(key, None)
+                    if req is None:  # not ours (a request submitted into a reused context id): skip it
+                        log.warning("libaio: ignoring a completion for an unknown request (iocb at %#x)", key)
+                        continue
+                    try:
+                        self._complete(req, int(ev.res))
+                    except BaseException as exc:  # popped already: _fail_all would not see it
+                        with self._lock:  # broken first: a caller woken below must not submit to a dead reaper
+                            self._broken = self._broken or OSError(errno.EIO, f"libaio reaper failed: {exc}")
+                        if not req.future.done():
+                            req.future.set_exception(exc)
+                        raise
+            finally:
                 with self._lock:
-                    req = self._inflight.pop(key, None)
-                if req is None:  # not ours (a request submitted into a reused context id): skip it
-                    log.warning("libaio: ignoring a completion for an unknown request (iocb at %#x)", key)
-                    continue
-                try:
-                    self._complete(req, int(ev.res))
-                except BaseException as exc:  # popped already: _fail_all would not see it
-                    with self._lock:  # broken first: a caller woken below must not submit to a dead reaper
-                        self._broken = self._broken or OSError(errno.EIO, f"libaio reaper failed: {exc}")
-                    if not req.future.done():
-                        req.future.set_exception(exc)
-                    raise
+                    self._completing = False
             req = None  # don't pin the last request's buffer while idle
 
     def _complete(self, req: _Request, res: int) -> None:
@@ -235,10 +251,18 @@ class LibaioEngine(Engine):
                 self._finish(req, AioError(err, req.f.path, req.offset + req.done, f"{what}: {exc}"))
 
     def close(self) -> None:
-        """Refuse new requests, wait for those in flight, destroy the kernel context."""
+        """Refuse new requests, wait for those in flight, destroy the kernel context.
+
+        With nothing in flight it returns at once: the reaper, which may sit in ``io_getevents`` for up
+        to its 50 ms poll, destroys the context itself when it wakes (a one-shot command's exit would
+        otherwise wait for that poll; the context cannot outlive the reaper's last call to it).
+        """
         with self._lock:
             if self._closing:
                 return
             self._closing = True
+            self._reaper_destroys = not self._inflight and not self._completing and not self._reaper_done
+        if self._reaper_destroys:
+            return
         self._reaper.join()
         _raw.io_destroy(self._ctx)
