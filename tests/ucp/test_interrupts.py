@@ -73,6 +73,8 @@ RUNNER = textwrap.dedent(r'''
         def write(storage, rel, plan, views, **k):  # each piece of the rank file, as it is written
             return orig(storage, rel, plan, Tripwire(views), **k)
         s.write_rank_file = write
+        import ucp.convert.reshape as r  # convert's torch-free path writes through the reshape's writer
+        r.write_rank_file = write
 
 
     def patch_export():
@@ -223,7 +225,7 @@ def test_convert_ctrl_c_mid_write_exits_130_and_leaves_nothing(tmp_path: Path, s
     src, dst = sources["hf"], tmp_path / "conv"
     before = digest(src)
     proc, log = run_runner(tmp_path, ["convert", str(src), str(dst)], sig="SIGINT", at="piece", nth=3)
-    assert calls(log, "piece") == 3
+    assert calls(log, "piece") >= 3  # the writer's thread may take the pieces left before the main thread unwinds
     assert_stopped_cleanly(proc, src, dst, before)
 
 

@@ -223,7 +223,7 @@ def test_batches_respect_the_memory_budget(tmp_path: Path, monkeypatch) -> None:
     real = stream.read_targets
 
     def spy(storage, name, manifest, targets, **options):
-        calls.append([t.buffer.numel() * t.buffer.element_size() for t in targets])
+        calls.append([t.buffer.nbytes for t in targets])  # torch tensors, or numpy arrays of stored bytes
         return real(storage, name, manifest, targets, **options)
 
     monkeypatch.setattr(stream, "read_targets", spy)

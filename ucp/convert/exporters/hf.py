@@ -20,15 +20,14 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
+import numpy as np
 
 from aio import AioConfig, shared_handle
 from ucp.convert.exporters.options import ExportError
 from ucp.convert.exporters.selection import ExportTensor, Selection
 from ucp.convert.exporters.stream import one_by_one, read_batches
-from ucp.format.dtypes import dtype_name
 from ucp.format.manifest import Manifest
 from ucp.store.storage import Storage
 
@@ -58,12 +57,12 @@ def plan_shards(tensors: Sequence[ExportTensor], max_shard_size: int | None) -> 
 
 def file_layout(tensors: Sequence[ExportTensor]) -> tuple[bytes, list[ExportTensor]]:
     """(the file's first bytes: u64 header length + JSON header, the tensors in data order)."""
-    ordered = sorted(tensors, key=lambda t: (-t.out_dtype.itemsize, t.out_name))
+    ordered = sorted(tensors, key=lambda t: (-t.out_itemsize, t.out_name))
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for t in ordered:
         header[t.out_name] = {
-            "dtype": dtype_name(t.out_dtype, tensor=t.name),
+            "dtype": t.out_dtype_name,
             "shape": list(t.shape),
             "data_offsets": [pos, pos + t.out_nbytes],
         }
@@ -97,7 +96,13 @@ def export_hf(
     layouts = [file_layout(s) for s in shards]
     values = one_by_one(
         read_batches(
-            storage, name, manifest, [t for _, ordered in layouts for t in ordered], budget=budget, verify=verify
+            storage,
+            name,
+            manifest,
+            [t for _, ordered in layouts for t in ordered],
+            budget=budget,
+            verify=verify,
+            raw=True,
         )
     )
     io = shared_handle(AioConfig())
@@ -109,8 +114,8 @@ def export_hf(
             for t in ordered:
                 got, value = next(values)
                 assert got is t, "tensors are read in file order"
-                if value.numel():
-                    w.write(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+                if t.entry.numel:
+                    w.write(_bytes(value))
                 del value
                 done += t.out_nbytes
                 if progress is not None:
@@ -123,6 +128,15 @@ def export_hf(
         _write_small(out_dir / INDEX, json.dumps(index, indent=2, ensure_ascii=False).encode() + b"\n")
         names.append(INDEX)
     return names
+
+
+def _bytes(value: Any) -> np.ndarray:
+    """A value from ``read_batches`` as flat bytes: a numpy array of stored bytes, or a (cast) torch tensor."""
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    import torch
+
+    return value.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _write_small(path: Path, data: bytes) -> None:

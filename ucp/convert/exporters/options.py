@@ -5,10 +5,13 @@ Kept apart from the exporters so that the CLI and ``ucp.convert.exporters.export
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from aio.sizes import parse_size
 from ucp.errors import ExportError  # defined with the rest of the hierarchy; re-exported for the exporters
+
+if TYPE_CHECKING:  # torch is imported when a cast is asked for: an export without one needs none
+    import torch
 
 __all__ = ["ExportError", "parse_dtype", "size_option"]
 
@@ -22,37 +25,42 @@ def size_option(value: int | float | str, *, option: str) -> int:
         raise ExportError(str(exc)) from None
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "f16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "f32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "f64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "f8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "float8_e5m2": torch.float8_e5m2,
-    "f8_e5m2": torch.float8_e5m2,
+# spelling -> the torch dtype's attribute name
+_DTYPES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "float64": "float64",
+    "double": "float64",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "f8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "float8_e5m2": "float8_e5m2",
+    "f8_e5m2": "float8_e5m2",
 }
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     """The floating dtype to cast floating tensors to (``"bf16"``, ``"fp16"``, ``torch.float32`` ...)."""
-    if value is None or isinstance(value, torch.dtype):
+    if value is None:
+        return None
+    import torch
+
+    if isinstance(value, torch.dtype):
         if isinstance(value, torch.dtype) and not value.is_floating_point:
             raise ExportError(f"dtype: {value} is not a floating dtype; only floating tensors are cast")
         return value
     key = value.strip().lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ExportError(f"dtype: unknown dtype {value!r} (choose from {', '.join(sorted(_DTYPES))})")
-    return _DTYPES[key]
+    return getattr(torch, _DTYPES[key])

@@ -15,14 +15,15 @@ a root key that merely starts with ``model`` is never taken for the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ucp.convert.exporters.options import ExportError
-from ucp.format.dtypes import torch_dtype
+from ucp.format.dtypes import dtype_name, itemsize, torch_dtype
 from ucp.format.manifest import Manifest, TensorEntry
 from ucp.format.tree import dict_items, node_kind, tensor_refs
+
+if TYPE_CHECKING:  # torch only for a cast: an export in the stored dtypes moves bytes without it
+    import torch
 
 DEFAULT_SECTION = "model"
 ALL = ("", "all")
@@ -30,16 +31,30 @@ ALL = ("", "all")
 
 @dataclass(frozen=True)
 class ExportTensor:
-    """One tensor to export: its manifest ``name``, its name in the output, stored and output dtype."""
+    """One tensor to export: its manifest ``name``, its name in the output, stored and output dtype
+    (``out_dtype`` None: as stored, no torch needed)."""
 
     name: str
     out_name: str
     entry: TensorEntry
-    out_dtype: torch.dtype
+    out_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return torch_dtype(self.entry.dtype)
+
+    @property
+    def torch_out_dtype(self) -> torch.dtype:
+        return self.dtype if self.out_dtype is None else self.out_dtype
+
+    @property
+    def out_dtype_name(self) -> str:
+        """The output dtype as safetensors names it (``"BF16"``)."""
+        return self.entry.dtype if self.out_dtype is None else dtype_name(self.out_dtype, tensor=self.name)
+
+    @property
+    def out_itemsize(self) -> int:
+        return itemsize(self.entry.dtype) if self.out_dtype is None else self.out_dtype.itemsize
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,11 +66,11 @@ class ExportTensor:
 
     @property
     def out_nbytes(self) -> int:
-        return self.entry.numel * self.out_dtype.itemsize
+        return self.entry.numel * self.out_itemsize
 
     @property
     def cast(self) -> bool:
-        return self.out_dtype != self.dtype
+        return self.out_dtype is not None and self.out_dtype != self.dtype
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,8 @@ def select_tensors(manifest: Manifest, section: str | None = None, *, dtype: tor
         # a section that is itself a tensor keeps the section's path
         path = paths[name]
         out = path if path is not None else (section or name)
-        tensors.append(ExportTensor(name, out, entry, cast_dtype(torch_dtype(entry.dtype), dtype)))
+        out_dtype = None if dtype is None else cast_dtype(torch_dtype(entry.dtype), dtype)
+        tensors.append(ExportTensor(name, out, entry, out_dtype))
     seen: dict[str, str] = {}
     for t in tensors:
         if t.out_name in seen:

@@ -10,12 +10,13 @@ tensors, assembling sharded tensors from their pieces and checking CRCs.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-import torch
+import numpy as np
 
 from reshard.box import Box
 from ucp.convert.exporters.selection import ExportTensor
+from ucp.format.dtypes import itemsize
 from ucp.format.manifest import Manifest
 from ucp.loading.partial import SourceIndex, Target, read_targets
 from ucp.store.storage import Storage
@@ -52,14 +53,19 @@ def read_batches(
     *,
     budget: int = DEFAULT_MEMORY_BUDGET,
     verify: bool = True,
-) -> Iterator[list[tuple[ExportTensor, torch.Tensor]]]:
-    """Yield the tensors, in the given order, as batches of (tensor, full contiguous value in its output dtype)."""
+    raw: bool = False,
+) -> Iterator[list[tuple[ExportTensor, Any]]]:
+    """Yield the tensors, in the given order, as batches of (tensor, full contiguous value in its output dtype).
+
+    ``raw``: a tensor that is not cast comes as a numpy array of its stored bytes (``numpy.dtype("V<n>")``
+    items, the stored shape) rather than a torch tensor, so an export without a cast never imports torch.
+    """
     index = SourceIndex.of(manifest)  # shared by the batches: headers checked once
     batches = plan_batches([tensor_cost(t) for t in tensors], budget)
     for k, batch in enumerate(batches):
         chosen = [tensors[i] for i in batch]
-        values = [torch.empty(t.shape, dtype=t.dtype) for t in chosen]
-        targets = [Target(t.name, v, Box.full(t.shape)) for t, v in zip(chosen, values) if v.numel()]
+        values = [_buffer(t, raw) for t in chosen]
+        targets = [Target(t.name, v, Box.full(t.shape)) for t, v in zip(chosen, values) if t.entry.numel]
         read_targets(storage, name, manifest, targets, verify=verify, index=index)
         if k == len(batches) - 1:  # before the last batch goes out (a consumer may stop taking batches then):
             index.finish(storage, name)  # complete the checks of pieces checksummed span by span
@@ -69,9 +75,18 @@ def read_batches(
         del out
 
 
+def _buffer(t: ExportTensor, raw: bool) -> Any:
+    """Where ``t`` is read to: its stored bytes (``raw`` and no cast), else a torch tensor of its stored dtype."""
+    if raw and not t.cast:
+        return np.empty(t.shape, dtype=np.dtype(f"V{itemsize(t.entry.dtype)}"))
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
 def one_by_one(
-    batches: Iterator[list[tuple[ExportTensor, torch.Tensor]]],
-) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
+    batches: Iterator[list[tuple[ExportTensor, Any]]],
+) -> Iterator[tuple[ExportTensor, Any]]:
     """The batches' items in order, each dropped from its batch as it is handed out (so memory frees early)."""
     for batch in batches:
         batch.reverse()

@@ -177,7 +177,7 @@ def _write_array(
             compressors=compressors,
             fill_value=np.zeros((), dtype=data.dtype)[()],
             config={"write_empty_chunks": True},
-            attributes={"ucp_name": t.out_name, "ucp_dtype": dtype_text(t.out_dtype)},
+            attributes={"ucp_name": t.out_name, "ucp_dtype": dtype_text(t.torch_out_dtype)},
         )
         if data.ndim == 0:
             array[...] = data

@@ -104,7 +104,7 @@ def read(
 ) -> tuple[str, Imported]:
     """Read a foreign checkpoint into memory-mapped leaves; ``(format, Imported)``.
 
-    ``on_disk``: a DeepSpeed (native or universal) checkpoint's leaves may come back as byte ranges of its files
+    ``on_disk``: a DeepSpeed (native or universal) or safetensors checkpoint's leaves may come back as byte ranges of its files
     (:mod:`.stored`, read without torch) instead of torch tensors; ``convert`` copies those.
     """
     src = _local_source(src)
@@ -126,7 +126,7 @@ def read(
     if fmt == "hf":
         from ucp.convert.importers.hf import read_hf
 
-        return fmt, read_hf(src, trust_pickle=trust_pickle, progress=progress)
+        return fmt, read_hf(src, trust_pickle=trust_pickle, progress=progress, on_disk=on_disk)
     raise UnknownFormatError(f"unknown source format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
@@ -147,7 +147,7 @@ def convert(
     ``dst`` that is a symlink to a checkpoint is replaced as a link; its target is left untouched.
     ``progress(done, total, what)`` is called while reading, then while writing.
 
-    A DeepSpeed checkpoint whose tensors the torch-free reader can describe (the usual case) is
+    A DeepSpeed or safetensors checkpoint whose tensors the torch-free reader can describe (the usual case) is
     copied byte range by byte range into one consolidated file (:func:`.write_stored.write_stored`:
     no torch, no tensor in memory); anything else is read into tensors and written by ``ucp.save``.
     """

@@ -3,6 +3,9 @@
 Result: ``{"model": {name: tensor}}`` in the stored dtypes. Each file is opened with
 ``safetensors.safe_open`` (which validates its header) and memory-mapped; the tensors are views of
 the mapping, so a model larger than RAM converts without being read into memory first.
+
+For ``convert`` (``on_disk``) the tensors are byte ranges of the files instead (:mod:`.stored`), copied
+without torch: its import takes longer than converting a small model.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ucp.convert.importers.common import Imported, Progress, inside
 from ucp.convert.importers.errors import ForeignCheckpointError, UnknownFormatError
-from ucp.format.dtypes import torch_dtype
+from ucp.convert.importers.stored import NeedsTorch, StoredTensor
+from ucp.format.dtypes import DTYPE_NAMES, torch_dtype
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the on-disk path never needs it
+    import torch
 
 INDEX = "model.safetensors.index.json"
 
@@ -63,12 +68,13 @@ def _header(file: Path) -> tuple[int, dict[str, Any]]:
         return 8 + n, json.loads(fh.read(n))
 
 
-def _mapped(file: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one file as views of a private read-only-in-practice mapping of it."""
+def _checked_header(file: Path) -> tuple[list[str], int, dict[str, Any]]:
+    """(tensor names, where the data starts, the header) of a safetensors file whose header
+    ``safe_open`` accepts (offsets in bounds, contiguous, matching shapes and dtypes)."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(file), framework="pt") as f:  # validates the header
+        with safe_open(str(file), framework="numpy") as f:  # validates the header; imports no torch
             keys = list(f.keys())
         data_start, header = _header(file)
     except FileNotFoundError:
@@ -77,6 +83,30 @@ def _mapped(file: Path) -> dict[str, torch.Tensor]:
         raise ForeignCheckpointError(
             f"file {str(file)!r} is not a readable safetensors file: {exc}", file=str(file)
         ) from None
+    return keys, data_start, header
+
+
+def _stored(file: Path) -> dict[str, StoredTensor]:
+    """All tensors of one file as byte ranges of it; NeedsTorch for what a byte copy should not take
+    (a dtype this version does not name, an empty tensor)."""
+    keys, data_start, header = _checked_header(file)
+    out: dict[str, StoredTensor] = {}
+    for key in keys:
+        entry = header[key]
+        shape = tuple(int(s) for s in entry["shape"])
+        if entry["dtype"] not in DTYPE_NAMES:
+            raise NeedsTorch(f"tensor {key!r} has dtype {entry['dtype']!r}")
+        if 0 in shape:
+            raise NeedsTorch(f"tensor {key!r} is empty")
+        out[key] = StoredTensor(str(file), data_start + int(entry["data_offsets"][0]), entry["dtype"], shape)
+    return out
+
+
+def _mapped(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one file as views of a private read-only-in-practice mapping of it."""
+    import torch
+
+    keys, data_start, header = _checked_header(file)
     size = file.stat().st_size
     storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]  # torch types from_file as _StorageBase
@@ -92,11 +122,18 @@ def _mapped(file: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_hf(path: str | os.PathLike[str], *, trust_pickle: bool = False, progress: Progress | None = None) -> Imported:
+def read_hf(
+    path: str | os.PathLike[str],
+    *,
+    trust_pickle: bool = False,
+    progress: Progress | None = None,
+    on_disk: bool = False,
+) -> Imported:
     """Read safetensors weights into ``{"model": {name: tensor}}`` (``trust_pickle`` is unused: no pickles).
 
-    A UCP checkpoint folder is refused: its data files are safetensors too, but importing them as
-    weights would drop its state tree, step and sharding.
+    ``on_disk``: the leaves are :class:`.stored.StoredTensor` byte ranges of the files (no torch), unless
+    one cannot be (then torch tensors, as without it). A UCP checkpoint folder is refused: its data files
+    are safetensors too, but importing them as weights would drop its state tree, step and sharding.
     """
     if (Path(path) / "manifest.json").is_file():
         raise UnknownFormatError(
@@ -104,9 +141,19 @@ def read_hf(path: str | os.PathLike[str], *, trust_pickle: bool = False, progres
             file=str(path),
         )
     files = weight_files(path)
-    model: dict[str, torch.Tensor] = {}
+    if on_disk:
+        try:
+            return _read(path, files, _stored, progress)
+        except NeedsTorch:
+            pass
+    return _read(path, files, _mapped, progress)
+
+
+def _read(path: str | os.PathLike[str], files: list[Path], tensors: Any, progress: Progress | None) -> Imported:
+    """The weights of ``files``, each file's tensors given by ``tensors(file)`` (stored or mapped)."""
+    model: dict[str, Any] = {}
     for i, file in enumerate(files):
-        for key, tensor in _mapped(file).items():
+        for key, tensor in tensors(file).items():
             if key in model:
                 raise ForeignCheckpointError(
                     f"file {str(file)!r}: tensor {key!r} also appears in an earlier shard", tensor=key, file=str(file)
