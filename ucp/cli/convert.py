@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from ucp.cli.common import EXIT_BAD_INPUT, err, fail, fail_with, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.timings import phase
 
 FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
 
@@ -58,14 +59,18 @@ def convert_cmd(
             f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}", EXIT_BAD_INPUT
         )
     with prefetching(_source_folder(src, source_format), marker=None):
-        import ucp
-        from aio.sizes import format_size
-        from ucp.convert.importers import convert
+        with phase("imports"):
+            import ucp
+            from aio.sizes import format_size
+            from ucp.convert.importers import convert
 
         source_reads_start()
 
         try:
-            with progress_bar(f"convert ({source_format})", enabled=not json_output, percent=True) as update:
+            with (
+                progress_bar(f"convert ({source_format})", enabled=not json_output, percent=True) as update,
+                phase("io"),
+            ):
                 report = convert(
                     src, dst, source_format=source_format, trust_pickle=trust_pickle, overwrite=force, progress=update
                 )

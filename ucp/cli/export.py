@@ -18,6 +18,7 @@ import typer
 from aio.sizes import SIZE_HELP, format_size
 from ucp.cli.common import exit_code, fail, fail_with, out, prefetching, progress_bar, source_reads_start
 from ucp.cli.inspect import EXIT_BAD_INPUT, _one_line, parse_storage_options
+from ucp.cli.timings import phase
 
 
 class ExportFormat(str, enum.Enum):
@@ -86,9 +87,10 @@ def export_cmd(
     """
     options = parse_storage_options(storage_options)
     with prefetching(src):
-        import ucp
-        from ucp.convert.exporters import ExportError, export, size_option
-        from ucp.convert.exporters.output import check_destination
+        with phase("imports"):
+            import ucp
+            from ucp.convert.exporters import ExportError, export, size_option
+            from ucp.convert.exporters.output import check_destination
 
         source_reads_start()
 
@@ -114,7 +116,7 @@ def export_cmd(
             raise fail(str(exc), EXIT_BAD_INPUT) from None
         try:
             check_destination(dst, overwrite=overwrite, src=src)  # before reading: DST must not overlap SRC
-            with progress_bar("export (MiB)", enabled=not json_output) as update:
+            with progress_bar("export (MiB)", enabled=not json_output) as update, phase("io"):
 
                 def progress(done: int, total: int, name: str) -> None:
                     update(-(-done >> 20), -(-total >> 20), name)

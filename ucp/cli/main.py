@@ -13,11 +13,14 @@ packages inside the command functions, so that ``ucp --help`` answers at once.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import signal
+import time
 
 import typer
 
+from ucp.cli import timings
 from ucp.shutdown import exit_now
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
@@ -34,6 +37,7 @@ app = typer.Typer(
 
 for _name in COMMAND_MODULES:
     importlib.import_module(f"ucp.cli.{_name}").register(app)
+timings.mark("imports")  # UCP_TIMINGS=1: the interpreter's start-up and the command modules
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -50,6 +54,9 @@ def main() -> None:
     so :func:`ucp.shutdown.exit_now` ends the process without that teardown.
     """
     code: int | str | None = 0
+    exit_started: list[float] = []
+    if timings.ENABLED:  # registered first, so it runs after every exit handler a command registers
+        atexit.register(lambda: timings.report(exit_started[0] if exit_started else time.perf_counter()))
     # SIGTERM (kill, timeout, a scheduler, docker stop) unwinds like Ctrl-C does, so a command's
     # cleanup runs (temporary directories removed) before the process ends with 128 + 15.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -57,6 +64,7 @@ def main() -> None:
         app(prog_name="ucp")
     except SystemExit as exc:
         code = exc.code
+    exit_started.append(time.perf_counter())
     exit_now(code)
 
 

@@ -28,6 +28,7 @@ from rich.markup import escape
 from aio.sizes import SIZE_HELP, parse_size
 from ucp.cli.common import EXIT_FAILED, command_line, fail_with, out, prefetching, progress_bar, source_reads_start
 from ucp.cli.inspect import _one_line, bad_input
+from ucp.cli.timings import phase
 
 EXIT_PROBLEMS = EXIT_FAILED  # --verify found problems in what was written
 
@@ -72,9 +73,10 @@ def reshape_cmd(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
-    from reshard import LayoutError
-    from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
-    from ucp.errors import CheckpointError
+    with phase("imports"):
+        from reshard import LayoutError
+        from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
+        from ucp.errors import CheckpointError
 
     try:
         budget = (
@@ -88,11 +90,13 @@ def reshape_cmd(
         target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
         with prefetching(src):
             source_reads_start()
-            report = _run(src, dst, target, budget, workers, overwrite, json_output)
+            with phase("io"):
+                report = _run(src, dst, target, budget, workers, overwrite, json_output)
     except (LayoutError, CheckpointError, OSError) as exc:
         raise fail_with(exc, _one_line_keeping_diagram(exc)) from None
     peak_rss = _peak_rss()
-    problems = _read_back(dst) if verify else None
+    with phase("io"):
+        problems = _read_back(dst) if verify else None
     doc = {
         **report.model_dump(mode="json"),
         "peak_rss_bytes": peak_rss,

@@ -23,6 +23,7 @@ from rich.markup import escape
 from aio.sizes import format_size
 from ucp.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err, exit_code, out
 from ucp.cli.inspect import load_storage_options, unreadable_message
+from ucp.cli.timings import phase
 
 EXIT_PROBLEMS = EXIT_FAILED
 
@@ -170,15 +171,18 @@ def _unchecked(path: str, kind: str, message: str, code: int, seconds: float = 0
 
 def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:
     """Run ``ucp.verify`` (with a progress bar on a terminal); exit 2 when it cannot even start."""
-    import ucp
+    with phase("imports"):
+        import ucp
+
+        verify = ucp.verify  # resolved here (ucp's exports are lazy), so its imports count as imports
 
     t0 = time.perf_counter()
     try:
-        with _byte_progress("verify") as progress:
-            if progress is not None and "progress" in inspect.signature(ucp.verify).parameters:
-                report = ucp.verify(path, storage_options=options, progress=progress)
+        with _byte_progress("verify") as progress, phase("io"):
+            if progress is not None and "progress" in inspect.signature(verify).parameters:
+                report = verify(path, storage_options=options, progress=progress)
             else:
-                report = ucp.verify(path, storage_options=options)
+                report = verify(path, storage_options=options)
     except (OSError, ValueError, ImportError) as exc:  # ucp.CheckpointError is a ValueError
         message = unreadable_message(path, exc)
         return _unchecked(path, type(exc).__name__, message, exit_code(exc), time.perf_counter() - t0)
