@@ -29,7 +29,7 @@ from aio.buffers import AlignedBuffer, round_up
 from aio.config import AioConfig
 from aio.engines import create_engine
 from aio.errors import AioError, is_no_space
-from aio.files import OpenFile, open_file, preallocate
+from aio.files import open_file, preallocate
 from aio.sizes import format_size
 
 from .errors import OffloadError
@@ -154,18 +154,17 @@ class NvmeStore:
         self._created = 0
         self._cond = threading.Condition()
         self._crc: list[int | None] = [None] * len(self.subgroups)
-        self._files: list[OpenFile] = []
+        # Files are opened per transfer, not held: a large model has more sub-groups than a process has descriptors.
+        self._paths = [swap_dir.file(f"subgroup-{sg.index:05d}-g{sg.group}.swp") for sg in self.subgroups]
         self.bytes_read = self.bytes_written = 0
         self._count = threading.Lock()
         try:
             for sg in self.subgroups:
-                path = swap_dir.file(f"subgroup-{sg.index:05d}-g{sg.group}.swp")
-                f = open_file(path, "w", direct=self.aio.use_direct)
-                self._files.append(f)
-                try:
+                with open_file(self._paths[sg.index], "w", direct=self.aio.use_direct) as f:
                     preallocate(f, self.record_bytes(sg))
-                except AioError as exc:
-                    raise self._io_error("reserving space for", sg, exc) from exc
+        except AioError as exc:
+            self.close()
+            raise self._io_error("reserving space for", sg, exc) from exc
         except BaseException:
             self.close()
             raise
@@ -178,7 +177,7 @@ class NvmeStore:
         return 3 * self.stride(sg)
 
     def path(self, sg: SubGroup) -> Path:
-        return Path(self._files[sg.index].path) if self._files else self.dir.path
+        return self._paths[sg.index]
 
     @property
     def pool_bytes(self) -> int:
@@ -212,12 +211,15 @@ class NvmeStore:
         """Write ``rec`` as ``sg``'s swap file (CRC-32C noted for the next read)."""
         view = rec.buf.view(rec.nbytes)
         self._crc[sg.index] = crc32c.crc32c(view)
-        f = self._files[sg.index]
-        futures = [
-            (off, self._engine.submit_write(f, off, view[off : off + self.block]))
-            for off in range(0, rec.nbytes, self.block)
-        ]
-        error = _wait(futures)
+        try:
+            with open_file(self._paths[sg.index], "r+", direct=self.aio.use_direct) as f:
+                futures = [
+                    (off, self._engine.submit_write(f, off, view[off : off + self.block]))
+                    for off in range(0, rec.nbytes, self.block)
+                ]
+                error = _wait(futures)
+        except AioError as exc:  # opening it (the file was removed under the run)
+            error = exc
         if error is not None:
             self._crc[sg.index] = None
             raise self._io_error("writing", sg, error) from error
@@ -230,26 +232,28 @@ class NvmeStore:
         if expected is None:
             raise OffloadError(f"{sg.describe()} has no record in {self.path(sg)}: it was never written whole")
         view = rec.buf.view(rec.nbytes)
-        f = self._files[sg.index]
-        futures = [
-            (off, self._engine.submit_read(f, off, view[off : off + self.block]))
-            for off in range(0, rec.nbytes, self.block)
-        ]
-        error = _wait(futures)
+        path = self._paths[sg.index]
+        try:
+            with open_file(path, "r", direct=self.aio.use_direct) as f:
+                futures = [
+                    (off, self._engine.submit_read(f, off, view[off : off + self.block]))
+                    for off in range(0, rec.nbytes, self.block)
+                ]
+                error = _wait(futures)
+                size = os.fstat(f.fd).st_size
+        except AioError as exc:  # opening it (the file was removed under the run)
+            raise self._io_error("reading", sg, exc) from exc
         if error is not None:
             raise self._io_error("reading", sg, error) from error
-        for off, fut in futures:
-            want = min(self.block, rec.nbytes - off)
-            if fut.result() != want:
-                size = os.fstat(f.fd).st_size
-                raise OffloadError(
-                    f"swap file {f.path} of {sg.describe()} is truncated: {size} bytes, its record needs "
-                    f"{rec.nbytes} (changed under the run; the optimizer state is lost)"
-                )
+        if any(fut.result() != min(self.block, rec.nbytes - off) for off, fut in futures):
+            raise OffloadError(
+                f"swap file {path} of {sg.describe()} is truncated: {size} bytes, its record needs "
+                f"{rec.nbytes} (changed under the run; the optimizer state is lost)"
+            )
         got = crc32c.crc32c(view)
         if got != expected:
             raise OffloadError(
-                f"swap file {f.path} of {sg.describe()} is corrupt: CRC-32C {got:#010x}, written as "
+                f"swap file {path} of {sg.describe()} is corrupt: CRC-32C {got:#010x}, written as "
                 f"{expected:#010x} (changed under the run; the optimizer state is lost)"
             )
         with self._count:
@@ -264,9 +268,7 @@ class NvmeStore:
         return OffloadError(f"{doing} swap file {path} of {sg.describe()} failed: {why}")
 
     def close(self) -> None:
-        """Close the files and the engine, free the slots (the directory is the owner's to remove)."""
-        for f in self._files:
-            f.close()
+        """Close the engine, free the slots (the directory is the owner's to remove)."""
         self._engine.close()
         with self._cond:
             self._free.clear()

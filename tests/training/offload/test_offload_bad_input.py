@@ -145,6 +145,18 @@ def test_truncated_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
         e.close()
 
 
+def test_deleted_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
+    e = engine(config(tmp_path))
+    try:
+        e.train_step(0)
+        victim = swap_files(e)[2]
+        victim.unlink()
+        with pytest.raises(OffloadError, match=rf"reading swap file {victim} of sub-group 2 .*No such file"):
+            e.train_step(1)
+    finally:
+        e.close()
+
+
 def test_corrupted_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
     e = engine(config(tmp_path))
     try:
