@@ -21,7 +21,10 @@ from ucp.store import writer as _writer
 # (AsyncSaver mode, snapshot): every way an asynchronous save captures the state
 SAVERS = [("thread", "sync"), ("thread", "background"), ("thread", "none"), ("process", "sync")]
 SAVERS += [("process", "background")] + ([("thread", "cow")] if COW else [])
-NOT_IN_PLACE = {"model.t", "model.c"}  # a transposed view and a conjugate view: copied by torch, checksummed by the writer
+NOT_IN_PLACE = {
+    "model.t",
+    "model.c",
+}  # a transposed view and a conjugate view: copied by torch, checksummed by the writer
 
 
 def state() -> dict:
@@ -66,10 +69,15 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(sys.modules["ucp.saving.snapshot"], "COPY_CHUNK", 1 << 20)
 
 
+IN_PROCESS = ["sync", "background"] + ([COW] if COW else [])  # snapshots whose writer is a thread of this process
+
+
 @pytest.mark.parametrize("backend", ["extension", "fallback"])
+@pytest.mark.parametrize("snapshot", IN_PROCESS)
 def test_the_copy_checksums_contiguous_host_pieces_and_the_writer_only_the_others(
-    tmp_path, monkeypatch, small_chunks, backend
+    tmp_path, monkeypatch, small_chunks, backend, snapshot
 ):
+    """The writer checksums only what torch copied; the copy's CRCs (the helper's, for cow) are the file's."""
     if backend == "fallback":  # the pure-torch copy_crc32c (no compiler, UCP_KERNELS=torch): same CRCs
         monkeypatch.setattr(sys.modules["kernels.crc"], "extension", lambda: (None, "forced by the test"))
     seen: dict = {}
@@ -88,7 +96,7 @@ def test_the_copy_checksums_contiguous_host_pieces_and_the_writer_only_the_other
     monkeypatch.setattr(_execute, "write_image", write_image)
     monkeypatch.setattr(_writer.CrcChain, "feed_many", feed_many)
     src = state()
-    with AsyncSaver(mode="thread", snapshot="sync") as saver:
+    with AsyncSaver(mode="thread", snapshot=snapshot) as saver:
         manifest = saver.save(src, tmp_path / "ck").result(timeout=120)
 
     names, progress = seen["names"], seen["progress"]

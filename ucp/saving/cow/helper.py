@@ -8,7 +8,9 @@ memfd), and the pieces to copy. It then:
 1. write-protects the job's registered ranges and acknowledges (``save`` returns now);
 2. copies the pieces into the arena in file order, 2 MiB of trainer memory at a time
    (``process_vm_readv``), lifting the protection of each block once it is copied and
-   reporting how much of the file image is ready (the writer thread follows);
+   reporting how much of the file image is ready (the writer thread follows), and takes each
+   piece's CRC-32C from the arena right after copying a block (while it is in cache; the writer
+   then does not read the bytes again to checksum them), sending them with "done";
 3. between blocks, serves the trainer's write faults: a block written before its turn
    is copied first, then released.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import ctypes
 import errno
 import json
 import mmap
@@ -37,6 +40,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import crc32c
 
 from ucp.saving.cow.userfaultfd import ReadError, WriteProtector, read_process_memory
 
@@ -146,6 +151,12 @@ class _Job:
         self.error: str | None = None
         self.error_piece: int | None = None  # the piece whose memory could not be read
         self.gone_ranges: list[tuple[int, int]] = []  # memory the trainer unmapped or discarded meanwhile
+        # CRC-32C of the pieces we copy, extended in piece order as blocks land (under crc_lock): bytes
+        # checksummed so far, the running CRC, and copied spans (start -> length) waiting for their turn.
+        self.crc_lock = threading.Lock()
+        self.crc_pos = {i: 0 for i, p in enumerate(pieces) if p[0] and p[1]}
+        self.crc = dict.fromkeys(self.crc_pos, 0)
+        self.crc_waiting: dict[int, dict[int, int]] = {i: {} for i in self.crc_pos}
 
     @property
     def finished(self) -> bool:
@@ -200,6 +211,8 @@ class _Job:
                         self.error_piece = self.blocks[k][0]
                 self.state[k] = _FAILED
             return
+        for i, (_dst, a, n) in zip(self.blocks[k], copies):
+            self.checksum(i, a - self.pieces[i][0], n)
         with self.lock:
             self.state[k] = _COPIED
             self.left -= 1
@@ -208,6 +221,26 @@ class _Job:
             for start, end in self.gone_ranges:  # freed while we read it: what we read may be someone else's
                 if start < hi and lo < end:
                     self._lost(k, start, end)
+
+    def checksum(self, i: int, start: int, n: int) -> None:
+        """Piece ``i``'s bytes ``[start, start + n)`` are in the arena: extend its CRC over every span now in order."""
+        offset = self.pieces[i][2]
+        with self.crc_lock:
+            waiting = self.crc_waiting[i]
+            waiting[start] = n
+            pos, crc = self.crc_pos[i], self.crc[i]
+            while pos in waiting:
+                m = waiting.pop(pos)
+                crc = crc32c.crc32c(
+                    memoryview((ctypes.c_char * m).from_address(self.base + offset + pos)).cast("B"), crc
+                )
+                pos += m
+            self.crc_pos[i], self.crc[i] = pos, crc
+
+    def crcs(self) -> dict[str, int]:
+        """Piece index (as text) -> CRC-32C, for every piece we copied whole."""
+        with self.crc_lock:
+            return {str(i): self.crc[i] for i, pos in self.crc_pos.items() if pos == self.pieces[i][1]}
 
     def serve_fault(self, address: int) -> None:
         """The trainer wrote to ``address``: copy its block now unless someone has or is doing so."""
@@ -348,7 +381,7 @@ class Helper:
             self.send(
                 {"id": job.id, "error": job.error, "piece": job.error_piece}
                 if job.error
-                else {"id": job.id, "done": True, "faulted": job.faulted}
+                else {"id": job.id, "done": True, "faulted": job.faulted, "crcs": job.crcs()}
             )
             return
         ready = job.ready()

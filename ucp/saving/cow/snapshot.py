@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
+import kernels
 from ucp.errors import CowUnavailable
 from ucp.format.tree import Leaf
 from ucp.saving.background.image import Progress, SnapshotAborted
@@ -193,6 +194,7 @@ class CowSnapshots:
         elif "ready" in message:
             p.progress.advance(message["ready"])
         elif "done" in message or "error" in message:
+            p.progress.crcs.update({int(i): int(v) for i, v in message.get("crcs", {}).items()})
             with self._lock:
                 self._pending.pop(message["id"], None)
                 self.faulted_blocks += message.get("faulted", 0)
@@ -274,6 +276,7 @@ class CowSnapshots:
         try:
             protectable = [(i, t) for i, t in sources if _protectable(t)]
             runs, covered = _register(protector, protectable)
+            checksummed = set(covered)
             keep: list[torch.Tensor] = []
             words = array.array("Q")
             for start, end in runs:
@@ -284,10 +287,15 @@ class CowSnapshots:
                     keep.append(src)
                     words.extend((src.data_ptr(), p.length, p.offset, p.offset + p.length))
                 else:
-                    if p.length:
+                    if _read_in_place(src):  # one pass: copied and checksummed (the writer reads it no more)
+                        progress.crcs[i] = kernels.copy_crc32c(arena.tensor(p.length, p.offset), _bytes(src))
+                        checksummed.add(i)
+                    elif p.length:
                         dst = arena.tensor(p.length, p.offset).view(src.dtype)
                         dst.view(src.shape).copy_(src)
                     words.extend((0, p.length, p.offset, p.offset + p.length))
+            # Before the helper may advance the progress: the helper's pieces' CRCs come with its "done".
+            progress.checksummed = frozenset(checksummed)
             pending = _Pending(progress=progress, done=Future(), names=[p.name for p in plan.pieces], keep=keep)
             with self._lock:
                 self._next_id += 1
@@ -345,6 +353,16 @@ class CowSnapshots:
             pending.keep.clear()
             if not pending.done.done():
                 pending.done.set_exception(SnapshotAborted(why))  # frees the arena (arena.busy)
+
+
+def _read_in_place(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes, as saved, are its memory as it lies (a host tensor, contiguous, no conj/neg bit)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor :func:`_read_in_place` accepts, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _protectable(t: torch.Tensor) -> bool:
