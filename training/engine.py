@@ -64,6 +64,10 @@ class EngineConfig(BaseModel):
     eps: float = 1e-8
     weight_decay: float = Field(0.0, ge=0, description="for weights; biases and layernorms get none")
     optimizer: Literal["adamw", "adam"] = "adamw"
+    adam_torch_sqrt: bool = Field(
+        True,
+        description="kernels.adam's bit-equal mode (torch.optim's sqrt; False: IEEE sqrt, faster, within a few ulp)",
+    )
     clip: float | None = Field(None, gt=0, description="clip gradients to this global L2 norm")
     seed: int = 0
     data_seed: int = 0
@@ -154,6 +158,7 @@ class Engine:
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             decoupled=cfg.optimizer == "adamw",
+            torch_sqrt=cfg.adam_torch_sqrt,
         )
         tied = ["embed.weight"] if cfg.model.tied_embeddings and cfg.mesh.pp > 1 else []
         self.optimizer = ZeroOptimizer(

@@ -79,6 +79,11 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=None, help="global gradient-norm clip")
+    p.add_argument(
+        "--fast-adam",
+        action="store_true",
+        help="kernels.adam's IEEE-sqrt mode (within a few ulp of torch.optim; default: bit-equal to it)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--batch-seed", type=int, default=0, help="synthetic data seed")
     p.add_argument("--zero-alignment", type=positive_int, default=1)
@@ -190,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lr=args.lr,
         weight_decay=args.weight_decay,
         clip=args.clip,
+        adam_torch_sqrt=not args.fast_adam,
         seed=args.seed,
         data_seed=args.batch_seed,
         zero_alignment=args.zero_alignment,
