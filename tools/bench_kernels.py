@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import crc32c
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,8 +112,10 @@ def bench_adam(n: int, threads: int, rounds: int, deepspeed: bool, notes: list[s
         kernels.adam_reference(p, g, m, v, step=step[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
                                weight_decay=WD)  # fmt: skip
 
+    src_np, dst_np = src.numpy(), dst.numpy()
     impls: dict[str, Callable[[], None]] = {
         "memory copy, 28 B/param (torch copy_)": copy,
+        "memory copy, 28 B/param (numpy copyto: libc memcpy, 1 thread)": lambda: np.copyto(dst_np, src_np),
         "kernels.adam": lambda: ours(),
         "kernels.adam + bf16 copy-back": lambda: ours(out),
         "kernels.adam, torch_sqrt (bit-equal mode)": lambda: ours(None, True),
@@ -150,12 +153,59 @@ def bench_crc(nbytes: int, threads: int, rounds: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    arr = src.numpy()
+    arr, out = src.numpy(), dst.numpy()
     impls: dict[str, Callable[[], object]] = {
         "memory copy (torch copy_)": lambda: dst.copy_(src),
+        "memory copy (numpy copyto: libc memcpy, 1 thread)": lambda: np.copyto(out, arr),
         "kernels.copy_crc32c": lambda: kernels.copy_crc32c(dst, src),
         "copy, then crc32c.crc32c (two passes)": lambda: (dst.copy_(src), crc32c.crc32c(arr.data)),
     }
+    return _interleave(impls, rounds)
+
+
+def _model_like(total: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """fp32 tensors shaped like a transformer's: per layer 4 square and 2 4x-wide matrices, norms, biases."""
+    d = 1024
+    tensors: list[torch.Tensor] = []
+    while sum(t.numel() for t in tensors) < total:
+        tensors += [torch.randn(d, d, generator=gen) for _ in range(4)]
+        tensors += [torch.randn(4 * d, d, generator=gen), torch.randn(d, 4 * d, generator=gen)]
+        tensors += [torch.randn(d, generator=gen), torch.randn(d, generator=gen), torch.randn(4 * d, generator=gen)]
+    return tensors
+
+
+def bench_cast(total: int, threads: int, rounds: int) -> tuple[dict[str, float], int, int]:
+    torch.set_num_threads(threads)
+    tensors = _model_like(total, torch.Generator().manual_seed(1))
+    n = sum(t.numel() for t in tensors)
+    out = torch.empty(n, dtype=torch.bfloat16)
+
+    def slots() -> None:
+        at = 0
+        for t in tensors:
+            out[at : at + t.numel()].view(t.shape).copy_(t)
+            at += t.numel()
+
+    def slots_crc() -> None:
+        slots()
+        at = 0
+        raw = out.view(torch.uint8).numpy()
+        for t in tensors:
+            crc32c.crc32c(raw[2 * at : 2 * (at + t.numel())].data)
+            at += t.numel()
+
+    impls: dict[str, Callable[[], object]] = {
+        "torch.cat([t.to(bf16).flatten() ...])": lambda: torch.cat([t.to(torch.bfloat16).flatten() for t in tensors]),
+        "torch copy_ into each slot of the buffer": slots,
+        "kernels.cast_flatten": lambda: kernels.cast_flatten(tensors, out),
+        "torch copy_ into slots, then crc32c.crc32c per tensor": slots_crc,
+        "kernels.cast_flatten(crc=True)": lambda: kernels.cast_flatten(tensors, out, crc=True),
+    }
+    return _interleave(impls, rounds), n, len(tensors)
+
+
+def _interleave(impls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """One warm-up call each, then `rounds` rounds calling each implementation once; medians in ms."""
     times: dict[str, list[float]] = {k: [] for k in impls}
     for fn in impls.values():
         fn()
@@ -171,8 +221,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=100_000_000)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--crc-mib", type=int, default=400)
+    ap.add_argument("--cast-params", type=int, default=50_000_000, help="fp32 elements cast to bf16")
     ap.add_argument("--no-deepspeed", action="store_true")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
@@ -180,6 +231,7 @@ def main(argv: list[str]) -> int:
     notes: list[str] = []
     adam = {t: bench_adam(n, t, args.rounds, not args.no_deepspeed, notes) for t in threads}
     crc = {t: bench_crc(args.crc_mib << 20, t, args.rounds) for t in threads}
+    cast = {t: bench_cast(args.cast_params, t, args.rounds) for t in threads}
 
     print(f"Fused CPU kernels — {datetime.date.today().isoformat()}, commit {_commit()}, {_cpu_model()}, "
           f"torch {torch.__version__}, backend `{kernels.backend()}`")  # fmt: skip
@@ -207,21 +259,23 @@ def main(argv: list[str]) -> int:
     print()
     for t in threads:
         a = adam[t]
+        copy_ms = min(v for k, v in a.items() if k.startswith("memory copy"))
         line = (
-            f"- {t} thread(s): copy-back costs {a['kernels.adam + bf16 copy-back'] / a['kernels.adam']:.2f}× "
-            f"kernels.adam alone; kernels.adam moves state at "
-            f"{a['memory copy, 28 B/param (torch copy_)'] / a['kernels.adam']:.2f}× the memory-copy rate"
+            f"- {t} thread(s): kernels.adam {a['torch AdamW(fused=True)'] / a['kernels.adam']:.2f}× torch fused; "
+            f"copy-back costs {a['kernels.adam + bf16 copy-back'] / a['kernels.adam']:.2f}× kernels.adam alone; "
+            f"kernels.adam moves state at {copy_ms / a['kernels.adam']:.2f}× the faster memory copy's rate"
         )
         if "DeepSpeedCPUAdam" in a:
             line += (
-                f"; vs DeepSpeedCPUAdam {a['DeepSpeedCPUAdam'] / a['kernels.adam']:.2f}× "
+                f"; {a['DeepSpeedCPUAdam'] / a['kernels.adam']:.2f}× DeepSpeedCPUAdam "
                 f"(its copy-back: {a['DeepSpeedCPUAdam + bf16 copy-back'] / a['DeepSpeedCPUAdam']:.2f}×)"
             )
         print(line)
     for note in notes:
         print(f"- {note}")
     print()
-    print(f"Copy + CRC-32C of {args.crc_mib} MiB:")
+    nbytes = args.crc_mib << 20
+    print(f"Copy + CRC-32C of {args.crc_mib} MiB (× copy: against the faster plain copy at that thread count):")
     print()
     head = " | ".join(f"{t} thread{'s' if t > 1 else ''}: ms | GB/s copied | × copy" for t in threads)
     print(f"| implementation | {head} |")
@@ -230,8 +284,24 @@ def main(argv: list[str]) -> int:
         cells = []
         for t in threads:
             ms = crc[t][name]
-            cells.append(f"{ms:.1f} | {(args.crc_mib << 20) / (ms / 1e3) / 1e9:.1f} | "
-                         f"{crc[t]['memory copy (torch copy_)'] / ms:.2f}")  # fmt: skip
+            best = min(v for k, v in crc[t].items() if k.startswith("memory copy"))
+            cells.append(f"{ms:.1f} | {nbytes / (ms / 1e3) / 1e9:.1f} | {best / ms:.2f}")
+        print(f"| {name} | {' | '.join(cells)} |")
+    print()
+    _, cn, ct = cast[threads[0]]
+    print(f"Cast + flatten of {ct} fp32 tensors ({cn / 1e6:.1f}M elements, shaped like a transformer's) into one "
+          f"bf16 buffer (6 B/element moved; × cat: against torch.cat of the casts):")  # fmt: skip
+    print()
+    head = " | ".join(f"{t} thread{'s' if t > 1 else ''}: ms | GB/s | × cat" for t in threads)
+    print(f"| implementation | {head} |")
+    print("|---|" + "---|---|---|" * len(threads))
+    for name in cast[threads[0]][0]:
+        cells = []
+        for t in threads:
+            res = cast[t][0]
+            ms = res[name]
+            cat_ms = res["torch.cat([t.to(bf16).flatten() ...])"]
+            cells.append(f"{ms:.1f} | {cn * 6 / (ms / 1e3) / 1e9:.1f} | {cat_ms / ms:.2f}")
         print(f"| {name} | {' | '.join(cells)} |")
     return 0
 

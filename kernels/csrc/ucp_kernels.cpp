@@ -362,6 +362,18 @@ __attribute__((target("sse4.2"))) uint32_t crc_serial_hw(uint32_t crc, unsigned 
   return r;
 }
 
+// x^(8·lane) and x^(16·lane) mod P, remembered per thread for the last lane length: blocks and
+// tiles mostly repeat one length, and deriving the shifts costs more than a tile's CRC.
+struct LaneShifts {
+  int64_t lane = -1;
+  uint32_t one = 0, two = 0;
+};
+const LaneShifts& lane_shifts(int64_t lane) {
+  static thread_local LaneShifts cached;
+  if (cached.lane != lane) cached = LaneShifts{lane, x8nmodp(uint64_t(lane)), x8nmodp(uint64_t(2 * lane))};
+  return cached;
+}
+
 // Three crc32 chains over three contiguous lanes of `lane` bytes (a multiple of 64) hide the
 // instruction's latency; each 64-byte line is loaded once as a vector for the copy (a streaming,
 // cache-bypassing store when NT: dst must then be 64-byte aligned) and read again as eight words for
@@ -396,7 +408,8 @@ __attribute__((target("sse4.2"))) uint32_t crc_serial_hw(uint32_t crc, unsigned 
     }                                                                                            \
   }                                                                                              \
   if (NT) _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */ \
-  return multmodp(x8nmodp(uint64_t(2 * lane)), uint32_t(a)) ^ multmodp(x8nmodp(uint64_t(lane)), uint32_t(b)) ^ uint32_t(c);
+  const LaneShifts& sh = lane_shifts(lane);                                                      \
+  return multmodp(sh.two, uint32_t(a)) ^ multmodp(sh.one, uint32_t(b)) ^ uint32_t(c);
 
 inline __m128i ld128(const unsigned char* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline void st128(unsigned char* p, __m128i x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x); }
@@ -580,7 +593,7 @@ int kind_of(at::ScalarType t) {
   return -1;
 }
 
-constexpr int64_t CAST_TILE = 4096;  // elements converted, then CRC'd while still in L1/L2
+constexpr int64_t CAST_TILE = 16384;  // elements converted, then CRC'd while still in L2
 
 // Writes each contiguous CPU tensor srcs[i] (fp32/bf16/fp16), cast to out's dtype (same set), at
 // element offset offsets[i] of out. Work is cut into pieces of at most `grain` elements run in
