@@ -38,8 +38,14 @@ def cast_flatten(
 
     ``out`` must be a contiguous CPU tensor holding at least ``sum(numel) * dtype.itemsize`` bytes,
     its data address a multiple of the itemsize; the tensors must be CPU tensors of a dtype torch can
-    cast to ``dtype``. Bytes past the written ones are left alone.
+    cast to ``dtype``. Bytes past the written ones are left alone. A CUDA ``out`` (and tensors) takes
+    the Triton kernel (:mod:`kernels.triton_cast`; no ``crc`` there: checksum the host copy).
     """
+    if out.device.type == "cuda":  # the Triton kernel (kernels/triton_cast.py: Triton is imported on first use)
+        from .triton_cast import cast_flatten as cast_flatten_cuda
+
+        cast_flatten_cuda(tensors, out, dtype, crc=crc)
+        return None
     dtype = out.dtype if dtype is None else dtype
     if not dtype.is_floating_point:
         raise ValueError(f"kernels.cast_flatten: dtype {dtype} is not a floating-point dtype")
