@@ -341,12 +341,15 @@ class Engine:
             **layout_metadata(self.layout, self.shapes),
         }
         self.wait_snapshot()
-        result = manager.save(
-            self.state_dict_for_checkpoint(),
-            self.step if step is None else step,
-            metadata=metadata,
-            mesh=self.mesh.as_dict(),
-        )
+        try:
+            result = manager.save(
+                self.state_dict_for_checkpoint(),
+                self.step if step is None else step,
+                metadata=metadata,
+                mesh=self.mesh.as_dict(),
+            )
+        finally:
+            self.optimizer.drop_staged()  # offloaded state staged for the save (the save holds what it needs)
         if isinstance(result, ucp.SaveHandle):
             self._snapshot = result
         return result
@@ -354,7 +357,10 @@ class Engine:
     def prepare_checkpoints(self, manager: ucp.CheckpointManager) -> int:
         """Allocate an asynchronous manager's staging now, so the first checkpoint does not pay for it
         mid-training (:meth:`ucp.CheckpointManager.prepare`); call on every rank. Returns its bytes."""
-        return manager.prepare(self.state_dict_for_checkpoint())
+        try:
+            return manager.prepare(self.state_dict_for_checkpoint())
+        finally:
+            self.optimizer.drop_staged()
 
     def wait_snapshot(self) -> None:
         """Wait for the copy of the last asynchronous checkpoint (it may still run in the background:

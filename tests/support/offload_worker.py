@@ -3,7 +3,8 @@
 Usage: offload_worker.py RANK WORLD INIT_FILE OUT_DIR SCENARIOS_JSON
 
 Scenario: ``{"name", "model": GPTConfig fields, "mesh", "options": Engine options, "offload": OffloadConfig
-fields or null, "steps"}``. Every rank writes ``{name}.rank{r}.json``: the losses, a SHA-256 of its weights
+fields or null, "steps"}``, optionally ``"save_at": k, "ckpt": ROOT`` (save after step k into a
+CheckpointManager at ROOT) and ``"load": DIR`` (resume from that checkpoint first). Every rank writes ``{name}.rank{r}.json``: the losses, a SHA-256 of its weights
 after the last step, the offload tier's description and last-step figures, its state bytes, and whether
 its swap directory was gone once the engine was closed.
 """
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from world import serve_scenarios
 
+import ucp
 from training import Engine
 from training.models.gpt import GPTConfig
 from training.offload import OffloadConfig
@@ -35,7 +37,12 @@ def weights_digest(engine: Engine) -> str:
 def run_scenario(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
     offload = OffloadConfig.model_validate(sc["offload"]) if sc.get("offload") else OffloadConfig()
     engine = Engine(GPTConfig(**sc["model"]), mesh=sc["mesh"], offload=offload, **sc["options"])
-    losses = [engine.train_step(s) for s in range(sc["steps"])]
+    first = engine.load(sc["load"]) if sc.get("load") else 0
+    losses = []
+    for s in range(first, sc["steps"]):
+        losses.append(engine.train_step(s))
+        if sc.get("save_at") == s + 1:
+            engine.save(ucp.CheckpointManager(sc["ckpt"]))
     off = engine.optimizer.offload
     facts: dict[str, Any] = {
         "losses": losses,

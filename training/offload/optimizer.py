@@ -81,19 +81,45 @@ class OptimizerOffload:
 
     # -- start-up --------------------------------------------------------------------------------
     @torch.no_grad()
-    def init_group(self, g: int, master: torch.Tensor) -> None:
-        """Write group ``g``'s initial fp32 master (its whole partition, any device) with zero moments."""
-        if master.numel() != self.sizes[g]:
-            raise ValueError(f"group {g}: master of {master.numel()} elements, partition of {self.sizes[g]}")
-        flat = master.detach().reshape(-1)
+    def init_group(
+        self,
+        g: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor | None = None,
+        exp_avg_sq: torch.Tensor | None = None,
+    ) -> None:
+        """Write group ``g``'s fp32 master and Adam moments (whole partitions, any device; moments
+        default to zero) into the tier, replacing what it held."""
+        flats = []
+        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t is not None and t.numel() != self.sizes[g]:
+                raise ValueError(f"group {g}: {name} of {t.numel()} elements, partition of {self.sizes[g]}")
+            flats.append(None if t is None else t.detach().reshape(-1))
 
         def fill(sg: SubGroup, rec: Record) -> None:
-            rec.master.copy_(flat[sg.lo : sg.hi])
-            rec.exp_avg.zero_()
-            rec.exp_avg_sq.zero_()
+            for dst, src in zip((rec.master, rec.exp_avg, rec.exp_avg_sq), flats):
+                if src is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(src[sg.lo : sg.hi])
 
-        self._walk(self.of_group(g), fill, read=False)
+        self._walk(self.of_group(g), fill, read=False, record=False)
         self._initialised.add(g)
+
+    @torch.no_grad()
+    def gather_group(
+        self, g: int, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group ``g``'s fp32 master, exp_avg and exp_avg_sq as new whole-partition tensors on ``device``
+        (read from the tier, checked; the tier is left as it was)."""
+        out = tuple(torch.empty(self.sizes[g], dtype=torch.float32, device=device) for _ in range(3))
+
+        def copy(sg: SubGroup, rec: Record) -> None:
+            for dst, src in zip(out, (rec.master, rec.exp_avg, rec.exp_avg_sq)):
+                dst[sg.lo : sg.hi].copy_(src)
+
+        self._walk(self.of_group(g), copy, read=True, write=False, record=False)
+        return out[0], out[1], out[2]
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,9 +164,18 @@ class OptimizerOffload:
 
         self._walk(self.subgroups, update, read=True)
 
-    def _walk(self, order: Sequence[SubGroup], work: Callable[[SubGroup, Record], None], *, read: bool) -> None:
+    def _walk(
+        self,
+        order: Sequence[SubGroup],
+        work: Callable[[SubGroup, Record], None],
+        *,
+        read: bool,
+        write: bool = True,
+        record: bool = True,
+    ) -> None:
         """Run ``work`` on each sub-group of ``order`` in turn with its record in a slot: reads ahead (while
-        slots are free) on the read thread, write-backs behind on the write thread."""
+        slots are free) on the read thread, write-backs behind on the write thread (``write``: the record
+        goes back to the tier; ``record``: the figures become :attr:`last`)."""
         store = self.store
         t_start = time.perf_counter()
         read0, written0 = store.bytes_read, store.bytes_written
@@ -194,6 +229,9 @@ class OptimizerOffload:
                     raise
                 t2 = time.perf_counter()
                 waits["compute"] += t2 - t1
+                if not write:
+                    store.release(rec)
+                    continue
                 fut = self._writer.submit(save, sg, rec)
                 writes.append(fut)
                 if not self.pipeline_write:
@@ -210,6 +248,8 @@ class OptimizerOffload:
             for pending in reads.values():
                 if pending.done() and pending.exception() is None:
                     store.release(pending.result())
+        if not record:
+            return
         self.last = {
             "seconds": time.perf_counter() - t_start,
             "bytes_read": float(store.bytes_read - read0),

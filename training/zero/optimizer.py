@@ -37,7 +37,7 @@ from torch import nn
 from reshard import Layout, LocalBuffer, RankView
 from training.adam import AdamConfig, adam_update
 from training.comm import Comm
-from training.offload import OffloadConfig, OffloadError, OptimizerOffload
+from training.offload import OffloadConfig, OptimizerOffload
 
 from .groups import GroupPlan
 from .loss_scale import DynamicLossScaler
@@ -67,7 +67,7 @@ class ZeroOptimizer:
     stage). ``group_weight_decay[g]`` overrides the config's weight decay for layout group ``g``.
     ``offload``: with ``offload_optimizer.device`` cpu or nvme, the fp32 masters and Adam moments live
     in that tier (training.offload) instead of :attr:`master` / :attr:`exp_avg` / :attr:`exp_avg_sq`,
-    which then stay empty; call :meth:`close` to remove its swap files.
+    which then stay empty (checkpoints stage them: :meth:`buffers`); call :meth:`close` to remove its swap files.
     """
 
     def __init__(
@@ -139,6 +139,7 @@ class ZeroOptimizer:
         self.adam_step = 0  # Adam updates applied (skipped fp16 steps do not count)
         self._micro = 0  # backward passes accumulated since the last step
         self.offload: OptimizerOffload | None = None
+        self._staged: dict[str, list[torch.Tensor]] | None = None  # offloaded state staged for a checkpoint
         if offload is not None and offload.enabled:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.offload = OptimizerOffload(offload, [plan.size for plan in self.plans], rank=rank)
@@ -391,6 +392,7 @@ class ZeroOptimizer:
         """Reduce, unscale, clip and apply the accumulated gradients; returns ``{grad_norm, skipped}``."""
         if self._micro == 0:
             raise RuntimeError("step() without a backward pass since the last step")
+        self._staged = None  # staged for a checkpoint before this step: stale from now on
         if self.stage <= 1:
             for name in self.tied:
                 g, i = self._where[name]
@@ -476,35 +478,37 @@ class ZeroOptimizer:
         ``casts[g]`` is :meth:`_cast_target`'s tensor already holding the cast (the fused update wrote
         it); ``None`` entries (or no ``casts``) are cast here.
         """
-        if self.offload is not None and casts is None:
-            raise self._offloaded("re-deriving the weights from the fp32 masters (a load)")
+        masters = self.master
+        if self.offload is not None and casts is None:  # after a load: the staged state goes to the tier
+            masters = self._push_staged()
         for g, plan in enumerate(self.plans):
             done = casts[g] if casts is not None else None
             if self.stage == 3:
                 if done is None:
-                    self.param_part[g].copy_(self.master[g])
+                    self.param_part[g].copy_(masters[g])
                 elif done is not self.param_part[g]:
                     self.param_part[g].copy_(done)
             elif self.stage == 0:
                 if done is None:
-                    self.flat_param[g].copy_(self.master[g])
+                    self.flat_param[g].copy_(masters[g])
                 elif done is not self.flat_param[g]:
                     self.flat_param[g].copy_(done)
             elif plan.size:
-                mine = done if done is not None else self.master[g].to(self.dtype)
+                mine = done if done is not None else masters[g].to(self.dtype)
                 self.dp.all_gather(self.flat_param[g], mine)
 
     @torch.no_grad()
     def masters_from_weights(self) -> None:
         """fp32 masters from the compute-dtype weights (after loading weights only)."""
-        if self.offload is not None:
-            raise self._offloaded("setting the fp32 masters from the weights (a weights-only load)")
+        masters = self._stage()["fp32_master"] if self.offload is not None else self.master
         for g, plan in enumerate(self.plans):
             if self.stage == 3:
-                self.master[g].copy_(self.param_part[g])
+                masters[g].copy_(self.param_part[g])
             else:
                 lo = plan.rank * plan.size if self.stage else 0
-                self.master[g].copy_(self.flat_param[g][lo : lo + plan.size])
+                masters[g].copy_(self.flat_param[g][lo : lo + plan.size])
+        if self.offload is not None:
+            self._push_staged()
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (e.g. after an aborted step)."""
@@ -535,9 +539,11 @@ class ZeroOptimizer:
         Sections: ``"model"`` (compute-dtype weights; stage 3: the partitions) and each of
         :data:`STATE_KEYS`. Slots of each buffer name the *parameter* (global name); the tensor is a
         view of the live storage, so filling it in place loads the engine.
+
+        With offload, the optimizer states are *staged*: read from the tier into tensors of their own
+        (this rank's whole optimizer state in memory, for the save or load), which :meth:`publish`
+        (after a load) writes back to the tier and :meth:`drop_staged` (after a save) lets go.
         """
-        if self.offload is not None:
-            raise self._offloaded("checkpointing (save or load)")
         out: list[tuple[str, LocalBuffer, torch.Tensor]] = []
         for buf in self.view.weights():
             n = buf.name
@@ -549,7 +555,11 @@ class ZeroOptimizer:
             else:
                 off = plan.offsets[i]
                 out.append(("model", buf, self.flat_param[g][off : off + plan.numels[i]].view(plan.shapes[i])))
-        states = {"fp32_master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        states = (
+            self._stage()
+            if self.offload is not None
+            else {"fp32_master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        )
         for key, tensors in states.items():
             bufs = self.view.optimizer_state(key, lambda p, k: p)
             if self.stage == 0:
@@ -574,12 +584,29 @@ class ZeroOptimizer:
         if self.scaler is not None and state.get("loss_scale") is not None:
             self.scaler.load_state_dict(state["loss_scale"])
 
-    def _offloaded(self, doing: str) -> OffloadError:
+    def _stage(self) -> dict[str, list[torch.Tensor]]:
+        """The offloaded state as whole-partition tensors (read from the tier once; kept until pushed or dropped)."""
         assert self.offload is not None
-        return OffloadError(
-            f"{doing} with offload_optimizer.device {self.offload.device!r} is not supported yet: "
-            "the fp32 masters and Adam moments live in the swap tier (training.offload)"
-        )
+        if self._staged is None:
+            staged: dict[str, list[torch.Tensor]] = {k: [] for k in STATE_KEYS}
+            for g in range(len(self.plans)):
+                for key, t in zip(STATE_KEYS, self.offload.gather_group(g, self.device)):
+                    staged[key].append(t)
+            self._staged = staged
+        return self._staged
+
+    def _push_staged(self) -> list[torch.Tensor]:
+        """Write the staged state (as a load left it) into the tier; returns the staged masters."""
+        assert self.offload is not None
+        staged = self._stage()
+        for g in range(len(self.plans)):
+            self.offload.init_group(g, *(staged[key][g] for key in STATE_KEYS))
+        self._staged = None
+        return staged["fp32_master"]
+
+    def drop_staged(self) -> None:
+        """Let go of the offloaded state staged for a checkpoint (:meth:`buffers`); the tier keeps the state."""
+        self._staged = None
 
     def close(self) -> None:
         """Release the offload tier (its swap directory is removed); idempotent. Without offload: nothing."""
