@@ -51,6 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised where Triton is absent
     TRITON_ERROR = f"Triton is not installed ({e})"
 
 BLOCK = 1024  # elements per program: 4 fp32 streams in, 3 out, enough bytes in flight per SM
+NUM_WARPS = 4  # 8 elements a thread: two 128-bit accesses per stream (tools/gpu_check_kernels.py sweeps both)
 _OUT_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _kernels: dict[tuple[Any, bool], Any] = {}
 
@@ -185,7 +186,7 @@ def adam_step(
     kind = 0 if out is None else _OUT_KIND[out.dtype]
     o = param if out is None else (out.view(torch.uint16) if kind == 1 else out)
     kernel = jit(_adam_kernel)
-    consts = dict(DECAY=decay, SMALL=abs(w) < 0.5, OUT=kind, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+    consts = dict(DECAY=decay, SMALL=abs(w) < 0.5, OUT=kind, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
     with torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext():
         for a, b in split(n):
             t = [x[a:b] for x in (param, grad, exp_avg, exp_avg_sq, o)]

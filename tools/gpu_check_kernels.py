@@ -13,7 +13,7 @@ Correctness (a failure exits 1):
   max(|p|, |Δp|) (the documented bound), and the runs ≤ 1e-3·lr apart after 20 steps;
 * ``kernels.cast_flatten`` (dispatched to Triton) of 300 mixed-dtype tensors bit-equal to ``Tensor.to``.
 
-Speed (CUDA events, medians of ``--repeats``): GB/s of state touched per Adam step (fp32 param, grad,
+Speed (CUDA events, medians of ``--repeats``; and a sweep of the Adam launch shape): GB/s of state touched per Adam step (fp32 param, grad,
 exp_avg, exp_avg_sq read; param and moments written: 28 bytes/parameter, +2 for a bf16 copy-back) for
 ours, ours with bf16 copy-back, torch's fused AdamW, and that plus torch's separate ``.to(bf16)`` copy;
 a device-to-device memcpy of the same footprint (read + write) as the yardstick; cast_flatten fp32→bf16
@@ -206,6 +206,16 @@ def bench(n: int, repeats: int) -> dict[str, Any]:
     sec["torch_copy_per_tensor_400"] = timed(per_tensor, repeats)
     moved["cast_flatten_400_fp32_to_bf16"] = moved["torch_copy_per_tensor_400"] = 6
     elems = {name: (flat.numel() if "400" in name else n) for name in sec}
+    from kernels import triton_adam
+
+    keep = triton_adam.BLOCK, triton_adam.NUM_WARPS
+    try:  # the launch shape, for tuning: (elements per program, warps) -> ms of one AdamW step
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+            triton_adam.BLOCK, triton_adam.NUM_WARPS = block, warps
+            name = f"ours_adam_block{block}_warps{warps}"
+            sec[name], moved[name], elems[name] = timed(ours(None), repeats), 28, n
+    finally:
+        triton_adam.BLOCK, triton_adam.NUM_WARPS = keep
     return {
         name: {"ms": round(s * 1e3, 3), "gb_per_s": round(moved[name] * elems[name] / s / 1e9, 1)}
         for name, s in sec.items()
