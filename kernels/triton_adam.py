@@ -21,8 +21,9 @@ the approximate one on GPUs), the FMAs are explicit and the kernel is compiled w
   MKL's, ≤ 1 ulp): one step puts the weights within 4 ulp of max(|p|, |Δp|) and over 50 steps they
   differ by < 1e-3·lr (the C++ kernel's documented bound, asserted in the tests);
 * against ``torch.optim.AdamW(fused=True)`` on CUDA the formulas differ in rounding only (torch's fused
-  kernel computes ``beta1*m + (1-beta1)*g`` rather than a lerp, and its intermediate precision has
-  changed between releases): the same bound holds, measured by ``tools/gpu_check_kernels.py``;
+  kernel computes ``beta1*m + (1-beta1)*g`` rather than a lerp, ``p - lr*wd*p`` rather than
+  ``p*(1 - lr*wd)``, and its intermediate precision has changed between releases): the same bound is
+  expected and ``tools/gpu_check_kernels.py`` asserts it (not yet run on a GPU when this was written);
 * the copy-back equals ``updated_master.to(dtype)`` bit for bit (round to nearest even; bf16 by c10's
   integer formula, which is also exact under the interpreter, whose own fp32→bf16 cast truncates).
   NaN copies are a NaN (payload not preserved for fp16).

@@ -5,6 +5,8 @@ Prepared for a short session on a lent GPU machine (well under 2 minutes on an H
     python tools/gpu_check_kernels.py                  # 100M parameters, 10 timed repeats
     python tools/gpu_check_kernels.py --json out.json  # also write the summary there
 
+Needs torch with CUDA, triton (torch's CUDA wheels bring it) and the project's dependencies (crc32c).
+
 Correctness (a failure exits 1):
 * the compiled Triton Adam(W) kernel, reached through ``kernels.adam``'s CUDA dispatch, against the
   same kernel run by Triton's interpreter on the CPU (which the CPU tests prove bit-equal to the C++
