@@ -68,6 +68,8 @@ class OptimizerOffload:
             self.subgroups = split(self.sizes, config.sub_group_size, MIN_ALIGNMENT // FP32)
             self.store = HostStore(self.subgroups, pin=pin)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-read")
+        self._ahead: dict[int, Future[Record]] = {}  # the next step's first reads, issued at the end of a step
+        self._read_mark = 0  # bytes_read when they were issued (they count towards the next step)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
         self._initialised: set[int] = set()
         self.last: dict[str, float] = {}  # the last step's figures (seconds, bytes)
@@ -118,6 +120,7 @@ class OptimizerOffload:
             for dst, src in zip(out, (rec.master, rec.exp_avg, rec.exp_avg_sq)):
                 dst[sg.lo : sg.hi].copy_(src)
 
+        self._drop_ahead()
         self._walk(self.of_group(g), copy, read=True, write=False, record=False)
         return out[0], out[1], out[2]
 
@@ -162,7 +165,39 @@ class OptimizerOffload:
             if host_out is not out:
                 out.copy_(host_out)
 
-        self._walk(self.subgroups, update, read=True)
+        ahead, self._ahead = self._ahead, {}
+        self._walk(self.subgroups, update, read=True, ahead=ahead)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Start reading the next step's first sub-groups now, into the free slots, so that those reads run
+        behind the next forward and backward instead of opening the next optimizer step (NVMe, ``pipeline_read``).
+        Their records hold the state as this step left it; anything else that touches the tier drops them first."""
+        self._read_mark = self.store.bytes_read
+        if not (isinstance(self.store, NvmeStore) and self.pipeline_read):
+            return
+        for j, sg in enumerate(self.subgroups[: self.store.slots]):
+            rec = self.store.acquire(sg, block=False)
+            if rec is None:
+                break
+            self._ahead[j] = self._reader.submit(self._load, sg, rec)
+
+    def _drop_ahead(self) -> None:
+        """Let go of records read ahead for the next step (before the tier is read or written otherwise)."""
+        ahead, self._ahead = self._ahead, {}
+        _settle(list(ahead.values()))
+        for fut in ahead.values():
+            if fut.exception() is None:
+                self.store.release(fut.result())
+
+    def _load(self, sg: SubGroup, rec: Record) -> Record:
+        """Read ``sg`` into ``rec`` (the I/O thread's job); the slot goes back if the read fails."""
+        try:
+            self.store.read(sg, rec)
+        except BaseException:
+            self.store.release(rec)
+            raise
+        return rec
 
     def _walk(
         self,
@@ -172,25 +207,22 @@ class OptimizerOffload:
         read: bool,
         write: bool = True,
         record: bool = True,
+        ahead: dict[int, Future[Record]] | None = None,
     ) -> None:
         """Run ``work`` on each sub-group of ``order`` in turn with its record in a slot: reads ahead (while
         slots are free) on the read thread, write-backs behind on the write thread (``write``: the record
-        goes back to the tier; ``record``: the figures become :attr:`last`)."""
+        goes back to the tier; ``record``: the figures become :attr:`last`; ``ahead``: reads of the first
+        sub-groups already issued, by :meth:`_read_ahead`)."""
         store = self.store
         t_start = time.perf_counter()
-        read0, written0 = store.bytes_read, store.bytes_written
+        read0 = self._read_mark if ahead else store.bytes_read
+        written0 = store.bytes_written
         waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0}
-        reads: dict[int, Future[Record]] = {}
+        reads: dict[int, Future[Record]] = dict(ahead or {})
         writes: list[Future[None]] = []
-        issued = 0  # sub-groups whose read was issued (in order)
-
-        def load(sg: SubGroup, rec: Record) -> Record:
-            try:
-                store.read(sg, rec)
-            except BaseException:
-                store.release(rec)
-                raise
-            return rec
+        issued = len(reads)  # sub-groups whose read was issued (in order: the ahead ones are the first)
+        if not read:
+            self._drop_ahead()
 
         def save(sg: SubGroup, rec: Record) -> None:
             try:
@@ -203,7 +235,7 @@ class OptimizerOffload:
             if rec is None:
                 return False
             if read:
-                reads[j] = self._reader.submit(load, order[j], rec)
+                reads[j] = self._reader.submit(self._load, order[j], rec)
             else:
                 done: Future[Record] = Future()
                 done.set_result(rec)
@@ -268,6 +300,7 @@ class OptimizerOffload:
                 "slot_bytes": self.store.slot_bytes,
                 "pool_bytes": self.store.pool_bytes,
                 "budget": self.store.budget,
+                "read_ahead": len(self._ahead),  # the next step's records already being read
             }
         else:
             out["resident_bytes"] = self.store.resident_bytes
@@ -275,6 +308,7 @@ class OptimizerOffload:
 
     def close(self) -> None:
         """Stop the I/O threads, close the tier and remove the swap directory (idempotent)."""
+        self._drop_ahead()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()

@@ -137,9 +137,9 @@ def test_truncated_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
     e = engine(config(tmp_path))
     try:
         e.train_step(0)
-        victim = swap_files(e)[3]
+        victim = swap_files(e)[9]
         os.truncate(victim, victim.stat().st_size // 2)
-        with pytest.raises(OffloadError, match=rf"swap file {victim} of sub-group 3 \(group \d+, .*is truncated"):
+        with pytest.raises(OffloadError, match=rf"swap file {victim} of sub-group 9 \(group \d+, .*is truncated"):
             e.train_step(1)
     finally:
         e.close()
@@ -149,9 +149,9 @@ def test_deleted_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
     e = engine(config(tmp_path))
     try:
         e.train_step(0)
-        victim = swap_files(e)[2]
+        victim = swap_files(e)[8]
         victim.unlink()
-        with pytest.raises(OffloadError, match=rf"reading swap file {victim} of sub-group 2 .*No such file"):
+        with pytest.raises(OffloadError, match=rf"reading swap file {victim} of sub-group 8 .*No such file"):
             e.train_step(1)
     finally:
         e.close()
@@ -161,14 +161,14 @@ def test_corrupted_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
     e = engine(config(tmp_path))
     try:
         e.train_step(0)
-        victim = swap_files(e)[7]
+        victim = swap_files(e)[10]
         fd = os.open(victim, os.O_WRONLY)
         try:
             os.pwrite(fd, b"\x7f" * 16, 8192)
             os.fsync(fd)
         finally:
             os.close(fd)
-        with pytest.raises(OffloadError, match=rf"swap file {victim} of sub-group 7 .*is corrupt: CRC-32C"):
+        with pytest.raises(OffloadError, match=rf"swap file {victim} of sub-group 10 .*is corrupt: CRC-32C"):
             e.train_step(1)
     finally:
         e.close()
