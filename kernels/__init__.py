@@ -12,7 +12,8 @@
 
 What runs where: CPU tensors take the C++ extension (or the torch fallback). CUDA tensors take the
 Triton kernels: :func:`adam` runs :mod:`kernels.triton_adam` (bit-equal to the C++ kernel's
-IEEE-sqrt mode; without Triton an error, unless ``UCP_KERNELS=torch`` asks for torch ops) and
+IEEE-sqrt mode; without Triton an error, unless ``UCP_KERNELS=torch`` asks for torch ops; with
+``torch_sqrt=True``, torch.optim's bits, it runs torch's own CUDA ops) and
 :func:`cast_flatten` runs :mod:`kernels.triton_cast` (no ``crc`` on the GPU); on other devices
 :func:`adam` takes torch ops and :func:`cast_flatten` refuses. Triton is imported on first CUDA use only. The Triton kernels are tested on CPU tensors
 through Triton's interpreter (``TRITON_INTERPRET=1``) and checked on a GPU by

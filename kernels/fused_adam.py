@@ -107,7 +107,9 @@ def adam(
     weights. ``torch_sqrt`` selects the sqrt that makes the result bit-equal to torch.optim's
     single-tensor path (see the module docstring). Threads: ``torch.get_num_threads()``. CUDA tensors
     run the Triton kernel (:mod:`kernels.triton_adam`; an error if Triton is missing, unless
-    ``UCP_KERNELS=torch``); other devices take the op-by-op torch path (:func:`adam_reference`).
+    ``UCP_KERNELS=torch``), except with ``torch_sqrt``: torch.optim's exact arithmetic on CUDA is
+    torch's own CUDA ops, so they take the op-by-op torch path (:func:`adam_reference`), as other
+    devices do.
     """
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -123,7 +125,7 @@ def adam(
         raise ValueError(f"kernels.adam: grad_scale {grad_scale} and lr {lr} must be finite")
     if n == 0:
         return
-    if param.device.type == "cuda":  # the Triton kernel (kernels/triton_adam.py: Triton is imported on first use)
+    if param.device.type == "cuda" and not torch_sqrt:  # Triton (kernels/triton_adam.py, imported on first use)
         from .triton_adam import adam_step, torch_forced
 
         if not torch_forced():

@@ -28,8 +28,10 @@ the approximate one on GPUs), the FMAs are explicit and the kernel is compiled w
   integer formula, which is also exact under the interpreter, whose own fp32→bf16 cast truncates).
   NaN copies are a NaN (payload not preserved for fp16).
 
-``torch_sqrt`` is accepted for API parity and ignored: torch's CUDA sqrt is the IEEE one already.
-The Triton path on CPU tensors exists only for tests, under ``TRITON_INTERPRET=1``.
+``kernels.adam(..., torch_sqrt=True)`` on CUDA tensors does not come here: bit-parity with
+torch.optim's single-tensor path on CUDA means torch's own CUDA ops (whose roundings differ from the
+CPU's: e.g. CUDA divides by a scalar through its reciprocal), so it takes ``kernels.adam_reference``. The Triton path on CPU tensors exists only for tests, under
+``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Correctness (a failure exits 1):
   kernel): bit-equal weights, moments and bf16/fp16 copy-back, Adam and AdamW, 3 steps, odd size;
 * against ``torch.optim.AdamW(fused=True)`` on CUDA: one step from torch's own state within 4 ulp of
   max(|p|, |Δp|) (the documented bound), and the runs ≤ 1e-3·lr apart after 20 steps;
+* ``kernels.adam(torch_sqrt=True)`` on CUDA (torch's own ops) bit-equal to ``torch.optim.AdamW(foreach=False)``;
 * ``kernels.cast_flatten`` (dispatched to Triton) of 300 mixed-dtype tensors bit-equal to ``Tensor.to``.
 
 Speed (CUDA events, medians of ``--repeats``; and a sweep of the Adam launch shape): GB/s of state touched per Adam step (fp32 param, grad,
@@ -134,6 +135,26 @@ def check_vs_torch_fused(n: int) -> dict[str, Any]:
             "ok": worst_ulp <= 4 and dist <= 1e-3}  # fmt: skip
 
 
+def check_torch_sqrt_parity(n: int) -> dict[str, Any]:
+    """kernels.adam(torch_sqrt=True) on CUDA (torch's ops) against torch.optim.AdamW(foreach=False): bits."""
+    import kernels
+
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    p = torch.randn(n, device=DEV, generator=gen)
+    q = p.clone().requires_grad_()
+    opt = torch.optim.AdamW([q], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], foreach=False)  # fmt: skip
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    bad = 0
+    for step in range(1, 11):
+        g = torch.randn(n, device=DEV, generator=gen)
+        q.grad = g.clone()
+        opt.step()
+        kernels.adam(p, g, m, v, step=step, torch_sqrt=True, **HP)
+        bad += int((p.view(torch.int32) != q.detach().view(torch.int32)).sum())
+    return {"mismatching_elements": bad, "steps": 10}
+
+
 def check_cast_flatten() -> dict[str, Any]:
     """kernels.cast_flatten (dispatched to Triton) of 300 mixed-dtype tensors, odd sizes, into each dtype."""
     import kernels
@@ -246,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                                "params": a.params, "repeats": a.repeats}  # fmt: skip
     summary["vs_interpreter"] = check_vs_interpreter(a.check_size)
     summary["vs_torch_fused"] = check_vs_torch_fused(a.bound_size)
+    summary["torch_sqrt_parity"] = check_torch_sqrt_parity(a.check_size)
     summary["cast_flatten"] = check_cast_flatten()
     summary["speed"] = bench(a.params, a.repeats)
     ms = {k: max(v["ms"], 1e-6) for k, v in summary["speed"].items()}
@@ -265,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["vs_interpreter"]["mismatching_elements"] == 0
         and summary["vs_torch_fused"]["ok"]
         and summary["cast_flatten"]["mismatching_bytes"] == 0
+        and summary["torch_sqrt_parity"]["mismatching_elements"] == 0
     )
     summary["correct"] = good
     text = json.dumps(summary, indent=1, default=str)
