@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
     tl = None
 
 BLOCK = 4096  # elements per program: one table row (24 bytes) read per 4096 elements moved
+NUM_WARPS = 8  # 16 elements a thread
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BITS = {0: torch.float32, 1: torch.uint16, 2: torch.float16}  # what the kernel's pointers point at
 
@@ -135,7 +136,9 @@ def cast_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, offsets: Seque
         for src, (ts, os_) in groups.items():
             for full, tab in zip((True, False), _table(ts, os_, out)):
                 if tab.shape[0]:
-                    kernel[(tab.shape[0],)](tab, o, SRC=src, DST=dst, FULL=full, BLOCK=BLOCK, num_warps=8)
+                    kernel[(tab.shape[0],)](
+                        tab, o, SRC=src, DST=dst, FULL=full, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False
+                    )
 
 
 @torch.no_grad()
