@@ -166,7 +166,7 @@ def main() -> None:
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {sha.stdout.strip()}, "
         f"model {args.model} ({first['params'] / 1e6:.1f}M parameters), {args.precision}, {args.procs} gloo ranks, "
-        f"micro-batch {args.micro_batch}, {args.steps} steps x {args.rounds} rounds, medians\n"
+        f"micro-batch {args.micro_batch}, seq-len {args.seq_len or 'model max'}, {args.steps} steps x {args.rounds} rounds, medians\n"
     )
     print("| ZeRO | Adam | step ms | vs op-by-op | Adam update ms per step |")
     print("|---|---|---|---|---|")
