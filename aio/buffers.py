@@ -17,9 +17,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # numpy and torch are imported where an array or tensor is asked for (start-up time)
+    import numpy as np
     import torch
 
 log = logging.getLogger(__name__)
@@ -39,8 +38,11 @@ def address_of(buf: memoryview) -> int:
     """Address of the first byte of a writable or read-only buffer."""
     if buf.nbytes == 0:
         return 0
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    return int(arr.ctypes.data)
+    if not buf.readonly:  # without numpy, whose import costs a one-shot command ~0.1 s of start-up
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    import numpy as np
+
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class AlignedBuffer:
@@ -73,6 +75,8 @@ class AlignedBuffer:
         return self._view[offset:end]
 
     def numpy(self, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
+        import numpy as np
+
         return np.frombuffer(self.view(nbytes, offset), dtype=np.uint8)
 
     def tensor(self, nbytes: int | None = None, offset: int = 0) -> "torch.Tensor":

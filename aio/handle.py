@@ -17,11 +17,10 @@ import collections
 import errno
 import operator
 import os
+import sys
 import threading
 from concurrent.futures import CancelledError, Future, wait
-from typing import Any, Callable, Iterable
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeAlias, TypeGuard, cast
 
 from .buffers import AlignedBuffer, BufferPool, address_of, round_down, round_up
 from .config import AioConfig
@@ -32,8 +31,17 @@ from .files import OpenFile, open_file, preallocate, sync_file, truncate
 from .prefetch import is_warm
 from .scatter import ReadRequest, plan_reads
 
-Bytes = memoryview | bytes | bytearray | np.ndarray | AlignedBuffer  # and contiguous CPU torch tensors
-_SINGLE = (memoryview, bytes, bytearray, np.ndarray, AlignedBuffer)
+if TYPE_CHECKING:  # numpy is imported where an array is handled: reading a checkpoint needs none (start-up)
+    import numpy as np
+
+Bytes: TypeAlias = "memoryview | bytes | bytearray | np.ndarray | AlignedBuffer"  # and contiguous CPU torch tensors
+_SINGLE = (memoryview, bytes, bytearray, AlignedBuffer)  # and numpy arrays (_is_array)
+
+
+def _is_array(obj: object) -> TypeGuard[np.ndarray]:
+    """A numpy array; numpy is not imported to tell (no array exists before it is)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, np.ndarray)
 
 
 def as_bytes_view(data: Bytes) -> memoryview:
@@ -42,12 +50,12 @@ def as_bytes_view(data: Bytes) -> memoryview:
         return data.view()
     if _is_tensor(data):
         data = _tensor_bytes(data)
-    if isinstance(data, np.ndarray):
+    if _is_array(data):
         if not data.flags.c_contiguous:
             raise ValueError("array must be C-contiguous")
-        view = data.reshape(-1).view(np.uint8).data  # == memoryview(arr); numpy's stubs give ndarray
-    else:  # no Buffer protocol before Python 3.12
-        view = memoryview(data)
+        view = data.reshape(-1).view("u1").data  # == memoryview(arr); numpy's stubs give ndarray
+    else:  # no Buffer protocol before Python 3.12; not an array here (_is_array narrows one way only)
+        view = memoryview(cast(Any, data))
     if not view.c_contiguous:  # a strided view (even 1-D bytes) has no flat byte image to hand the kernel
         raise ValueError("buffer must be C-contiguous")
     if view.ndim != 1 or view.format not in ("B", "b", "c"):
@@ -59,7 +67,7 @@ def _is_tensor(obj: object) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage")
 
 
-def _tensor_bytes(t: Any) -> np.ndarray:
+def _tensor_bytes(t: Any) -> Any:  # a numpy array
     """The bytes of a contiguous CPU torch tensor (torch is imported only when one is passed)."""
     import torch
 
@@ -73,6 +81,8 @@ def _copy(dst: memoryview, src: memoryview) -> None:
     if src.nbytes < 65536:
         dst[:] = src
     else:
+        import numpy as np
+
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
@@ -124,7 +134,9 @@ class AioHandle:
     ) -> int:
         """Write ``data`` (one buffer or an iterable of buffers) as the whole content of ``path``."""
         self._check_open(path)
-        parts: list[Any] = [data] if isinstance(data, _SINGLE) or _is_tensor(data) else list(data)  # Any: a tensor
+        parts: list[Any] = (
+            [data] if isinstance(data, _SINGLE) or _is_array(data) or _is_tensor(data) else list(data)
+        )  # Any: a tensor
         views = [as_bytes_view(p) for p in parts]
         with self.writer(path, size_hint=sum(v.nbytes for v in views), fsync=fsync) as w:
             for v in views:

@@ -9,10 +9,9 @@ structure that was saved. See docs/format.md, "State tree".
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
-
-import numpy as np
 
 from ucp.errors import ManifestError, UnsupportedStateError
 from ucp.format.sharding import TensorLike, is_tensor_like
@@ -91,7 +90,8 @@ def _encode(
         if math.isfinite(value):
             return value
         return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    if isinstance(obj, np.generic) and obj.shape == ():
+    np = sys.modules.get("numpy")  # no numpy scalar exists before numpy is imported: no need to import it
+    if np is not None and isinstance(obj, np.generic) and obj.shape == ():
         return _encode(obj.item(), path, depth, leaves, names, is_leaf)
     if isinstance(obj, dict):
         keys = list(obj.keys())
