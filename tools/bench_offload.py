@@ -8,7 +8,8 @@ Methods, one engine each, built once, on the same model and data: ``memory`` (no
 (offload_optimizer cpu), ``nvme`` (offload_optimizer nvme, pipelined) and ``nvme-serial``
 (pipeline_read and pipeline_write off). After a warm-up step each, the methods take turns, one
 training step each per round (interleaved, in a rotating order), and the table shows medians: whole
-step, the optimizer's part on the offload tiers (its read wait, Adam, write wait), the bytes read and
+step, the optimizer's part on the offload tiers (its read wait, Adam, write wait), the time the I/O
+threads were busy and the share of it hidden behind other work (1 - waits / busy), the bytes read and
 written per step and the swap rate (bytes moved / optimizer seconds). The losses of every method must
 agree bit for bit (they are checked). Progress goes to stderr, the markdown to stdout.
 """
@@ -142,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(
-        "| method | step s | × memory | optimizer s | read wait s | Adam s | write wait s | read MB/step | written MB/step | swap GB/s | pool |"
+        "| method | step s | × memory | optimizer s | read wait s | Adam s | write wait s | I/O busy s | hidden | read MB/step | written MB/step | swap GB/s | pool |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m in methods:
         step_s = med(times[m])
         ratio = f"{step_s / base:.2f}" if base else "–"
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             f = {k: med(x[k] for x in parts[m]) for k in parts[m][0]}
             moved = f["bytes_read"] + f["bytes_written"]
             rate = f"{moved / f['seconds'] / 1e9:.2f}" if moved else "–"
+            busy = f["io_read"] + f["io_write"]
+            hidden = f"{max(0.0, 1 - (f['read_wait'] + f['write_wait']) / busy):.0%}" if busy else "–"
             tier = tiers[m]
             pool = (
                 format_size(tier["pool_bytes"])
@@ -160,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"| {m} | {step_s:.3f} | {ratio} | {f['seconds']:.3f} | {f['read_wait']:.3f} | {f['compute']:.3f} | "
-                f"{f['write_wait']:.3f} | {f['bytes_read'] / 1e6:.0f} | {f['bytes_written'] / 1e6:.0f} | {rate} | {pool} |"
+                f"{f['write_wait']:.3f} | {busy:.3f} | {hidden} | {f['bytes_read'] / 1e6:.0f} | "
+                f"{f['bytes_written'] / 1e6:.0f} | {rate} | {pool} |"
             )
         else:
-            print(f"| {m} | {step_s:.3f} | {ratio} | – | – | – | – | 0 | 0 | – | – |")
+            print(f"| {m} | {step_s:.3f} | {ratio} | – | – | – | – | – | – | 0 | 0 | – | – |")
     return 0 if agree else 1
 
 

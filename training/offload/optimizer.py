@@ -69,7 +69,7 @@ class OptimizerOffload:
             self.store = HostStore(self.subgroups, pin=pin)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-read")
         self._ahead: dict[int, Future[Record]] = {}  # the next step's first reads, issued at the end of a step
-        self._read_mark = 0  # bytes_read when they were issued (they count towards the next step)
+        self._read_mark = (0, 0.0)  # bytes_read, read_seconds when they were issued (they count towards the next step)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
         self._initialised: set[int] = set()
         self.last: dict[str, float] = {}  # the last step's figures (seconds, bytes)
@@ -173,7 +173,7 @@ class OptimizerOffload:
         """Start reading the next step's first sub-groups now, into the free slots, so that those reads run
         behind the next forward and backward instead of opening the next optimizer step (NVMe, ``pipeline_read``).
         Their records hold the state as this step left it; anything else that touches the tier drops them first."""
-        self._read_mark = self.store.bytes_read
+        self._read_mark = (self.store.bytes_read, self.store.read_seconds)
         if not (isinstance(self.store, NvmeStore) and self.pipeline_read):
             return
         for j, sg in enumerate(self.subgroups[: self.store.slots]):
@@ -215,8 +215,8 @@ class OptimizerOffload:
         sub-groups already issued, by :meth:`_read_ahead`)."""
         store = self.store
         t_start = time.perf_counter()
-        read0 = self._read_mark if ahead else store.bytes_read
-        written0 = store.bytes_written
+        read0, read_s0 = self._read_mark if ahead else (store.bytes_read, store.read_seconds)
+        written0, write_s0 = store.bytes_written, store.write_seconds
         waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0}
         reads: dict[int, Future[Record]] = dict(ahead or {})
         writes: list[Future[None]] = []
@@ -286,6 +286,8 @@ class OptimizerOffload:
             "seconds": time.perf_counter() - t_start,
             "bytes_read": float(store.bytes_read - read0),
             "bytes_written": float(store.bytes_written - written0),
+            "io_read": store.read_seconds - read_s0,  # seconds the read thread was busy (hidden or waited for)
+            "io_write": store.write_seconds - write_s0,
             **waits,
         }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,7 @@ class HostStore:
             stride = round_up(sg.numel * FP32, alignment)
             self._records.append(Record(AlignedBuffer(3 * stride, pin=pin if pin else False), sg.numel, stride))
         self.bytes_read = self.bytes_written = 0
+        self.read_seconds = self.write_seconds = 0.0
 
     @property
     def resident_bytes(self) -> int:
@@ -157,6 +159,7 @@ class NvmeStore:
         # Files are opened per transfer, not held: a large model has more sub-groups than a process has descriptors.
         self._paths = [swap_dir.file(f"subgroup-{sg.index:05d}-g{sg.group}.swp") for sg in self.subgroups]
         self.bytes_read = self.bytes_written = 0
+        self.read_seconds = self.write_seconds = 0.0  # time the I/O threads spent moving and checking records
         self._count = threading.Lock()
         try:
             for sg in self.subgroups:
@@ -209,6 +212,7 @@ class NvmeStore:
     # -- moving records ----------------------------------------------------------------------
     def write(self, sg: SubGroup, rec: Record) -> None:
         """Write ``rec`` as ``sg``'s swap file (CRC-32C noted for the next read)."""
+        t0 = time.perf_counter()
         view = rec.buf.view(rec.nbytes)
         self._crc[sg.index] = crc32c.crc32c(view)
         try:
@@ -225,9 +229,11 @@ class NvmeStore:
             raise self._io_error("writing", sg, error) from error
         with self._count:
             self.bytes_written += rec.nbytes
+            self.write_seconds += time.perf_counter() - t0
 
     def read(self, sg: SubGroup, rec: Record) -> None:
         """Fill ``rec`` from ``sg``'s swap file and check it is whole and unchanged."""
+        t0 = time.perf_counter()
         expected = self._crc[sg.index]
         if expected is None:
             raise OffloadError(f"{sg.describe()} has no record in {self.path(sg)}: it was never written whole")
@@ -258,6 +264,7 @@ class NvmeStore:
             )
         with self._count:
             self.bytes_read += rec.nbytes
+            self.read_seconds += time.perf_counter() - t0
 
     def _io_error(self, doing: str, sg: SubGroup, exc: BaseException) -> OffloadError:
         path = getattr(exc, "filename", None) or self.path(sg)

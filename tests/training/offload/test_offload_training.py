@@ -76,7 +76,17 @@ def test_nvme_offload_matches_in_memory_bit_for_bit(
         assert off.last["bytes_read"] == off.last["bytes_written"] == moved  # every sub-group, each way, per step
         assert moved >= state_bytes(engine)
         last = off.last
-        assert set(last) == {"seconds", "bytes_read", "bytes_written", "read_wait", "write_wait", "compute"}
+        assert set(last) == {
+            "seconds",
+            "bytes_read",
+            "bytes_written",
+            "read_wait",
+            "write_wait",
+            "compute",
+            "io_read",
+            "io_write",
+        }
+        assert last["io_read"] > 0 and last["io_write"] > 0
         assert last["compute"] > 0 and last["seconds"] >= last["compute"]
         quantum = tier["alignment"] // 4  # sub-groups are cut at the I/O alignment, so Adam's chunks line up
         for sg in off.subgroups:
