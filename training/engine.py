@@ -301,6 +301,7 @@ class Engine:
         For importers that produce whole tensors (a peer's checkpoint, a single-process state dict).
         """
         self.wait_snapshot()
+        self.optimizer.prepare_load()
         fill_from_full(self.checkpoint_targets(), get)
         optim = {} if adam_step is None else {"adam_step": adam_step, "loss_scale": None}
         self.finish_load({"step": step, "optimizer": optim}, from_masters=from_masters)
@@ -407,6 +408,7 @@ class Engine:
     def _load_targets(self) -> dict[str, Any]:
         """What a resume fills: this rank's pieces and the scalars. Hparams and the scheduler
         description stay this engine's own; plain values (None) are replaced by the saved ones."""
+        self.optimizer.prepare_load()
         sd = self.state_dict_for_checkpoint()
         optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
         return {"model": sd["model"], "step": None, "optimizer": {**optim, "adam_step": None, "loss_scale": None}}

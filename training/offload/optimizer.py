@@ -72,11 +72,18 @@ class OptimizerOffload:
         self._read_mark = (0, 0.0)  # bytes_read, read_seconds when they were issued (they count towards the next step)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
         self._initialised: set[int] = set()
+        self._broken: str | None = None  # why a step failed half way (the tier is then partly updated)
+        self._stale: set[int] = set()  # groups to rewrite (init_group) before the tier is consistent again
         self.last: dict[str, float] = {}  # the last step's figures (seconds, bytes)
 
     @property
     def device(self) -> str:
         return self.store.kind
+
+    @property
+    def broken(self) -> str | None:
+        """Why an earlier step failed half way (the tier is partly updated until a load rewrites it), or None."""
+        return self._broken
 
     def of_group(self, g: int) -> list[SubGroup]:
         return [sg for sg in self.subgroups if sg.group == g]
@@ -107,6 +114,9 @@ class OptimizerOffload:
 
         self._walk(self.of_group(g), fill, read=False, record=False)
         self._initialised.add(g)
+        self._stale.discard(g)
+        if not self._stale:
+            self._broken = None  # every group rewritten since the failure (a load): consistent again
 
     @torch.no_grad()
     def gather_group(
@@ -114,6 +124,11 @@ class OptimizerOffload:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``g``'s fp32 master, exp_avg and exp_avg_sq as new whole-partition tensors on ``device``
         (read from the tier, checked; the tier is left as it was)."""
+        if self._broken is not None:
+            raise OffloadError(
+                f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
+                "updated and cannot be read as a whole: load a checkpoint to go on"
+            )
         out = tuple(torch.empty(self.sizes[g], dtype=torch.float32, device=device) for _ in range(3))
 
         def copy(sg: SubGroup, rec: Record) -> None:
@@ -142,6 +157,11 @@ class OptimizerOffload:
         missing = [g for g, n in enumerate(self.sizes) if n and g not in self._initialised]
         if missing:
             raise RuntimeError(f"offloaded optimizer groups {missing} were never initialised (init_group)")
+        if self._broken is not None:
+            raise OffloadError(
+                f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
+                "updated: load a checkpoint to go on"
+            )
 
         def update(sg: SubGroup, rec: Record) -> None:
             grad = grads[sg.group][sg.lo : sg.hi]
@@ -166,7 +186,12 @@ class OptimizerOffload:
                 out.copy_(host_out)
 
         ahead, self._ahead = self._ahead, {}
-        self._walk(self.subgroups, update, read=True, ahead=ahead)
+        try:
+            self._walk(self.subgroups, update, read=True, ahead=ahead)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            self._stale = {g for g, n in enumerate(self.sizes) if n}
+            raise
         self._read_ahead()
 
     def _read_ahead(self) -> None:

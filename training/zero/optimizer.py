@@ -604,6 +604,15 @@ class ZeroOptimizer:
         self._staged = None
         return staged["fp32_master"]
 
+    def prepare_load(self) -> None:
+        """Before a load fills the state (:meth:`buffers`): with an offload tier that an earlier failed step
+        left partly updated, stage zeros instead of reading it; the load overwrites them."""
+        if self.offload is not None and self.offload.broken is not None:
+            self._staged = {
+                key: [torch.zeros(plan.size, dtype=torch.float32, device=self.device) for plan in self.plans]
+                for key in STATE_KEYS
+            }
+
     def drop_staged(self) -> None:
         """Let go of the offloaded state staged for a checkpoint (:meth:`buffers`); the tier keeps the state."""
         self._staged = None

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import pytest
 from offload_worker import weights_digest
 
+import ucp
 from aio.errors import AioError
 from training import Engine
 from training.offload import OffloadConfig, OffloadError
@@ -110,11 +111,14 @@ def test_space_is_reserved_so_filling_the_device_later_does_not_stop_the_run(
 
 
 def test_enospc_in_a_write_back_mid_run_names_file_and_sub_group(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: tuple[list[float], str]
 ) -> None:
-    e = engine(config(tmp_path))
+    (tmp_path / "swap").mkdir()
+    e = engine(config(tmp_path / "swap"))
+    manager = ucp.CheckpointManager(tmp_path / "ckpt")
     try:
         e.train_step(0)
+        e.save(manager)
         store = e.optimizer.offload.store
         real = store._engine.submit_write
         target = swap_files(e)[5]
@@ -129,6 +133,13 @@ def test_enospc_in_a_write_back_mid_run_names_file_and_sub_group(
         monkeypatch.setattr(store._engine, "submit_write", submit_write)
         with pytest.raises(OffloadError, match=rf"writing swap file {target} of sub-group 5 .*the device is full"):
             e.train_step(1)
+        monkeypatch.undo()  # space again; but the step stopped half way: the tier is partly updated
+        with pytest.raises(OffloadError, match=r"an earlier optimizer step failed half way \(OffloadError: writing"):
+            e.train_step(1)
+        with pytest.raises(OffloadError, match=r"partly updated and cannot be read as a whole"):
+            e.save(manager, step=2)
+        assert e.load(manager) == 1  # a load rewrites the whole tier: training goes on as if nothing happened
+        assert [e.train_step(1)] == reference[0][1:2]
     finally:
         e.close()
 
