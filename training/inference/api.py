@@ -1,0 +1,94 @@
+"""``infer``: the Python API behind ``ucp infer`` — open weights, plan the budget, generate, measure."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from aio import AioConfig
+from training.inference.config import load_model
+from training.inference.executor import Executor
+from training.inference.generate import Generated, Sampling, generate
+from training.inference.metrics import InferMetrics, page_cache_bytes, peak_rss
+from training.inference.sources import open_weights
+from training.inference.tokens import Tokenizer
+
+
+@dataclass
+class InferResult:
+    """Per prompt: the new token ids and their text (None without a tokenizer); the run's metrics."""
+
+    tokens: list[list[int]]
+    texts: list[str | None]
+    metrics: InferMetrics
+
+
+def infer(
+    path: str | os.PathLike[str],
+    prompts: list[str] | list[list[int]],
+    *,
+    max_new_tokens: int = 16,
+    batch_size: int | None = None,
+    memory_budget: int = 512 << 20,
+    prefetch: int | None = None,
+    sampling: Sampling | None = None,
+    dtype: torch.dtype = torch.float32,
+    config: str | os.PathLike[str] | None = None,
+    aio_config: AioConfig | None = None,
+) -> InferResult:
+    """Generate for ``prompts`` (text, tokenized by the weights' tokenizer.json, or lists of ids) with
+    weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch."""
+    source = open_weights(path)
+    model, source = load_model(source, config)
+    tok = Tokenizer.for_weights(source.root)
+    ids = [p if isinstance(p, list) else tok.encode(p) for p in prompts]
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None) or getattr(
+        getattr(model, "cfg", None), "vocab_size", None
+    )
+    bs = batch_size or len(ids)
+    cache_before = page_cache_bytes()
+    results: list[Generated] = []
+    with Executor(model, source, memory_budget, prefetch=prefetch, dtype=dtype, aio_config=aio_config) as ex:
+        for i in range(0, len(ids), bs):
+            results.append(generate(ex, ids[i : i + bs], max_new_tokens, sampling, vocab_size=vocab))
+        stats, plan, engine = ex.stats, ex.plan, ex.handle.engine_name
+    tokens = [t for r in results for t in r.tokens]
+    decode_s = sum(r.decode_seconds for r in results)
+    decode_tokens = sum(r.decode_steps * r.batch for r in results)
+    generated = sum(len(t) for t in tokens)
+    kv = (
+        max(
+            2
+            * model.n_layers
+            * r.batch
+            * model.n_kv_heads
+            * model.head_dim
+            * (max(len(p) for p in ids) + max_new_tokens)
+            for r in results
+        )
+        * torch.empty((), dtype=dtype).element_size()
+    )
+    metrics = InferMetrics(
+        batch=bs,
+        prompt_tokens=max(len(p) for p in ids),
+        new_tokens=max_new_tokens,
+        time_to_first_token_s=results[0].prefill_seconds,
+        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else 0.0,
+        decode_tokens_per_s_per_seq=sum(r.decode_steps for r in results) / decode_s if decode_s > 0 else 0.0,
+        bytes_read=stats.bytes_read,
+        bytes_read_per_token=stats.bytes_read / generated,
+        streamed_bytes_per_pass=plan.streamed_bytes_per_pass,
+        read_gb_per_s=stats.bytes_read / stats.read_seconds / 1e9 if stats.read_seconds > 0 else 0.0,
+        read_hidden_fraction=stats.hidden_fraction,
+        resident_bytes=plan.resident_bytes,
+        ring_bytes=plan.ring_bytes,
+        budget_bytes=plan.budget,
+        prefetch_depth=plan.prefetch,
+        kv_cache_bytes=kv,
+        peak_rss_bytes=peak_rss(),
+        page_cache_growth_bytes=page_cache_bytes() - cache_before,
+        engine=engine,
+    )
+    return InferResult(tokens, [tok.decode(t) for t in tokens], metrics)

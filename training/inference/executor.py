@@ -1,0 +1,264 @@
+"""The layer-streaming executor: weights stay on disk and pass through a ring of reused aligned buffers.
+
+A forward pass visits the model's groups in order: ``pre`` (embedding), every layer, ``post`` (final
+norm and head). Groups kept *resident* are read once; the others are *streamed*: a reader thread
+fills the ring's free buffers with the next groups, in the cyclic order the passes consume them (the
+last layer of one pass is followed by the first of the next), so while layer ``i`` computes, layers
+``i+1 .. i+k`` are being read, ``k`` = ring buffers - 1, chosen from the budget. Reads are O_DIRECT
+through :mod:`aio` (libaio where present) into page-aligned, pre-faulted buffers that are never
+freed or re-faulted, so weights do not pass through the page cache and the process's resident memory
+stays at ring + resident tensors.
+
+The budget covers weight memory: the ring and the resident tensors (held in the compute dtype).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Generator
+
+import torch
+
+from aio import AioConfig, AioHandle, AlignedBuffer
+from aio.sizes import format_size
+from training.inference.errors import BudgetError
+from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
+from training.inference.model import Step, StreamModel
+from training.inference.sources import WeightSource
+from ucp.format.dtypes import itemsize, torch_dtype
+
+READ_CONFIG = AioConfig(block_size=4 << 20, queue_depth=32)  # few staging blocks: aligned spans read direct
+
+
+@dataclass
+class Plan:
+    """How the budget is spent: what stays resident, the ring's buffers and prefetch depth."""
+
+    budget: int
+    resident: list[str]  # group labels kept in memory
+    resident_bytes: int
+    slot_bytes: int
+    slots: int
+    streamed: list[GroupLayout] = field(repr=False)
+
+    @property
+    def prefetch(self) -> int:
+        return self.slots - 1
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def streamed_bytes_per_pass(self) -> int:
+        return sum(g.read_bytes for g in self.streamed)
+
+
+def plan_budget(
+    pre: GroupLayout,
+    layers: list[GroupLayout],
+    post: GroupLayout,
+    budget: int,
+    *,
+    resident_bytes: int,
+    prefetch: int | None = None,
+) -> Plan:
+    """Keep pre/post resident when the rest still leaves two layer buffers; else stream them too.
+
+    BudgetError when the budget cannot hold the largest streamed group, naming it, its largest tensor
+    and the budget needed.
+    """
+    layer_slot = max((g.nbytes for g in layers), default=0)
+    if budget >= resident_bytes + 2 * layer_slot or (budget >= resident_bytes + layer_slot and prefetch == 0):
+        streamed, resident, resident_names, slot = layers, resident_bytes, [pre.label, post.label], layer_slot
+    else:
+        streamed, resident, resident_names = [pre, *layers, post], 0, []
+        slot = max(g.nbytes for g in streamed)
+    if budget < resident + slot:
+        worst = max(streamed, key=lambda g: g.nbytes)
+        big = worst.largest
+        raise BudgetError(
+            f"memory budget {format_size(budget)} is too small: {worst.label} needs a buffer of {format_size(worst.nbytes)} "
+            f"(largest tensor {big.name!r}, {format_size(big.nbytes)}); a budget of at least "
+            f"{format_size(resident + slot)} ({resident + slot} bytes) is needed to stream it"
+        )
+    slots = (budget - resident) // slot
+    slots = min(slots, len(streamed) + 1)
+    if prefetch is not None:
+        slots = min(slots, prefetch + 1)
+    return Plan(budget, resident_names, resident, slot, max(1, slots), streamed)
+
+
+@dataclass
+class ReadStats:
+    """What the reader did and how long compute waited for it."""
+
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # the reader thread's time inside reads
+    wait_seconds: float = 0.0  # the compute thread's time waiting for a group to arrive
+    groups_read: int = 0
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of read time overlapped with compute (1: reads never held compute up)."""
+        if self.read_seconds <= 0:
+            return 1.0
+        return max(0.0, min(1.0, 1.0 - self.wait_seconds / self.read_seconds))
+
+
+def tensor_views(buf: AlignedBuffer, placed: list[Placed], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buf`` (no copy when already in ``dtype`` and element-aligned)."""
+    out = {}
+    for p in placed:
+        if p.nbytes == 0:
+            out[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype))
+            continue
+        raw = torch.frombuffer(buf.view(p.nbytes, p.at), dtype=torch.uint8)
+        if p.at % itemsize(p.dtype):  # an element-misaligned offset in the file: copy to an aligned tensor
+            raw = raw.clone()
+        t = raw.view(torch_dtype(p.dtype)).view(p.shape)
+        out[p.name] = t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
+    return out
+
+
+class _Ring:
+    """Buffers cycling between a reader thread (fills) and the compute thread (uses, then releases)."""
+
+    def __init__(self, groups: list[GroupLayout], slots: int, slot_bytes: int, handle: AioHandle) -> None:
+        self.groups, self.handle, self.stats = groups, handle, ReadStats()
+        self._free: queue.Queue[AlignedBuffer | None] = queue.Queue()
+        self._ready: queue.Queue[tuple[int, AlignedBuffer, BaseException | None]] = queue.Queue()
+        self.buffers = [AlignedBuffer(slot_bytes, pin=None) for _ in range(slots)]
+        self._stop = False
+        for b in self.buffers:
+            self._free.put(b)
+        self._thread = threading.Thread(target=self._run, name="ucp-infer-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        while True:
+            buf = self._free.get()
+            if buf is None or self._stop:
+                return
+            g = self.groups[i % len(self.groups)]
+            t0 = time.perf_counter()
+            try:
+                load_group(self.handle, g, buf)
+            except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
+                self._ready.put((i % len(self.groups), buf, exc))
+                return
+            self.stats.read_seconds += time.perf_counter() - t0
+            self.stats.bytes_read += g.read_bytes
+            self.stats.groups_read += 1
+            self._ready.put((i % len(self.groups), buf, None))
+            i += 1
+
+    def take(self, index: int) -> AlignedBuffer:
+        t0 = time.perf_counter()
+        got, buf, exc = self._ready.get()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        if exc is not None:
+            raise exc
+        assert got == index, f"ring out of order: got group {got}, wanted {index}"
+        return buf
+
+    def release(self, buf: AlignedBuffer) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        self._stop = True
+        self._free.put(None)
+        self._thread.join()
+
+
+def load_group(handle: AioHandle, g: GroupLayout, buf: AlignedBuffer) -> None:
+    """Read every range of ``g`` into ``buf`` (all ranges of a file in flight together)."""
+    for file, reads in g.reads.items():
+        handle.read_ranges(file, [(off, buf.view(n, at)) for off, at, n in reads])
+
+
+class Executor:
+    """Runs forward passes of ``model`` with weights streamed from ``source`` within ``budget`` bytes."""
+
+    def __init__(
+        self,
+        model: StreamModel,
+        source: WeightSource,
+        budget: int,
+        *,
+        prefetch: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        aio_config: AioConfig | None = None,
+    ) -> None:
+        model.check_weights(source)
+        self.model, self.source, self.dtype = model, source, dtype
+        sizes = FileSizes()
+        pre = layout_group("embedding", model.pre_names(), source, sizes)
+        layers = [layout_group(f"layer {i}", model.layer_names(i), source, sizes) for i in range(model.n_layers)]
+        post = layout_group("final norm and head", model.post_names(), source, sizes)
+        unique = {t.name: t for t in (*pre.tensors, *post.tensors)}
+        size = torch.empty((), dtype=dtype).element_size()
+        resident_bytes = sum(
+            (t.nbytes // itemsize(t.dtype)) * (size if torch_dtype(t.dtype).is_floating_point else itemsize(t.dtype))
+            for t in unique.values()
+        )
+        self.plan = plan_budget(pre, layers, post, budget, resident_bytes=resident_bytes, prefetch=prefetch)
+        self.handle = AioHandle(aio_config or READ_CONFIG)
+        self.resident: dict[str, torch.Tensor] = {}
+        self.resident_stats = ReadStats()
+        if self.plan.resident:
+            t0 = time.perf_counter()
+            rest = [n for n in model.post_names() if n not in model.pre_names()]  # a tied head is the embedding
+            for g in (pre, layout_group(post.label, rest, source, sizes)):
+                buf = AlignedBuffer(g.nbytes)
+                load_group(self.handle, g, buf)
+                self.resident_stats.bytes_read += g.read_bytes
+                # views keep ``buf`` alive where no conversion copied them; converted ones let it go
+                self.resident.update(tensor_views(buf, g.tensors, dtype))
+                del buf
+            self.resident_stats.read_seconds = time.perf_counter() - t0
+        self._streams_pre = not self.plan.resident
+        self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
+        self._index = 0
+
+    @property
+    def stats(self) -> ReadStats:
+        return self._ring.stats
+
+    def _groups(self) -> Generator[dict[str, torch.Tensor], None, None]:
+        """Each streamed group's tensors in order; the buffer goes back to the ring when the next is asked for."""
+        for g in self.plan.streamed:
+            buf = self._ring.take(self._index)
+            self._index = (self._index + 1) % len(self.plan.streamed)
+            try:
+                yield tensor_views(buf, g.tensors, self.dtype)
+            finally:
+                self._ring.release(buf)
+
+    @torch.inference_mode()
+    def forward(self, step: Step) -> torch.Tensor:
+        """Logits [B, T, vocab] of ``step``'s tokens (the cache in ``step`` is filled as it goes)."""
+        groups = self._groups()
+        try:
+            w = next(groups) if self._streams_pre else self.resident
+            h = self.model.embed(w, step).to(self.dtype)
+            for i in range(self.model.n_layers):
+                h = self.model.layer(i, next(groups), h, step)
+            w = next(groups) if self._streams_pre else self.resident
+            return self.model.head(w, h)
+        finally:
+            groups.close()
+
+    def close(self) -> None:
+        self._ring.close()
+        self.handle.close()
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""What every run reports: latency, throughput, I/O and memory against the budget."""
+
+from __future__ import annotations
+
+import resource
+
+from pydantic import BaseModel
+
+
+class InferMetrics(BaseModel):
+    """One run's figures (``ucp infer --json`` prints them)."""
+
+    batch: int
+    prompt_tokens: int  # longest prompt (the padded prefill length)
+    new_tokens: int  # per sequence
+    time_to_first_token_s: float
+    decode_tokens_per_s: float  # all sequences together
+    decode_tokens_per_s_per_seq: float
+    bytes_read: int  # weights read from disk during generation (resident tensors excluded)
+    bytes_read_per_token: float  # per generated token (all sequences)
+    streamed_bytes_per_pass: int
+    read_gb_per_s: float  # bytes_read / the reader's time in reads
+    read_hidden_fraction: float  # share of read time overlapped with compute
+    resident_bytes: int
+    ring_bytes: int
+    budget_bytes: int
+    prefetch_depth: int
+    kv_cache_bytes: int
+    peak_rss_bytes: int
+    page_cache_growth_bytes: int  # Cached in /proc/meminfo, after - before (near 0 on the O_DIRECT path)
+    engine: str
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def page_cache_bytes() -> int:
+    """The system's page cache (``Cached``), 0 where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("Cached:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

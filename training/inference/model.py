@@ -1,0 +1,118 @@
+"""What the executor needs of a model: its weight groups and three compute steps, plus the shared ops.
+
+A model is a list of *groups* of tensor names: ``pre`` (embedding), one per transformer layer, and
+``post`` (final norm, head). The executor makes each group's weights available (resident or streamed
+through its ring) and calls :meth:`StreamModel.embed`, :meth:`StreamModel.layer` and
+:meth:`StreamModel.head` with them. The KV cache and positions travel in a :class:`Step`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from training.inference.errors import ModelConfigError
+from training.inference.sources import WeightSource
+
+
+@dataclass
+class Step:
+    """One forward pass: ``tokens`` [B, T] at cache slots ``[start, start + T)``.
+
+    ``positions`` [B, T] are each row's RoPE positions (rows are left-padded to a common length),
+    ``mask`` [B, start + T] marks the cache slots holding real tokens (False: padding).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    start: int
+    cache: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def attn_mask(self) -> torch.Tensor:
+        """[B, 1, T, start + T] booleans: a query sees real keys at or before its own slot."""
+        t, total = self.tokens.shape[1], self.start + self.tokens.shape[1]
+        q = torch.arange(self.start, total).view(1, 1, t, 1)
+        k = torch.arange(total).view(1, 1, 1, total)
+        # a padding query attends to itself only: a row with no key at all would give NaNs that its
+        # values would carry into later layers' (masked, but 0 * NaN) products
+        return ((k <= q) & self.mask[:, None, None, :total]) | (k == q)
+
+
+class StreamModel(abc.ABC):
+    """A decoder whose weights arrive group by group."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+    @abc.abstractmethod
+    def pre_names(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def layer_names(self, i: int) -> list[str]: ...
+
+    @abc.abstractmethod
+    def post_names(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    @abc.abstractmethod
+    def embed(self, w: Mapping[str, torch.Tensor], step: Step) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def layer(self, i: int, w: Mapping[str, torch.Tensor], h: torch.Tensor, step: Step) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def head(self, w: Mapping[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor: ...
+
+    def check_weights(self, source: WeightSource) -> None:
+        """Every tensor the config implies is present with the config's shape (named errors otherwise)."""
+        for name, shape in self.expected_shapes().items():
+            if name not in source:
+                raise ModelConfigError(
+                    f"{source.root}: tensor {name!r} (shape {list(shape)}) is missing from the weights"
+                )
+            got = source[name].shape
+            if tuple(got) != tuple(shape):
+                where = source[name].runs[0].file if source[name].runs else source.root
+                raise ModelConfigError(
+                    f"{where}: tensor {name!r} has shape {list(got)}, the model config implies {list(shape)}"
+                )
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, head_dim] for rotate-half RoPE, computed as transformers' Llama computes them."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = (inv[None, :, None] @ positions[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[:, None], emb.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def attend(
+    i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float | None = None
+) -> torch.Tensor:
+    """Write k, v [B, kv, T, hd] into layer ``i``'s cache at ``step.start`` and attend q [B, H, T, hd]
+    over the cache so far (GQA: each kv head serves H // kv consecutive query heads)."""
+    kc, vc = step.cache[i]
+    t = q.shape[2]
+    end = step.start + t
+    kc[:, :, step.start : end] = k
+    vc[:, :, step.start : end] = v
+    keys, values = kc[:, :, :end], vc[:, :, :end]
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attn_mask(), scale=scale)
