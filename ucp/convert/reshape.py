@@ -11,7 +11,9 @@ How it runs, per target file (the files of several ranks in parallel, ``workers`
 1. the file is planned like a save by that rank would plan it (:func:`ucp.saving.plan.make_plan`);
 2. its pieces are filled in batches, each piece straight from the source bytes that intersect
    it (:func:`ucp.loading.partial.read_targets`), the next two batches being read while one is written;
-3. the batch is written through the same file writer and on-the-way-out CRC-32C as a save;
+3. the batch is written through the same file writer and on-the-way-out CRC-32C as a save, except
+   that a piece copying one stored piece whole keeps that piece's CRC, which its read checked
+   (:func:`copied_crcs`): each byte is checksummed once;
 4. at the end the manifest is built and checked like a save's and committed atomically.
 
 Memory: the budget is shared by the files written at once, each holding ``BATCHES_HELD``
@@ -34,11 +36,12 @@ import numpy as np
 from pydantic import BaseModel
 
 from reshard import Box, FlatRange, Layout
-from reshard.box import split_region
+from reshard.box import split_region, transfers
 from ucp.convert.placement import Placement, SectionKind, layout_metadata, param_shapes, place, recorded_layout
 from ucp.errors import DestinationError
 from ucp.format.dtypes import itemsize
 from ucp.format.manifest import Manifest, now_utc
+from ucp.format.regions import same_elements
 from ucp.loading.partial import READ_AHEAD as STAGED_READ_AHEAD
 from ucp.loading.partial import SourceIndex, Target, read_targets
 from ucp.saving.plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
@@ -516,6 +519,29 @@ class _StreamedViews(Sequence[PieceBytes]):
                     fut.cancel()
 
 
+def copied_crcs(plan: SavePlan, source: Source) -> dict[int, int]:
+    """Piece index -> CRC-32C for the planned pieces that copy one stored piece whole (the same elements of
+    the same tensor, and no other stored piece intersects them): their bytes are that piece's, whose CRC
+    the read checks, so the writer need not checksum them a second time. Nothing for a source whose
+    pieces carry no CRCs (``verify=False``). A consolidation or a plain DP/ZeRO reshape copies most
+    pieces whole (replicated weights, tensors inside one partition): half the bytes hashed."""
+    if not source.verify:
+        return {}
+    known: dict[int, int] = {}
+    for i, p in enumerate(plan.pieces):
+        shape = tuple(source.manifest.tensors[p.name].shape)
+        stored = [
+            fp for _, fp in source.index.by_tensor.get(p.name, ()) if transfers(fp.piece.region(), p.region, shape)
+        ]
+        if (
+            len(stored) == 1
+            and stored[0].piece.length == p.length
+            and same_elements(stored[0].piece.region(), p.region, shape)
+        ):
+            known[i] = stored[0].piece.crc32c
+    return known
+
+
 def _results(futures: list[Future]) -> list[Any]:
     """The futures' results in order, the first failure raised as soon as it happens.
 
@@ -559,7 +585,7 @@ def _write_files(
         fill = lambda batch: _fill(batch, source, arenas, staging_bytes)  # noqa: E731
         views = _StreamedViews(job, fill, advance, stop)
         try:
-            records = write_rank_file(dst, f"{temp}/{plan.file}", plan, views)
+            records = write_rank_file(dst, f"{temp}/{plan.file}", plan, views, known_crcs=copied_crcs(plan, source))
         finally:
             views.close()  # a writer that failed on its own must not leave fills reading on
         return _commit.RankReport(

@@ -10,7 +10,7 @@ instructions), so checksumming costs no disk time and nothing is read back.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import crc32c as _crc32c
 
@@ -66,7 +66,13 @@ PieceBytes = memoryview | Iterable[memoryview]
 
 
 def write_rank_file(
-    storage: Storage, rel_path: str, plan: SavePlan, views: Sequence[PieceBytes], *, chunk: int = CHUNK
+    storage: Storage,
+    rel_path: str,
+    plan: SavePlan,
+    views: Sequence[PieceBytes],
+    *,
+    chunk: int = CHUNK,
+    known_crcs: Mapping[int, int] | None = None,
 ) -> list[tuple[str, Piece]]:
     """Write ``plan``'s file at ``rel_path`` from ``views`` (one per planned piece).
 
@@ -75,12 +81,15 @@ def write_rank_file(
     ``(tensor name, manifest piece)`` for every piece, the file name in each piece being the
     plan's (relative to the checkpoint directory). On any error the partial file is deleted and
     the error propagates. The views must not change until this returns.
+
+    ``known_crcs``: piece index -> the CRC-32C of its bytes, known already (a reshape copying a stored
+    piece whole, whose CRC the read checks): those pieces are written without being checksummed again.
     """
     if plan.file is None:
         return []
     if len(views) != len(plan.pieces):
         raise ValueError(f"{len(views)} byte views for {len(plan.pieces)} planned pieces")
-    inline: dict[int, int] = {}  # small pieces: checksummed here, a thread hand-off costs more
+    inline: dict[int, int] = dict(known_crcs or {})  # and small pieces: checksummed here, a hand-off costs more
     with CrcChain() as crcs:
         writer = storage.open_writer(rel_path, plan.file_size)
         try:
@@ -90,15 +99,18 @@ def write_rank_file(
                 if piece.offset > pos:  # a padding entry that puts the piece in phase with its memory
                     writer.write(bytes(piece.offset - pos))
                 if isinstance(view, memoryview) and view.nbytes <= INLINE_CRC:
-                    inline[i] = _crc32c.crc32c(view)
+                    if i not in inline:
+                        inline[i] = _crc32c.crc32c(view)
                     writer.write(view)
                     pos = piece.offset + view.nbytes
                     continue
                 pos = piece.offset
+                known = i in inline
                 for part in (view,) if isinstance(view, memoryview) else view:
                     for start in range(0, part.nbytes, chunk):
                         block = part[start : start + chunk]
-                        crcs.feed(i, block)
+                        if not known:
+                            crcs.feed(i, block)
                         writer.write(block, borrow=True)  # the views stay unchanged until we return
                     pos += part.nbytes
                 if pos != piece.offset + piece.length:
