@@ -11,7 +11,10 @@ with the page cache dropped before each step (root only; otherwise the run says 
 
 * ``cp -r SRC DST`` then ``sync`` — every byte read and written once, no layout work;
 * ``ucp reshape SRC DST --tp 1 --dp 4 --zero 1`` — another TP/DP split and ZeRO stage;
-* ``ucp reshape SRC DST`` — consolidated (one piece per tensor).
+* ``ucp reshape SRC DST`` — consolidated (one piece per tensor);
+* where ``fio`` is installed, fio reading the checkpoint's data files with O_DIRECT while writing as many
+  bytes (concurrently, fsynced): the device's floor for the reshape's data movement at that moment, to
+  hold the reshape's own ``io`` phase against.
 
 Each reshape runs as its own ``ucp`` process; its peak RSS is checked against the issue's bound,
 1 GiB + 2 × the largest tensor. Medians over rounds; ``--json`` for the raw numbers.
@@ -139,6 +142,18 @@ def copy_and_sync(src: Path, dst: Path) -> str:
     return ""
 
 
+def fio_read_write(src: Path, dst: Path, files: list[str]) -> str:
+    """The device's floor for reading and writing the same bytes at once: fio reading the checkpoint's data
+    files with O_DIRECT (8 MiB requests, 8 in flight) while a second job writes as many bytes to a new file
+    under ``dst`` the same way, fsynced; both concurrent, as a reshape's reads and writes are."""
+    dst.mkdir(parents=True)
+    size = sum((src / f).stat().st_size for f in files)
+    common = ["--bs=8m", "--iodepth=8", "--ioengine=libaio", "--direct=1", "--output-format=terse"]
+    read = ["--name=read", "--rw=read", "--filename=" + ":".join(str(src / f).replace(":", "\\:") for f in files)]
+    write = ["--name=write", "--rw=write", f"--filename={dst / 'fio.out'}", f"--size={size}", "--end_fsync=1"]
+    return _checked(subprocess.run(["fio", *read, *common, *write, *common], capture_output=True, text=True))
+
+
 def _checked(res: subprocess.CompletedProcess[str]) -> str:
     """The command's stdout, or exit with its command line and output if it failed."""
     if res.returncode != 0:
@@ -209,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         help="engine: a tp2 x dp2 ZeRO-2 reference-GPT checkpoint; deepspeed: ucp convert of a DeepSpeed ZeRO-2 one",
     )
     p.add_argument("--model", default="gpt-100m", help="--source deepspeed: the GPT preset DeepSpeed trains")
+    p.add_argument(
+        "--no-convert", action="store_true", help="--source deepspeed: leave out ucp convert and ds_to_universal"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     args.root = args.root.absolute()  # the steps run with cwd=ROOT: a relative --root must mean the same there
@@ -234,16 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     syncs: dict[str, list[float]] = {"ucp convert": [], "ds_to_universal": []}
     drops: dict[str, Path] = {}  # a step's source, where it is not the checkpoint being reshaped
     steps: dict[str, Step] = {"cp -r + sync": lambda: copy_and_sync(src, dst)}
+    if shutil.which("fio"):
+        steps["fio read + write"] = lambda: fio_read_write(src, dst, sorted(manifest.files))
     if ds is None:
         steps["reshape tp1 dp4 ZeRO-1"] = lambda: _run([*reshape, "--tp", "1", "--dp", "4", "--zero", "1", *budget])
         steps["reshape consolidated"] = lambda: _run([*reshape, *budget])
     else:
-        from tools.peers.deepspeed_ckpt import peer_env, read_latest
-
-        tag = read_latest(ds)
         steps["reshape dp4, no layout"] = lambda: _run(
             [*reshape, "--dp", "4", *budget], timings_env, stderr.setdefault("reshape dp4, no layout", [])
         )
+    if ds is not None and not args.no_convert:
+        from tools.peers.deepspeed_ckpt import peer_env, read_latest
+
+        tag = read_latest(ds)
         steps["ucp convert"] = synced(
             lambda: _run([*UCP, "convert", str(ds), str(dst), "--json"]), syncs["ucp convert"]
         )
@@ -292,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": os.getloadavg(),
         "cpu": cpu_model(),
     }
-    if ds is not None:
+    if "ucp convert" in med:
         result["convert_sync_seconds"] = {k: statistics.median(v) for k, v in syncs.items()}
         result["convert_speedup"] = med["ds_to_universal"] / med["ucp convert"]
         result["pass"]["ucp convert"] = result["convert_speedup"] >= 3.0
@@ -314,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in med.items():
         peak = f"{rss[k] / 2**20:.0f} MiB" if k in rss else ""
         verdict = ("pass" if result["pass"][k] else "FAIL") if k in rss else ""
-        if k in syncs:  # another source and output: no ratio to the copy
+        if k in syncs or k.startswith("fio"):  # another source or output: no ratio to the copy
             print(f"{k:<26}{v:>10.2f}")
             continue
         print(f"{k:<26}{v:>10.2f}{size / v / 1e9:>8.2f}{v / floor:>7.2f}{peak:>11}{verdict:>9}")
@@ -322,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}, median split: " + " ".join(f"{ph}={v:.2f}" for ph, v in phases.items()))
     bound = "1 GiB" if ds is not None else "1 GiB + 2 x largest tensor"
     print(f"targets: <= 1.25 x cp, peak RSS <= {rss_bound / 2**20:.0f} MiB ({bound})")
-    if ds is not None:
+    if "ucp convert" in med:
         sy = result["convert_sync_seconds"]
         print(
             f"ucp convert {med['ucp convert']:.2f} s (sync {sy['ucp convert']:.2f}), ds_to_universal "
