@@ -13,6 +13,7 @@ with that prefix stripped.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,7 +37,9 @@ def _gpt(doc: dict[str, Any], where: str) -> GPTConfig:
 
 def strip_prefix(source: WeightSource, prefix: str) -> WeightSource:
     """The same weights with ``prefix`` taken off every name that has it (others dropped)."""
-    tensors = {n[len(prefix) :]: t for n, t in source.tensors.items() if n.startswith(prefix)}
+    tensors = {
+        n[len(prefix) :]: replace(t, name=n[len(prefix) :]) for n, t in source.tensors.items() if n.startswith(prefix)
+    }
     return WeightSource(source.root, tensors, source.kind)
 
 
