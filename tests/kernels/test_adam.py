@@ -246,3 +246,23 @@ def test_bad_arguments_name_the_tensor_at_fault(cpp_backend: None) -> None:
         kernels.adam(p, g, m, v, step=0, lr=0.1)
     with pytest.raises(ValueError, match="out is torch.int8"):
         kernels.adam(p, g, m, v, step=1, lr=0.1, out=torch.zeros(8, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("torch_sqrt", [False, True])
+def test_a_streamed_copy_back_at_an_unaligned_start_equals_the_cast(
+    cpp_backend: None, threads: None, dtype: torch.dtype, torch_sqrt: bool
+) -> None:
+    """Copy-backs of 4 MiB and more bypass the caches (staged per tile, streamed): any start address."""
+    n = 2**21 + 5
+    gen = torch.Generator().manual_seed(11)
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+        buf = torch.zeros(n + 9, dtype=dtype)
+        out = buf[3 : 3 + n]
+        for step in range(1, 3):
+            g = torch.randn(n, generator=gen)
+            kernels.adam(p, g, m, v, step=step, lr=1e-2, weight_decay=0.1, out=out, torch_sqrt=torch_sqrt)
+            assert torch.equal(out.view(torch.uint8), p.to(dtype).view(torch.uint8)), (t, step)
+        assert not buf[:3].any() and not buf[3 + n :].any()
