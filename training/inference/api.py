@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -37,9 +38,11 @@ def infer(
     dtype: torch.dtype = torch.float32,
     config: str | os.PathLike[str] | None = None,
     aio_config: AioConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> InferResult:
     """Generate for ``prompts`` (text, tokenized by the weights' tokenizer.json, or lists of ids) with
-    weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch."""
+    weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch.
+    ``progress(done, total)`` counts token steps over all batches."""
     source = open_weights(path)
     model, source = load_model(source, config)
     tok = Tokenizer.for_weights(source.root)
@@ -50,9 +53,12 @@ def infer(
     bs = batch_size or len(ids)
     cache_before = page_cache_bytes()
     results: list[Generated] = []
+    total = -(-len(ids) // bs) * max_new_tokens  # token steps over all batches (progress)
     with Executor(model, source, memory_budget, prefetch=prefetch, dtype=dtype, aio_config=aio_config) as ex:
         for i in range(0, len(ids), bs):
-            results.append(generate(ex, ids[i : i + bs], max_new_tokens, sampling, vocab_size=vocab))
+            done = i // bs * max_new_tokens
+            tick = None if progress is None else (lambda n, done=done: progress(done + n, total))
+            results.append(generate(ex, ids[i : i + bs], max_new_tokens, sampling, vocab_size=vocab, on_token=tick))
         stats, plan, engine = ex.stats, ex.plan, ex.handle.engine_name
     tokens = [t for r in results for t in r.tokens]
     decode_s = sum(r.decode_seconds for r in results)

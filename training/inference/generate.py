@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -80,8 +81,10 @@ def generate(
     *,
     keep_logits: bool = False,
     vocab_size: int | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> Generated:
-    """Generate ``max_new_tokens`` for each prompt in one batch: one prefill pass, then one pass per token."""
+    """Generate ``max_new_tokens`` for each prompt in one batch: one prefill pass, then one pass per token
+    (``on_token(n)`` after the n-th token of every row)."""
     sampling = sampling or Sampling()
     if max_new_tokens < 1:
         raise InferenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -118,6 +121,8 @@ def generate(
     for s in range(max_new_tokens):
         for i in range(b):
             out[i].append(int(nxt[i]))
+        if on_token is not None:
+            on_token(s + 1)
         if s == max_new_tokens - 1:
             break
         last = last + 1

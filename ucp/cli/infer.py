@@ -1,0 +1,116 @@
+"""``ucp infer PATH``: generate with a model larger than memory, its weights streamed from disk.
+
+PATH is a Hugging Face ``save_pretrained`` directory (safetensors, single or sharded, with config.json)
+or a UCP checkpoint (its metadata or a config.json saying which model). Prompts are text when the
+weights come with a tokenizer.json, else token ids ("1 2 3"). ``--json`` prints the tokens and the
+run's metrics (time to first token, decode tokens/s, bytes read per token, read GB/s, the share of
+read time hidden behind compute, peak RSS, resident bytes against the budget).
+
+Exit codes: 0 done, 2 bad input (a missing file, a lying header, a config that does not fit the
+weights, a budget below the largest layer, a bad prompt), 1 an I/O failure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from aio.sizes import SIZE_HELP, format_size, parse_size
+from ucp.cli.common import fail_with, out, progress_bar
+from ucp.cli.inspect import bad_input
+
+
+def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
+    if bool(prompt) == (prompts_file is not None):
+        raise bad_input("give --prompt (repeatable) or --prompts-file, not both and not neither")
+    if prompts_file is None:
+        return list(prompt or [])
+    try:
+        lines = prompts_file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise bad_input(f"{prompts_file}: cannot read the prompts file ({exc})") from None
+    got = [line for line in lines if line.strip()]
+    if not got:
+        raise bad_input(f"{prompts_file}: no prompts (one per line)")
+    return got
+
+
+def infer_cmd(
+    path: Annotated[str, typer.Argument(help="Weights: a Hugging Face safetensors directory or a UCP checkpoint.")],
+    prompt: Annotated[
+        Optional[list[str]],
+        typer.Option("--prompt", help="A prompt (repeatable): text, or token ids without a tokenizer."),
+    ] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts-file", help="One prompt per line.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens generated per prompt.")] = 16,
+    batch_size: Annotated[
+        Optional[int], typer.Option("--batch-size", min=1, help="Prompts per batch (default: all).")
+    ] = None,
+    memory_budget: Annotated[
+        str, typer.Option("--memory-budget", help=f"Weight memory: ring buffers + resident tensors ({SIZE_HELP}).")
+    ] = "512MiB",
+    prefetch: Annotated[
+        Optional[int],
+        typer.Option("--prefetch", min=0, help="Layers read ahead of compute (default: what the budget allows)."),
+    ] = None,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0: greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1: off).")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", help="A config.json to use instead of the weights' own.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: outputs and metrics.")] = False,
+) -> None:
+    """Generate text with weights streamed from disk, layer by layer, within a memory budget."""
+    texts = _prompts(prompt, prompts_file)
+    try:
+        budget = parse_size(memory_budget, what="--memory-budget")
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
+    if top_p <= 0.0:
+        raise bad_input("--top-p must be > 0")
+    import torch  # noqa: F401 - heavy: imported once the options are known good
+
+    from training.inference.api import infer
+    from training.inference.generate import Sampling
+
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    try:
+        with progress_bar("generating", enabled=not json_output) as update:
+            result = infer(
+                path,
+                texts,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                memory_budget=budget,
+                prefetch=prefetch,
+                sampling=sampling,
+                config=config,
+                progress=lambda done, total: update(done, total, "tokens"),
+            )
+    except (ValueError, OSError) as exc:
+        raise fail_with(exc) from None
+    m = result.metrics
+    if json_output:
+        outputs = [{"prompt": p, "tokens": t, "text": x} for p, t, x in zip(texts, result.tokens, result.texts)]
+        print(json.dumps({"outputs": outputs, "metrics": m.model_dump()}, indent=2))
+        return
+    for p, toks, text in zip(texts, result.tokens, result.texts):
+        shown = text if text is not None else " ".join(map(str, toks))
+        out.print(f"[bold]{escape(p)}[/bold] -> {escape(shown)}", highlight=False)
+    out.print(
+        f"first token {m.time_to_first_token_s:.3f} s, decode {m.decode_tokens_per_s:.1f} tokens/s, "
+        f"{format_size(int(m.bytes_read_per_token))} read per token at {m.read_gb_per_s:.2f} GB/s "
+        f"({m.read_hidden_fraction:.0%} hidden), resident {format_size(m.resident_bytes)} + ring "
+        f"{format_size(m.ring_bytes)} of {format_size(m.budget_bytes)}, peak RSS {format_size(m.peak_rss_bytes)}",
+        highlight=False,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("infer")(infer_cmd)
