@@ -24,7 +24,18 @@ from ucp.cli import timings
 from ucp.shutdown import exit_now
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
-COMMAND_MODULES: list[str] = ["demo", "bench", "tune", "inspect", "verify", "ls", "reshape", "convert", "export"]
+COMMAND_MODULES: list[str] = [
+    "demo",
+    "bench",
+    "tune",
+    "inspect",
+    "verify",
+    "ls",
+    "reshape",
+    "convert",
+    "export",
+    "infer",
+]
 
 app = typer.Typer(
     name="ucp",
