@@ -20,7 +20,7 @@ needs the trainer's GIL: a trainer thread blocked on a protected page holding th
 cannot stall it. If it dies, its descriptors close and the kernel releases every
 blocked writer (that snapshot fails; the trainer is never left hanging).
 
-Standard library only (no torch): it starts in a fraction of a second.
+Standard library and the crc32c package only (no torch): it starts in a fraction of a second.
 """
 
 from __future__ import annotations
