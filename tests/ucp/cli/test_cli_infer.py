@@ -99,3 +99,22 @@ def test_bad_input_exits_2_naming_the_fault(model_dir: tuple[object, Path], extr
 def test_missing_weights_exit_2(tmp_path: Path) -> None:
     result = runner.invoke(app, ["infer", str(tmp_path / "nope"), "--prompt", "1"])
     assert result.exit_code == 2 and "nope: no such file or directory" in result.stderr
+
+
+def test_cli_defaults_are_the_api_defaults() -> None:
+    import inspect as pyinspect
+
+    import typer.main
+
+    from aio.sizes import parse_size
+    from training.inference.api import infer
+    from training.inference.generate import Sampling
+
+    cmd = typer.main.get_command(app).commands["infer"]  # type: ignore[attr-defined]
+    cli = {p.name: p.default for p in cmd.params}
+    api = {n: p.default for n, p in pyinspect.signature(infer).parameters.items()}
+    assert cli["max_new_tokens"] == api["max_new_tokens"]
+    assert parse_size(cli["memory_budget"]) == api["memory_budget"]
+    assert cli["prefetch"] is api["prefetch"] is None and cli["batch_size"] is api["batch_size"] is None
+    s = Sampling()
+    assert (cli["temperature"], cli["top_k"], cli["top_p"], cli["seed"]) == (s.temperature, s.top_k, s.top_p, s.seed)

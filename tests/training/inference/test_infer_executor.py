@@ -1,0 +1,155 @@
+"""The executor: how the budget is spent (resident groups, ring buffers, prefetch depth), byte-exact
+loads of tensors in unaligned and many-piece runs, reads bypassing the page cache under O_DIRECT,
+continuous prefetch across passes, and a read failure surfacing in the compute thread."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from inference_models import save_hf, tiny_llama
+
+from aio import AlignedBuffer
+from training.inference.config import load_model
+from training.inference.executor import READ_CONFIG, Executor, load_group, tensor_views
+from training.inference.generate import generate
+from training.inference.layout import FileSizes, layout_group
+from training.inference.sources import Run, TensorSource, WeightSource, open_weights
+
+pytest.importorskip("transformers")
+
+LAYER = 131072  # one layer's buffer in the tiny model (126976 bytes of weights, page-rounded)
+EDGES = 32768 + 256 + 32768  # embedding, final norm and head, resident in fp32
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf(tiny_llama(), tmp_path_factory.mktemp("ex") / "hf")
+
+
+def executor(path: Path, budget: int, **kw: object) -> Executor:
+    model, source = load_model(open_weights(path))
+    return Executor(model, source, budget, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "budget, prefetch, resident, slots",
+    [
+        (1 << 20, None, True, 4),  # plenty: edges resident, a buffer per layer + 1
+        (EDGES + 2 * LAYER, None, True, 2),  # edges + two layer buffers: one read ahead
+        (EDGES + 3 * LAYER - 1, None, True, 2),
+        (1 << 20, 1, True, 2),  # --prefetch 1
+        (EDGES + 2 * LAYER - 1, None, False, 2),  # edges + 2 layers do not fit: everything streams
+        (LAYER, None, False, 1),  # exactly one buffer: no overlap, still runs
+    ],
+)
+def test_budget_plan(weights: Path, budget: int, prefetch: int | None, resident: bool, slots: int) -> None:
+    with executor(weights, budget, prefetch=prefetch) as ex:
+        p = ex.plan
+        assert bool(p.resident) == resident and p.slots == slots and p.prefetch == slots - 1
+        assert p.resident_bytes + p.ring_bytes <= budget
+        assert p.resident_bytes == (EDGES if resident else 0)
+        got = generate(ex, [[1, 2, 3]], 3).tokens
+    with executor(weights, 1 << 20) as ex:
+        assert generate(ex, [[1, 2, 3]], 3).tokens == got
+
+
+def test_reads_continue_into_the_next_pass(weights: Path) -> None:
+    with executor(weights, 1 << 20) as ex:
+        generate(ex, [[1, 2, 3]], 4)  # 4 passes of 3 layers
+        assert ex.stats.groups_read >= 12
+        layers = ex.plan.streamed
+        assert ex.stats.bytes_read == sum(layers[i % 3].read_bytes for i in range(ex.stats.groups_read))
+        assert 0.0 <= ex.stats.hidden_fraction <= 1.0
+
+
+def test_unaligned_and_many_piece_runs_load_byte_exact(tmp_path: Path) -> None:
+    data = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    f = tmp_path / "blob.bin"
+    f.write_bytes(data.numpy().tobytes())
+    want_a = data[4099 : 4099 + 4 * 1000]  # element-misaligned float32 at an odd file offset
+    # a 2-d tensor whose rows come from two places of the file, out of order
+    runs = tuple(Run(str(f), 200_000 + 40 * (9 - r), 40, 40 * r) for r in range(10))
+    want_b = torch.cat([data[200_000 + 40 * (9 - r) : 200_000 + 40 * (10 - r)] for r in range(10)])
+    want_c = data[300_000 - 4000 :]  # ends exactly at the file's end, mid-page
+    src = WeightSource(
+        str(tmp_path),
+        {
+            "a": TensorSource("a", "F32", (1000,), (Run(str(f), 4099, 4000, 0),)),
+            "b": TensorSource("b", "F32", (10, 10), runs),
+            "c": TensorSource("c", "U8", (4000,), (Run(str(f), 296_000, 4000, 0),)),
+        },
+        "test",
+    )
+    g = layout_group("g", ["a", "b", "c"], src, FileSizes())
+    from aio import AioHandle
+
+    buf = AlignedBuffer(g.nbytes)
+    with AioHandle(READ_CONFIG) as io:
+        load_group(io, g, buf)
+    views = tensor_views(buf, g.tensors, torch.float32)
+    assert torch.equal(views["a"].view(torch.uint8), want_a)
+    assert torch.equal(views["b"].contiguous().view(torch.uint8).view(-1), want_b)
+    assert torch.equal(views["c"], want_c)
+
+
+def _cached_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) on a read-only mapping of it)."""
+    import numpy as np
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        arr = np.frombuffer(m, dtype=np.uint8)  # its address, without touching (faulting in) any page
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec)
+        del arr
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+    finally:
+        m.close()
+
+
+def test_weights_bypass_the_page_cache(weights: Path, tmp_path: Path) -> None:
+    path = tmp_path / "cold"
+    path.mkdir()
+    for p in weights.iterdir():
+        (path / p.name).write_bytes(p.read_bytes())
+    data = path / "model.safetensors"
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _cached_pages(data) > 2:
+        pytest.skip("this file system keeps the file cached after DONTNEED")
+    with executor(path, 1 << 20) as ex:
+        generate(ex, [[1, 2, 3]], 3)
+        assert ex.stats.bytes_read > 0
+        direct = ex.handle.config.use_direct
+    if not direct:
+        pytest.skip("O_DIRECT is off")
+    # the header is read buffered (a few pages with read-ahead); weights go device -> ring buffer only
+    cached = _cached_pages(data)
+    with open(data, "rb") as fh:
+        header_pages = -(-(8 + int.from_bytes(fh.read(8), "little")) // mmap.PAGESIZE)
+    assert data.stat().st_size > 100 * mmap.PAGESIZE
+    assert cached <= header_pages + 4, (cached, header_pages)  # the header's buffered read, and its read-ahead
+
+
+def test_a_read_failure_reaches_the_compute_thread_naming_the_file(weights: Path, tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.mkdir()
+    for p in weights.iterdir():
+        (path / p.name).write_bytes(p.read_bytes())
+    with executor(path, LAYER, prefetch=0) as ex:  # one buffer: layer 1 is read only once layer 0 is done
+        os.truncate(path / "model.safetensors", 100_000)
+        with pytest.raises(OSError, match="model.safetensors"):
+            generate(ex, [[1, 2, 3]], 2)
