@@ -69,7 +69,9 @@ class OptimizerOffload:
             self.store = HostStore(self.subgroups, pin=pin)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-read")
         self._ahead: dict[int, Future[Record]] = {}  # the next step's first reads, issued at the end of a step
-        self._read_mark = (0, 0.0)  # bytes_read, read_seconds when they were issued (they count towards the next step)
+        self._behind: list[tuple[int, Future[None]]] = []  # write-backs left running by the last step
+        self._write_mark: float | None = None  # the store's write_seconds when it ended
+        self._read_mark = 0.0  # the store's read_seconds when they were issued (they count towards the next step)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
         self._initialised: set[int] = set()
         self._broken: str | None = None  # why a step failed half way (the tier is then partly updated)
@@ -124,6 +126,7 @@ class OptimizerOffload:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``g``'s fp32 master, exp_avg and exp_avg_sq as new whole-partition tensors on ``device``
         (read from the tier, checked; the tier is left as it was)."""
+        self._settle_behind()
         if self._broken is not None:
             raise OffloadError(
                 f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
@@ -157,6 +160,7 @@ class OptimizerOffload:
         missing = [g for g, n in enumerate(self.sizes) if n and g not in self._initialised]
         if missing:
             raise RuntimeError(f"offloaded optimizer groups {missing} were never initialised (init_group)")
+        self._settle_behind()
         if self._broken is not None:
             raise OffloadError(
                 f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
@@ -186,8 +190,9 @@ class OptimizerOffload:
                 out.copy_(host_out)
 
         ahead, self._ahead = self._ahead, {}
+        defer = self.pipeline_write and isinstance(self.store, NvmeStore)
         try:
-            self._walk(self.subgroups, update, read=True, ahead=ahead)
+            self._walk(self.subgroups, update, read=True, ahead=ahead, defer=defer)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             self._stale = {g for g, n in enumerate(self.sizes) if n}
@@ -198,14 +203,27 @@ class OptimizerOffload:
         """Start reading the next step's first sub-groups now, into the free slots, so that those reads run
         behind the next forward and backward instead of opening the next optimizer step (NVMe, ``pipeline_read``).
         Their records hold the state as this step left it; anything else that touches the tier drops them first."""
-        self._read_mark = (self.store.bytes_read, self.store.read_seconds)
+        self._read_mark = self.store.read_seconds
         if not (isinstance(self.store, NvmeStore) and self.pipeline_read):
             return
+        writing = {i for i, _ in self._behind}
         for j, sg in enumerate(self.subgroups[: self.store.slots]):
+            if sg.index in writing:  # its write-back is still running: the next step reads it, after that
+                break
             rec = self.store.acquire(sg, block=False)
             if rec is None:
                 break
             self._ahead[j] = self._reader.submit(self._load, sg, rec)
+
+    def _settle_behind(self) -> None:
+        """Wait for the write-backs the last step left running; one that failed leaves the tier partly
+        updated (:attr:`broken`), which the callers check."""
+        behind, self._behind = self._behind, []
+        for _, fut in behind:
+            exc = _exception(fut)
+            if exc is not None and self._broken is None:
+                self._broken = f"{type(exc).__name__}: {exc}"
+                self._stale = {g for g, n in enumerate(self.sizes) if n}
 
     def _drop_ahead(self) -> None:
         """Let go of records read ahead for the next step (before the tier is read or written otherwise)."""
@@ -233,18 +251,24 @@ class OptimizerOffload:
         write: bool = True,
         record: bool = True,
         ahead: dict[int, Future[Record]] | None = None,
+        defer: bool = False,
     ) -> None:
         """Run ``work`` on each sub-group of ``order`` in turn with its record in a slot: reads ahead (while
         slots are free) on the read thread, write-backs behind on the write thread (``write``: the record
         goes back to the tier; ``record``: the figures become :attr:`last`; ``ahead``: reads of the first
-        sub-groups already issued, by :meth:`_read_ahead`)."""
+        sub-groups already issued, by :meth:`_read_ahead`; ``defer``: the write-backs still running at the
+        end are left to finish behind the next forward and backward, :attr:`_behind`)."""
+        self._settle_behind()
         store = self.store
         t_start = time.perf_counter()
-        read0, read_s0 = self._read_mark if ahead else (store.bytes_read, store.read_seconds)
-        written0, write_s0 = store.bytes_written, store.write_seconds
+        read_s0 = self._read_mark if ahead else store.read_seconds
+        mark = self._write_mark if record else None
+        write_s0 = mark if mark is not None else store.write_seconds
+        self._write_mark = None
+        moved = {"bytes_read": 0.0, "bytes_written": 0.0}  # of this walk's records (also those read ahead for it)
         waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0}
         reads: dict[int, Future[Record]] = dict(ahead or {})
-        writes: list[Future[None]] = []
+        writes: list[tuple[int, Future[None]]] = []
         issued = len(reads)  # sub-groups whose read was issued (in order: the ahead ones are the first)
         if not read:
             self._drop_ahead()
@@ -277,6 +301,8 @@ class OptimizerOffload:
                     while issued < len(order) and issued <= i + store_slots(store) and issue(issued, block=False):
                         issued += 1
                 rec = reads.pop(i).result()
+                if read:
+                    moved["bytes_read"] += rec.nbytes
                 t1 = time.perf_counter()
                 waits["read_wait"] += t1 - t0
                 try:
@@ -289,28 +315,32 @@ class OptimizerOffload:
                 if not write:
                     store.release(rec)
                     continue
+                moved["bytes_written"] += rec.nbytes
                 fut = self._writer.submit(save, sg, rec)
-                writes.append(fut)
+                writes.append((sg.index, fut))
                 if not self.pipeline_write:
                     fut.result()
                     waits["write_wait"] += time.perf_counter() - t2
-                while writes and writes[0].done():  # a failed write-back stops the step here
-                    writes.pop(0).result()
+                while writes and writes[0][1].done():  # a failed write-back stops the step here
+                    writes.pop(0)[1].result()
+            if defer:
+                self._behind, writes = writes, []
             t3 = time.perf_counter()
-            for w in writes:
+            for _, w in writes:
                 w.result()
             waits["write_wait"] += time.perf_counter() - t3
         finally:
-            _settle([*reads.values(), *writes])  # no buffer may be reused while I/O may still touch it
+            _settle([*reads.values(), *(w for _, w in writes)])  # no buffer reused while I/O may touch it
             for pending in reads.values():
                 if pending.done() and pending.exception() is None:
                     store.release(pending.result())
         if not record:
             return
+        if defer:  # the time of write-backs still running counts towards the next step
+            self._write_mark = store.write_seconds
         self.last = {
             "seconds": time.perf_counter() - t_start,
-            "bytes_read": float(store.bytes_read - read0),
-            "bytes_written": float(store.bytes_written - written0),
+            **moved,
             "io_read": store.read_seconds - read_s0,  # seconds the read thread was busy (hidden or waited for)
             "io_write": store.write_seconds - write_s0,
             **waits,
@@ -328,6 +358,7 @@ class OptimizerOffload:
                 "pool_bytes": self.store.pool_bytes,
                 "budget": self.store.budget,
                 "read_ahead": len(self._ahead),  # the next step's records already being read
+                "write_behind": sum(not f.done() for _, f in self._behind),  # the last step's, still running
             }
         else:
             out["resident_bytes"] = self.store.resident_bytes
@@ -335,6 +366,7 @@ class OptimizerOffload:
 
     def close(self) -> None:
         """Stop the I/O threads, close the tier and remove the swap directory (idempotent)."""
+        self._settle_behind()
         self._drop_ahead()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
@@ -346,6 +378,14 @@ class OptimizerOffload:
 def store_slots(store: Store) -> int:
     """How far ahead reads may run: the pool's slots (a HostStore lends every record at once)."""
     return store.slots if isinstance(store, NvmeStore) else len(store.subgroups)
+
+
+def _exception(fut: Future) -> BaseException | None:
+    """Wait for ``fut``; its exception, or None."""
+    try:
+        return fut.exception()
+    except BaseException as exc:  # noqa: BLE001 - cancelled
+        return exc
 
 
 def _settle(futures: Sequence[Future]) -> None:
