@@ -16,6 +16,7 @@ update is bit-identical to the in-memory one over the whole partition.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -69,6 +70,7 @@ class OptimizerOffload:
             self.store = HostStore(self.subgroups, pin=pin)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-read")
         self._ahead: dict[int, Future[Record]] = {}  # the next step's first reads, issued at the end of a step
+        self._ahead_taken: list[threading.Event] = []  # set once each of those has its slot
         self._behind: list[tuple[int, Future[None]]] = []  # write-backs left running by the last step
         self._write_mark: float | None = None  # the store's write_seconds when it ended
         self._read_mark = 0.0  # the store's read_seconds when they were issued (they count towards the next step)
@@ -210,10 +212,18 @@ class OptimizerOffload:
         for j, sg in enumerate(self.subgroups[: self.store.slots]):
             if sg.index in writing:  # its write-back is still running: the next step reads it, after that
                 break
-            rec = self.store.acquire(sg, block=False)
-            if rec is None:
-                break
-            self._ahead[j] = self._reader.submit(self._load, sg, rec)
+            taken = threading.Event()
+            self._ahead[j] = self._reader.submit(self._take_and_load, sg, taken)
+            self._ahead_taken.append(taken)
+
+    def _take_and_load(self, sg: SubGroup, taken: threading.Event) -> Record:
+        """A read ahead: wait for a slot (one the last step's write-backs still hold), then read into it."""
+        try:
+            rec = self.store.acquire(sg, block=True)
+        finally:
+            taken.set()
+        assert rec is not None  # a blocking acquire always returns a slot
+        return self._load(sg, rec)
 
     def _settle_behind(self) -> None:
         """Wait for the write-backs the last step left running; one that failed leaves the tier partly
@@ -228,6 +238,7 @@ class OptimizerOffload:
     def _drop_ahead(self) -> None:
         """Let go of records read ahead for the next step (before the tier is read or written otherwise)."""
         ahead, self._ahead = self._ahead, {}
+        self._ahead_taken = []
         _settle(list(ahead.values()))
         for fut in ahead.values():
             if fut.exception() is None:
@@ -259,6 +270,10 @@ class OptimizerOffload:
         sub-groups already issued, by :meth:`_read_ahead`; ``defer``: the write-backs still running at the
         end are left to finish behind the next forward and backward, :attr:`_behind`)."""
         self._settle_behind()
+        if ahead:  # the reads ahead take their slots before this walk takes any (else it could starve them)
+            for taken in self._ahead_taken:
+                taken.wait()
+        self._ahead_taken = []
         store = self.store
         t_start = time.perf_counter()
         read_s0 = self._read_mark if ahead else store.read_seconds
