@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_bound_bytes": rss_bound,
         "pass": {k: med[k] <= 1.25 * floor and rss[k] <= rss_bound for k in rss},
         "phase_seconds": split,
+        "phase_runs": {k: [parse_timings(o) for o in outs] for k, outs in stderr.items()},
         "load_average": os.getloadavg(),
         "cpu": cpu_model(),
     }
