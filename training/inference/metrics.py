@@ -32,7 +32,15 @@ class InferMetrics(BaseModel):
 
 
 def peak_rss() -> int:
-    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
+    """The process's peak resident set so far, in bytes: VmHWM, which starts afresh at exec (getrusage's
+    ru_maxrss carries the parent's peak across fork + exec, so a child of a big process would report it)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

@@ -1,0 +1,339 @@
+"""Benchmark offloaded inference (``ucp infer``) against the disk's limit and the peers a user would try.
+
+    .venv/bin/python tools/bench_infer.py --gib 0.25 --hidden 1024 --budget 128MiB   # a quick run
+    .venv/bin/python tools/bench_infer.py --gib 2 --budget 512MiB --batches 1,4,16,64  # the issue's run
+
+One run, interleaved over ``--rounds``; before every measurement the page cache is dropped (root;
+otherwise the files are evicted) and each method runs in a fresh process:
+
+* ``fio``: sequential O_DIRECT reads (libaio, 8 MiB x 8 and 1 MiB x 32, the faster) of the weights file.
+  The *physical limit* of batch-1 decode is fio's GB/s / the bytes streamed per token;
+* ``ucp``: :func:`training.inference.api.infer` on the ``save_pretrained`` directory (and ``ucp-ckpt``
+  on the same weights saved as a UCP checkpoint), within ``--budget``;
+* ``mmap``: the same model code with every weight a view of a memory-mapped safetensors file (what
+  ``safe_open``/``from_pretrained`` give): the page cache does the streaming;
+* ``accelerate``: transformers' ``from_pretrained(device_map=..., offload_folder=...)`` disk offload,
+  when ``accelerate`` is installed (it is not a dependency; the row says so when absent).
+
+Every method runs under the same cgroup (v1 or v2) memory limit, ``--budget`` + ``--overhead`` (the
+interpreter, torch and the KV cache), when the benchmark runs as root and cgroups are writable; the
+report says what was enforced. Greedy tokens of every method are compared with ``ucp``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench_cold_load import drop, run_fio  # noqa: E402
+from training.inference.metrics import peak_rss  # noqa: E402
+
+# The child: argv = method, weights path, json args; moves itself into the cgroup first; prints one JSON line.
+CHILD = r"""
+import json, os, sys, time
+method, path, a = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if a.get("cgroup_procs"):
+    with open(a["cgroup_procs"], "w") as fh:
+        fh.write(str(os.getpid()))
+import torch
+torch.set_num_threads(a["threads"])
+prompts = [[(7 * i + j) % 1000 + 1 for j in range(a["prompt_len"])] for i in range(a["batch"])]
+if method in ("ucp", "ucp-ckpt"):
+    from aio.sizes import parse_size
+    from training.inference.api import infer
+    r = infer(path, prompts, max_new_tokens=a["new_tokens"], memory_budget=parse_size(a["budget"]))
+    print(json.dumps({"tokens": r.tokens, **r.metrics.model_dump()}))
+elif method == "mmap":
+    sys.path.insert(0, a["root"])
+    from tools.bench_infer import run_mmap
+    print(json.dumps(run_mmap(path, prompts, a["new_tokens"])))
+elif method == "accelerate":
+    sys.path.insert(0, a["root"])
+    from tools.bench_infer import run_accelerate
+    print(json.dumps(run_accelerate(path, prompts, a["new_tokens"], a["budget"], a["offload"])))
+"""
+
+
+def make_model(out: Path, gib: float, hidden: int, vocab: int) -> dict[str, object]:
+    """A random Llama of about ``gib`` GiB of fp32 weights, saved with save_pretrained and as a UCP checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ucp
+
+    heads, kv, ff = hidden // 64, max(1, hidden // 256), int(hidden * 2.6875) // 64 * 64
+    layer = 4 * (2 * hidden * hidden + 2 * hidden * (kv * 64) + 3 * hidden * ff + 2 * hidden)
+    layers = max(1, round((gib * (1 << 30) - 2 * 4 * vocab * hidden) / layer))
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out / "hf", safe_serialization=True)
+    ucp.save(
+        {k: v.detach() for k, v in model.state_dict().items()}, out / "ckpt", metadata={"hf_config": cfg.to_dict()}
+    )
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    return {"layers": layers, "hidden": hidden, "intermediate": ff, "vocab": vocab, "bytes": nbytes}
+
+
+def run_mmap(path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, object]:
+    """Generation with every weight a view of a memory-mapped safetensors file (the page cache streams)."""
+    import mmap
+
+    import torch
+
+    from training.inference.config import load_model
+    from training.inference.generate import generate
+    from training.inference.model import Step
+    from training.inference.sources import open_weights
+    from ucp.format.dtypes import torch_dtype
+
+    model, source = load_model(open_weights(path))
+    maps: dict[str, mmap.mmap] = {}
+    weights = {}
+    for name, t in source.tensors.items():
+        run = t.runs[0]
+        if run.file not in maps:
+            with open(run.file, "rb") as fh:
+                maps[run.file] = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+        m = maps[run.file]
+        weights[name] = torch.frombuffer(
+            memoryview(m)[run.offset : run.offset + run.length], dtype=torch_dtype(t.dtype)
+        ).view(t.shape)
+
+    class MmapRun:
+        dtype = torch.float32
+
+        def __init__(self) -> None:
+            self.model = model
+
+        @torch.inference_mode()
+        def forward(self, step: Step) -> torch.Tensor:
+            h = model.embed(weights, step)
+            for i in range(model.n_layers):
+                h = model.layer(i, weights, h, step)
+            return model.head(weights, h)
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    g = generate(MmapRun(), prompts, new_tokens)  # type: ignore[arg-type]
+    decode_tokens = g.decode_steps * g.batch
+    return {
+        "tokens": g.tokens,
+        "time_to_first_token_s": g.prefill_seconds,
+        "decode_tokens_per_s": decode_tokens / g.decode_seconds if g.decode_seconds else 0.0,
+        "peak_rss_bytes": peak_rss(),
+    }
+
+
+def run_accelerate(
+    path: str, prompts: list[list[int]], new_tokens: int, budget: str, offload: str
+) -> dict[str, object]:
+    """transformers + accelerate disk offload: weights beyond ``max_memory`` go to ``offload_folder``."""
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from aio.sizes import parse_size
+
+    model = LlamaForCausalLM.from_pretrained(
+        path,
+        device_map="auto",
+        max_memory={"cpu": parse_size(budget)},
+        offload_folder=offload,
+        torch_dtype=torch.float32,
+    )
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        first = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0
+        )
+        t1 = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    t2 = time.perf_counter()
+    del first
+    decode = max(1e-9, (t2 - t1) - (t1 - t0))  # the whole run less one prefill
+    return {
+        "tokens": out[:, ids.shape[1] :].tolist(),
+        "time_to_first_token_s": t1 - t0,
+        "decode_tokens_per_s": (new_tokens - 1) * len(prompts) / decode,
+        "peak_rss_bytes": peak_rss(),
+    }
+
+
+def memory_cgroup(limit: int) -> tuple[str | None, str]:
+    """A fresh memory cgroup limited to ``limit`` bytes: (its cgroup.procs, what was enforced)."""
+    name = f"ucp-bench-infer-{os.getpid()}"
+    for base, knob in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        if not os.path.exists(os.path.join(base, knob if base.endswith("memory") else "cgroup.controllers")):
+            continue
+        path = os.path.join(base, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, knob), "w") as fh:
+                fh.write(str(limit))
+            return os.path.join(path, "cgroup.procs"), f"cgroup {path} {knob}={limit}"
+        except OSError as exc:
+            why = f"no memory limit ({base}: {exc.strerror})"
+            continue
+    return None, locals().get("why", "no memory limit (no writable memory cgroup)")
+
+
+def child(method: str, path: Path, args: dict[str, object]) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args["threads"])}
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, method, str(path), json.dumps(args)], capture_output=True, text=True, env=env
+    )
+    lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"error": (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--dir", type=Path, default=None, help="where the model is written (default: a temp dir under /var/tmp)"
+    )
+    ap.add_argument("--gib", type=float, default=2.0, help="weights size (fp32) in GiB")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--budget", default="512MiB", help="weight memory budget of ucp (and max_memory of accelerate)")
+    ap.add_argument(
+        "--overhead", default="512MiB", help="memory-limit allowance beyond the budget (interpreter, torch, KV cache)"
+    )
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--batches", default="1", help="comma-separated batch sizes for ucp (the sweep)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--methods", default="fio,ucp,ucp-ckpt,mmap,accelerate")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from aio.sizes import format_size, parse_size
+
+    work = args.dir or Path(tempfile.mkdtemp(prefix="ucp-bench-infer-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "hf" / "config.json").exists():
+        info = make_model(work, args.gib, args.hidden, args.vocab)
+    else:
+        info = {"reused": str(work)}
+    limit = parse_size(args.budget) + parse_size(args.overhead)
+    procs, enforced = memory_cgroup(limit)
+    methods = args.methods.split(",")
+    weights_file = work / "hf" / "model.safetensors"
+    if not weights_file.exists():
+        weights_file = sorted((work / "hf").glob("*.safetensors"))[0]
+    runs: dict[str, list[dict[str, object]]] = {}
+    base = {
+        "budget": args.budget,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "threads": args.threads,
+    }
+    base.update({"cgroup_procs": procs, "root": str(ROOT), "offload": str(work / "offload")})
+    for _ in range(args.rounds):
+        for method in methods:
+            for batch in [int(b) for b in args.batches.split(",")] if method == "ucp" else [1]:
+                key = f"{method} b{batch}"
+                cold = drop([work])
+                if method == "fio":  # the faster of two request shapes (the device's limit), each cold
+                    best = weights_file.stat().st_size / run_fio(weights_file, "8M", 8) / 1e9
+                    drop([work])
+                    best = max(best, weights_file.stat().st_size / run_fio(weights_file, "1M", 32) / 1e9)
+                    runs.setdefault(key, []).append({"gbps": best})
+                    continue
+                if method == "accelerate":
+                    try:
+                        import accelerate  # noqa: F401
+                    except ImportError:
+                        runs.setdefault(key, []).append({"error": "accelerate is not installed"})
+                        continue
+                path = work / ("ckpt" if method == "ucp-ckpt" else "hf")
+                r = child(method, path, {**base, "batch": batch})
+                r["cold"] = cold
+                runs.setdefault(key, []).append(r)
+    fio = statistics.median(float(r["gbps"]) for r in runs.get("fio b1", [{"gbps": 0.0}]))  # type: ignore[arg-type]
+    ref = runs.get("ucp b1", [{}])[0].get("tokens")
+    per_token = runs.get("ucp b1", [{}])[0].get("bytes_read_per_token", 0)
+    limit_tps = fio * 1e9 / float(per_token) if per_token else 0.0  # type: ignore[arg-type]
+    rows = []
+    for key, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            rows.append({"method": key, "error": rs[0]["error"]})
+            continue
+        row: dict[str, object] = {"method": key}
+        for field in (
+            "decode_tokens_per_s",
+            "time_to_first_token_s",
+            "read_gb_per_s",
+            "read_hidden_fraction",
+            "peak_rss_bytes",
+            "gbps",
+        ):
+            vals = [float(r[field]) for r in ok if field in r]  # type: ignore[arg-type]
+            if vals:
+                row[field] = statistics.median(vals)
+        if "tokens" in ok[0] and ref is not None and key.endswith("b1"):
+            row["same_tokens_as_ucp"] = ok[0]["tokens"] == ref
+        if "decode_tokens_per_s" in row and limit_tps:
+            row["vs_physical_limit"] = float(row["decode_tokens_per_s"]) / limit_tps  # type: ignore[arg-type]
+        rows.append(row)
+    report = {
+        "model": info, "budget": args.budget, "memory_limit": enforced, "fio_gbps": fio,
+        "bytes_read_per_token_b1": per_token, "physical_limit_tokens_per_s": limit_tps, "rows": rows,
+        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "uptime": open("/proc/loadavg").read().split()[:3],
+    }  # fmt: skip
+    if procs:
+        try:
+            os.rmdir(os.path.dirname(procs))
+        except OSError:
+            pass
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"}))
+    print("| method | decode tok/s | vs limit | TTFT s | read GB/s | hidden | peak RSS | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['method']} | {r['error']} |")
+            continue
+        if "gbps" in r:
+            print(f"| {r['method']} | fio {float(r['gbps']):.2f} GB/s | | | | | | |")  # type: ignore[arg-type]
+            continue
+
+        def f(k: str, fmt: str, r: dict[str, object] = r) -> str:
+            return format(r[k], fmt) if k in r else ""
+
+        rss = format_size(int(r["peak_rss_bytes"])) if "peak_rss_bytes" in r else ""  # type: ignore[call-overload]
+        print(
+            f"| {r['method']} | {f('decode_tokens_per_s', '.2f')} | {f('vs_physical_limit', '.2f')} | "
+            f"{f('time_to_first_token_s', '.2f')} | {f('read_gb_per_s', '.2f')} | {f('read_hidden_fraction', '.2f')} | {rss} | "
+            f"{r.get('same_tokens_as_ucp', '')} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
