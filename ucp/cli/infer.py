@@ -61,6 +61,13 @@ def infer_cmd(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: all).")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1: off).")] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="Compute dtype: float32, bfloat16 or float16 (weights of another dtype are converted layer by layer).",
+        ),
+    ] = "float32",
     config: Annotated[
         Optional[Path], typer.Option("--config", help="A config.json to use instead of the weights' own.")
     ] = None,
@@ -74,7 +81,9 @@ def infer_cmd(
         raise bad_input(str(exc)) from None
     if top_p <= 0.0:
         raise bad_input("--top-p must be > 0")
-    import torch  # noqa: F401 - heavy: imported once the options are known good
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise bad_input(f"--dtype {dtype!r}: expected float32, bfloat16 or float16")
+    import torch  # heavy: imported once the options are known good
 
     from training.inference.api import infer
     from training.inference.generate import Sampling
@@ -90,6 +99,7 @@ def infer_cmd(
                 memory_budget=budget,
                 prefetch=prefetch,
                 sampling=sampling,
+                dtype=getattr(torch, dtype),
                 config=config,
                 progress=lambda done, total: update(done, total, "tokens"),
             )

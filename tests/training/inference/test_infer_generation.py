@@ -100,3 +100,20 @@ def test_reference_gpt_streamed_equals_in_memory(tmp_path: Path, preset: str) ->
         for _ in range(5):  # greedy by recomputing the whole sequence in memory
             seq = torch.cat([seq, gpt(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert got.tokens == seq[:, 10:].tolist()
+
+
+def test_bf16_weights_computed_in_fp32_or_bf16(tmp_path: Path) -> None:
+    hf = tiny_llama()
+    path = save_hf(hf.to(torch.bfloat16), tmp_path / "bf16")
+    assert open_weights(path)["model.layers.0.mlp.up_proj.weight"].dtype == "BF16"
+    ref = hf.float()  # the bf16-rounded weights, in fp32: what fp32 compute over bf16 weights must give
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    model, source = load_model(open_weights(path))
+    with Executor(model, source, 1 << 20) as ex:
+        fp32 = generate(ex, ids.tolist(), 4, keep_logits=True)
+    torch.testing.assert_close(fp32.logits[0], hf_logits(ref, ids), rtol=1e-5, atol=1e-5)
+    with Executor(model, source, 1 << 20, dtype=torch.bfloat16) as ex:
+        bf16 = generate(ex, ids.tolist(), 4, keep_logits=True)
+        assert ex.plan.resident_bytes == 2 * 128 * 64 * 2 + 64 * 2  # resident tensors held in bf16
+    assert bf16.logits[0].dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.logits[0].float(), fp32.logits[0], rtol=0.05, atol=0.05)

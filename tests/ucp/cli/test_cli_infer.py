@@ -87,6 +87,7 @@ def test_text_prompts_through_tokenizer_json(model_dir: tuple[object, Path], tmp
         (["--memory-budget", "12M"], "ambiguous"),
         (["--prompts-file", "x.txt"], "give --prompt (repeatable) or --prompts-file, not both"),
         (["--top-p", "0"], "--top-p must be > 0"),
+        (["--dtype", "int8"], "--dtype 'int8': expected float32, bfloat16 or float16"),
     ],
 )
 def test_bad_input_exits_2_naming_the_fault(model_dir: tuple[object, Path], extra: list[str], message: str) -> None:
@@ -116,5 +117,6 @@ def test_cli_defaults_are_the_api_defaults() -> None:
     assert cli["max_new_tokens"] == api["max_new_tokens"]
     assert parse_size(cli["memory_budget"]) == api["memory_budget"]
     assert cli["prefetch"] is api["prefetch"] is None and cli["batch_size"] is api["batch_size"] is None
+    assert getattr(torch, cli["dtype"]) == api["dtype"]
     s = Sampling()
     assert (cli["temperature"], cli["top_k"], cli["top_p"], cli["seed"]) == (s.temperature, s.top_k, s.top_p, s.seed)
