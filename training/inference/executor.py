@@ -24,7 +24,7 @@ import torch
 
 from aio import AioConfig, AioHandle, AlignedBuffer
 from aio.sizes import format_size
-from training.inference.errors import BudgetError
+from training.inference.errors import BudgetError, InferenceError
 from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
 from training.inference.model import Step, StreamModel
 from training.inference.sources import WeightSource
@@ -224,6 +224,7 @@ class Executor:
         self._streams_pre = not self.plan.resident
         self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
         self._index = 0
+        self._failed: str | None = None
 
     @property
     def stats(self) -> ReadStats:
@@ -241,7 +242,11 @@ class Executor:
 
     @torch.inference_mode()
     def forward(self, step: Step) -> torch.Tensor:
-        """Logits [B, T, vocab] of ``step``'s tokens (the cache in ``step`` is filled as it goes)."""
+        """Logits [B, T, vocab] of ``step``'s tokens (the cache in ``step`` is filled as it goes).
+
+        A pass that fails leaves the ring mid-cycle: later passes are refused, naming the first error."""
+        if self._failed is not None:
+            raise InferenceError(f"the executor stopped after an earlier error: {self._failed}")
         groups = self._groups()
         try:
             w = next(groups) if self._streams_pre else self.resident
@@ -250,6 +255,9 @@ class Executor:
                 h = self.model.layer(i, next(groups), h, step)
             w = next(groups) if self._streams_pre else self.resident
             return self.model.head(w, h)
+        except BaseException as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             groups.close()
 

@@ -15,6 +15,7 @@ from inference_models import save_hf, tiny_llama
 
 from aio import AlignedBuffer
 from training.inference.config import load_model
+from training.inference.errors import InferenceError
 from training.inference.executor import READ_CONFIG, Executor, load_group, tensor_views
 from training.inference.generate import generate
 from training.inference.layout import FileSizes, layout_group
@@ -152,4 +153,6 @@ def test_a_read_failure_reaches_the_compute_thread_naming_the_file(weights: Path
     with executor(path, LAYER, prefetch=0) as ex:  # one buffer: layer 1 is read only once layer 0 is done
         os.truncate(path / "model.safetensors", 100_000)
         with pytest.raises(OSError, match="model.safetensors"):
+            generate(ex, [[1, 2, 3]], 2)
+        with pytest.raises(InferenceError, match="stopped after an earlier error: .*model.safetensors"):
             generate(ex, [[1, 2, 3]], 2)
