@@ -281,6 +281,7 @@ class OptimizerOffload:
         write_s0 = mark if mark is not None else store.write_seconds
         self._write_mark = None
         moved = {"bytes_read": 0.0, "bytes_written": 0.0}  # of this walk's records (also those read ahead for it)
+        swapped = isinstance(store, NvmeStore)  # records that really move (the CPU tier's stay where they are)
         waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0}
         reads: dict[int, Future[Record]] = dict(ahead or {})
         writes: list[tuple[int, Future[None]]] = []
@@ -316,7 +317,7 @@ class OptimizerOffload:
                     while issued < len(order) and issued <= i + store_slots(store) and issue(issued, block=False):
                         issued += 1
                 rec = reads.pop(i).result()
-                if read:
+                if read and swapped:
                     moved["bytes_read"] += rec.nbytes
                 t1 = time.perf_counter()
                 waits["read_wait"] += t1 - t0
@@ -330,7 +331,8 @@ class OptimizerOffload:
                 if not write:
                     store.release(rec)
                     continue
-                moved["bytes_written"] += rec.nbytes
+                if swapped:
+                    moved["bytes_written"] += rec.nbytes
                 fut = self._writer.submit(save, sg, rec)
                 writes.append((sg.index, fut))
                 if not self.pipeline_write:
