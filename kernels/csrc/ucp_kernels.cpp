@@ -73,11 +73,6 @@ __attribute__((always_inline)) inline uint16_t to_fp16(float f) {
   return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
-// Outputs past this many bytes are written with streaming (cache-bypassing) stores: they are then far
-// larger than the caches and not read back soon (a copy-back, a staging copy bound for storage), and
-// skipping the read-for-ownership of each destination line saves a sixth of a copy's traffic.
-constexpr int64_t NT_MIN = int64_t(4) << 20;
-
 // torch.sqrt on float goes through MKL's vmsSqrt (VML_HA: within 1 ulp, not always correctly
 // rounded) wherever torch is built with MKL, and libtorch_cpu exports it: with torch_sqrt the kernel
 // calls it on each cache-resident block and is bit-equal to torch.optim's single-tensor path (at a
@@ -95,7 +90,7 @@ constexpr int64_t BLOCK = 2048;  // elements per L1/L2-resident block (the MKL s
 //   v = fma((1 - b2) * g, g, v * b2)                                            (mul_, addcmul_)
 //   p = p + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps)                      (sqrt, div, add, addcdiv)
 template <int OUT, int DECAY, bool SMALL, bool MKL>
-__attribute__((always_inline)) inline void adam_core(float* __restrict p, const float* __restrict g,
+__attribute__((always_inline)) inline void adam_loop(float* __restrict p, const float* __restrict g,
                                                      float* __restrict m, float* __restrict v,
                                                      void* __restrict out, int64_t n, const AdamScalars& s) {
   const float decay_mul = s.decay_mul, decay_add = s.decay_add, w = s.weight, b2 = s.beta2,
@@ -183,64 +178,22 @@ void parallel_blocks(int64_t n, int64_t block, const F& fn) {
   }
 }
 
-// Streams `bytes` from an L1-resident buffer to dst with cache-bypassing stores (16-byte SSE2
-// streaming stores, which every x86-64 has; the write-combining buffers merge them into whole lines).
-inline void stream_out(unsigned char* __restrict dst, const unsigned char* __restrict src, int64_t bytes) {
-#if UCP_X86
-  const int64_t head = std::min<int64_t>(bytes, int64_t((16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15));
-  std::memcpy(dst, src, size_t(head));
-  int64_t i = head;
-  for (; i + 16 <= bytes; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-  std::memcpy(dst + i, src + i, size_t(bytes - i));
-#else
-  std::memcpy(dst, src, size_t(bytes));
-#endif
-}
-
-constexpr int64_t OUT_TILE = 2048;  // elements per tile of the copy-back staged in L1 when streaming
-
-// The update over one block. With nt (a large copy-back), the low-precision copy is written tile by
-// tile into an L1 buffer and streamed out from there: the destination is never read, and regular
-// stores would first fetch each of its lines (read-for-ownership), 2 of the 32 B/param the step
-// would move. The arithmetic is adam_core's either way.
-template <int OUT, int DECAY, bool SMALL, bool MKL>
-__attribute__((always_inline)) inline void adam_loop(float* __restrict p, const float* __restrict g,
-                                                     float* __restrict m, float* __restrict v,
-                                                     void* __restrict out, int64_t n, const AdamScalars& s, bool nt) {
-  if (OUT == 0 || !nt) {
-    adam_core<OUT, DECAY, SMALL, MKL>(p, g, m, v, out, n, s);
-    return;
-  }
-  constexpr int64_t esize = OUT == 3 ? 4 : 2;
-  alignas(64) unsigned char tile[OUT_TILE * esize];
-  auto* ob = static_cast<unsigned char*>(out);
-  for (int64_t b0 = 0; b0 < n; b0 += OUT_TILE) {
-    const int64_t len = n - b0 < OUT_TILE ? n - b0 : OUT_TILE;
-    adam_core<OUT, DECAY, SMALL, MKL>(p + b0, g + b0, m + b0, v + b0, tile, len, s);
-    stream_out(ob + b0 * esize, tile, len * esize);
-  }
-#if UCP_X86
-  _mm_sfence();  // streaming stores are weakly ordered: publish them before the block counts as done
-#endif
-}
-
-using AdamFn = void (*)(float*, const float*, float*, float*, void*, int64_t, const AdamScalars&, bool);
+using AdamFn = void (*)(float*, const float*, float*, float*, void*, int64_t, const AdamScalars&);
 
 template <int OUT, int DECAY, bool SMALL, bool MKL>
-void adam_base(float* p, const float* g, float* m, float* v, void* o, int64_t n, const AdamScalars& s, bool nt) {
-  adam_loop<OUT, DECAY, SMALL, MKL>(p, g, m, v, o, n, s, nt);
+void adam_base(float* p, const float* g, float* m, float* v, void* o, int64_t n, const AdamScalars& s) {
+  adam_loop<OUT, DECAY, SMALL, MKL>(p, g, m, v, o, n, s);
 }
 #if UCP_X86
 template <int OUT, int DECAY, bool SMALL, bool MKL>
 __attribute__((target("avx2,fma,f16c"))) void adam_avx2(float* p, const float* g, float* m, float* v, void* o,
-                                                        int64_t n, const AdamScalars& s, bool nt) {
-  adam_loop<OUT, DECAY, SMALL, MKL>(p, g, m, v, o, n, s, nt);
+                                                        int64_t n, const AdamScalars& s) {
+  adam_loop<OUT, DECAY, SMALL, MKL>(p, g, m, v, o, n, s);
 }
 template <int OUT, int DECAY, bool SMALL, bool MKL>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void adam_avx512(
-    float* p, const float* g, float* m, float* v, void* o, int64_t n, const AdamScalars& s, bool nt) {
-  adam_loop<OUT, DECAY, SMALL, MKL>(p, g, m, v, o, n, s, nt);
+    float* p, const float* g, float* m, float* v, void* o, int64_t n, const AdamScalars& s) {
+  adam_loop<OUT, DECAY, SMALL, MKL>(p, g, m, v, o, n, s);
 }
 #endif
 
@@ -335,10 +288,9 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, t
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const int64_t esize = kind == 3 ? 4 : 2;
-  const bool nt = kind != 0 && n * esize >= NT_MIN;  // a copy-back far larger than the caches
   char* ob = static_cast<char*>(o);
   parallel_blocks(n, grain, [&](int64_t b, int64_t e) {
-    fn(p + b, g + b, m + b, v + b, ob ? ob + b * esize : nullptr, e - b, s, nt);
+    fn(p + b, g + b, m + b, v + b, ob ? ob + b * esize : nullptr, e - b, s);
   });
 }
 
@@ -524,6 +476,10 @@ uint32_t crc_block(uint32_t crc, unsigned char* dst, const unsigned char* src, i
   return crc_base(crc, dst, src, n);
 }
 
+// Copies past this many bytes use streaming stores: the copy is then far larger than the caches, the
+// destination is not read back soon (it goes to storage), and skipping the read-for-ownership of each
+// destination line is what brings copy + CRC to plain-copy speed.
+constexpr int64_t NT_MIN = int64_t(4) << 20;
 
 // Copies n bytes src -> dst (non-overlapping; dst may be 0 for a CRC alone) and returns
 // crc32c(src, value), value being the CRC of what came before (0 to start), as

@@ -250,10 +250,10 @@ def test_bad_arguments_name_the_tensor_at_fault(cpp_backend: None) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("torch_sqrt", [False, True])
-def test_a_streamed_copy_back_at_an_unaligned_start_equals_the_cast(
+def test_a_large_copy_back_at_an_unaligned_start_equals_the_cast(
     cpp_backend: None, threads: None, dtype: torch.dtype, torch_sqrt: bool
 ) -> None:
-    """Copy-backs of 4 MiB and more bypass the caches (staged per tile, streamed): any start address."""
+    """A copy-back of more than 4 MiB, over 1 and 2 threads, starting at an odd address; nothing around it moves."""
     n = 2**21 + 5
     gen = torch.Generator().manual_seed(11)
     for t in (1, 2):
