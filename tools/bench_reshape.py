@@ -12,7 +12,7 @@ with the page cache dropped before each step (root only; otherwise the run says 
 * ``cp -r SRC DST`` then ``sync`` — every byte read and written once, no layout work;
 * ``ucp reshape SRC DST --tp 1 --dp 4 --zero 1`` — another TP/DP split and ZeRO stage;
 * ``ucp reshape SRC DST`` — consolidated (one piece per tensor);
-* where ``fio`` is installed, fio reading the checkpoint's data files with O_DIRECT while writing as many
+* where ``fio`` is installed and the checkpoint holds at least 64 MiB, fio reading the checkpoint's data files with O_DIRECT while writing as many
   bytes (concurrently, fsynced): the device's floor for the reshape's data movement at that moment, to
   hold the reshape's own ``io`` phase against.
 
@@ -142,6 +142,9 @@ def copy_and_sync(src: Path, dst: Path) -> str:
     return ""
 
 
+FIO_MIN_BYTES = 64 << 20  # smaller checkpoints (smoke runs) get no fio step: a few 8 MiB requests say nothing
+
+
 def fio_read_write(src: Path, dst: Path, files: list[str]) -> str:
     """The device's floor for reading and writing the same bytes at once: fio reading the checkpoint's data
     files with O_DIRECT (8 MiB requests, 8 in flight) while a second job writes as many bytes to a new file
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     syncs: dict[str, list[float]] = {"ucp convert": [], "ds_to_universal": []}
     drops: dict[str, Path] = {}  # a step's source, where it is not the checkpoint being reshaped
     steps: dict[str, Step] = {"cp -r + sync": lambda: copy_and_sync(src, dst)}
-    if shutil.which("fio"):
+    if shutil.which("fio") and size >= FIO_MIN_BYTES:
         steps["fio read + write"] = lambda: fio_read_write(src, dst, sorted(manifest.files))
     if ds is None:
         steps["reshape tp1 dp4 ZeRO-1"] = lambda: _run([*reshape, "--tp", "1", "--dp", "4", "--zero", "1", *budget])
