@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -74,7 +75,7 @@ def make_model(out: Path, gib: float, hidden: int, vocab: int) -> dict[str, obje
 
     heads, kv, ff = hidden // 64, max(1, hidden // 256), int(hidden * 2.6875) // 64 * 64
     layer = 4 * (2 * hidden * hidden + 2 * hidden * (kv * 64) + 3 * hidden * ff + 2 * hidden)
-    layers = max(1, round((gib * (1 << 30) - 2 * 4 * vocab * hidden) / layer))
+    layers = max(1, math.ceil((gib * (1 << 30) - 2 * 4 * vocab * hidden) / layer))  # at least ``gib``
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096, tie_word_embeddings=False,
