@@ -480,6 +480,7 @@ uint32_t crc_block(uint32_t crc, unsigned char* dst, const unsigned char* src, i
 // destination is not read back soon (it goes to storage), and skipping the read-for-ownership of each
 // destination line is what brings copy + CRC to plain-copy speed.
 constexpr int64_t NT_MIN = int64_t(4) << 20;
+constexpr int64_t MIN_SPLIT = int64_t(1) << 20;  // bytes: smaller copies run on the calling thread
 
 // Copies n bytes src -> dst (non-overlapping; dst may be 0 for a CRC alone) and returns
 // crc32c(src, value), value being the CRC of what came before (0 to start), as
@@ -492,7 +493,9 @@ int64_t copy_crc32c(int64_t dst_addr, int64_t src_addr, int64_t n, int64_t value
   if (n <= 0) return int64_t(~start);
   const bool nt = dst != nullptr && n >= NT_MIN;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t even = ((n + threads - 1) / threads + 63) & ~int64_t(63);
+  // One block per thread when grain would leave one idle, but never under MIN_SPLIT bytes: a
+  // thread team costs microseconds, a small copy less.
+  const int64_t even = std::max<int64_t>(MIN_SPLIT, ((n + threads - 1) / threads + 63) & ~int64_t(63));
   const int64_t block = std::max<int64_t>(1, std::min(grain, even));
   const int64_t blocks = (n + block - 1) / block;
   std::vector<uint32_t> crcs(size_t(blocks), 0);
