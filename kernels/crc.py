@@ -38,18 +38,35 @@ def _view(obj: Any, name: str, writable: bool) -> np.ndarray:
     return arr
 
 
+def _address(obj: Any, name: str, writable: bool) -> tuple[int, int, Any]:
+    """``(address, nbytes, keep-alive)`` of a tensor or buffer: a tensor's own pointer (no numpy view,
+    which costs microseconds a small copy cannot afford), else its numpy view's."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu" or not obj.is_contiguous():
+            raise ValueError(f"copy_crc32c: {name} must be a contiguous CPU tensor")
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj
+    arr = _view(obj, name, writable)
+    return arr.ctypes.data, arr.nbytes, arr
+
+
 def copy_crc32c(dst: Any, src: Any, value: int = 0) -> int:
     """Copy all of ``src`` into the start of ``dst`` (buffers or CPU tensors, non-overlapping) and
     return the CRC-32C of ``src`` continuing from ``value`` (as ``crc32c.crc32c(src, value)``)."""
+    if not 0 <= value < 1 << 32:
+        raise ValueError(f"copy_crc32c: value {value} is not a 32-bit CRC")
+    ext, _ = extension()
+    if ext is not None:
+        s_addr, n, s_keep = _address(src, "src", False)
+        d_addr, d_n, d_keep = _address(dst, "dst", True)
+        if d_n < n:
+            raise ValueError(f"copy_crc32c: dst holds {d_n} bytes, src has {n}")
+        if n:
+            crc = int(ext.copy_crc32c(d_addr, s_addr, n, value, GRAIN))
+            del s_keep, d_keep  # alive until the kernel returned
+            return crc
     s = _view(src, "src", False)
     d = _view(dst, "dst", True)
     if d.nbytes < s.nbytes:
         raise ValueError(f"copy_crc32c: dst holds {d.nbytes} bytes, src has {s.nbytes}")
-    n = s.nbytes
-    if not 0 <= value < 1 << 32:
-        raise ValueError(f"copy_crc32c: value {value} is not a 32-bit CRC")
-    ext, _ = extension()
-    if ext is None or n == 0:
-        d[:n] = s
-        return int(_crc32c.crc32c(s.data, value))
-    return int(ext.copy_crc32c(d.ctypes.data, s.ctypes.data, n, value, GRAIN))
+    d[: s.nbytes] = s
+    return int(_crc32c.crc32c(s.data, value))
