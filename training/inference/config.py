@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from training.inference.errors import ModelConfigError
-from training.inference.llama import Llama, parse_llama, read_config
+from training.inference.llama import Llama, parse_llama, read_config, validation_text
 from training.inference.model import StreamModel
 from training.inference.sources import WeightSource
 from training.models.gpt import GPTConfig
@@ -32,7 +32,7 @@ def _gpt(doc: dict[str, Any], where: str) -> GPTConfig:
     try:
         return GPTConfig.model_validate(fields)
     except ValidationError as exc:
-        raise ModelConfigError(f"{where}: not a usable GPT config: {exc}") from None
+        raise ModelConfigError(f"{where}: not a usable GPT config: {validation_text(exc)}") from None
 
 
 def strip_prefix(source: WeightSource, prefix: str) -> WeightSource:

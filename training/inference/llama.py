@@ -92,7 +92,16 @@ def parse_llama(doc: dict[str, Any], where: str) -> LlamaArgs:
     try:
         return LlamaArgs.model_validate(doc)
     except ValidationError as exc:
-        raise ModelConfigError(f"{where}: not a usable Llama config: {exc}") from None
+        raise ModelConfigError(f"{where}: not a usable Llama config: {validation_text(exc)}") from None
+
+
+def validation_text(exc: ValidationError) -> str:
+    """A pydantic error as one line: ``field: message; ...`` (no input dump, no URL)."""
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        parts.append(f"{loc}: {e['msg']}" if loc else str(e["msg"]))
+    return "; ".join(parts)
 
 
 class Llama(StreamModel):

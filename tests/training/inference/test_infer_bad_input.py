@@ -136,3 +136,37 @@ def test_ucp_checkpoint_with_a_missing_or_truncated_data_file(hf: object, tmp_pa
     data.unlink()
     with pytest.raises(WeightSourceError, match=rf"{data.name}.*missing"):
         open_weights(path)
+
+
+def test_missing_tensor_and_unsupported_config(hf: object, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = save_hf(hf, tmp_path / "hf")
+    sd = load_file(str(path / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(path / "model.safetensors"))
+    model, source = load_model(open_weights(path))
+    with pytest.raises(
+        ModelConfigError, match=r"tensor 'lm_head.weight' \(shape \[128, 64\]\) is missing from the weights"
+    ):
+        Executor(model, source, 1 << 20)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ModelConfigError,
+        match=r"config.json: not a usable Llama config: Value error, rope_scaling .* is not supported \(only default RoPE\)$",
+    ):
+        load_model(open_weights(path))
+    cfg["model_type"] = "mistral"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"config.json: model_type 'mistral' is not supported"):
+        load_model(open_weights(path))
+
+
+def test_ucp_checkpoint_without_a_model_config(tmp_path: Path) -> None:
+    import ucp
+
+    ucp.save({"w": torch.zeros(4)}, tmp_path / "ckpt")
+    with pytest.raises(ModelConfigError, match=r"ckpt: no model config: expected config.json, or a UCP checkpoint"):
+        load_model(open_weights(tmp_path / "ckpt"))
