@@ -105,9 +105,8 @@ def fail_with(exc: BaseException, message: str | None = None) -> "typer.Exit":
 def prefetching(path: str | os.PathLike[str] | None, *, marker: str | None = "manifest.json") -> Iterator[None]:
     """Pull a local source into the page cache ahead of the command's reads (``aio.prefetch``).
 
-    Commands that import torch enter it first thing, so the reads overlap the import, and call
-    :func:`source_reads_start` once the heavy imports are done; ``reshape`` (no torch) enters it
-    when it starts reading. Only a directory holding
+    Commands enter it first thing, so the reads overlap their imports and set-up, and call
+    :func:`source_reads_start` once the heavy imports are done. Only a directory holding
     ``marker`` (a checkpoint, not whatever path was typed) is prefetched; URLs are left alone;
     ``UCP_PREFETCH=0`` turns it off; ``path=None`` means nothing to prefetch. A problem here never
     fails the command: it only means no prefetch. On the way out the files stop counting as

@@ -73,58 +73,59 @@ def reshape_cmd(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
-    with phase("imports"):
-        from reshard import LayoutError
-        from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
-        from ucp.errors import CheckpointError
+    # The source's reads start before the imports (~0.5 s with the disk idle otherwise).
+    with prefetching(src):
+        with phase("imports"):
+            from reshard import LayoutError
+            from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
+            from ucp.errors import CheckpointError
 
-    try:
-        budget = (
-            DEFAULT_MEMORY_BUDGET
-            if memory_budget is None
-            else parse_size(memory_budget, what="--memory-budget", minimum=MIN_MEMORY_BUDGET)
-        )
-    except ValueError as exc:
-        raise bad_input(str(exc)) from None
-    try:
-        target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
-        with prefetching(src):
+        try:
+            budget = (
+                DEFAULT_MEMORY_BUDGET
+                if memory_budget is None
+                else parse_size(memory_budget, what="--memory-budget", minimum=MIN_MEMORY_BUDGET)
+            )
+        except ValueError as exc:
+            raise bad_input(str(exc)) from None
+        try:
+            target = _target_layout(src, tp, pp, dp, zero, layout_file, model)
             source_reads_start()
             with phase("io"):
                 report = _run(src, dst, target, budget, workers, overwrite, json_output)
-    except (LayoutError, CheckpointError, OSError) as exc:
-        raise fail_with(exc, _one_line_keeping_diagram(exc)) from None
-    peak_rss = _peak_rss()
-    with phase("io"):
-        problems = _read_back(dst) if verify else None
-    doc = {
-        **report.model_dump(mode="json"),
-        "peak_rss_bytes": peak_rss,
-        "command": command_line(),
-        "verified": None if problems is None else not problems,
-        "problems": problems,
-    }
-    if json_output:
-        typer.echo(json.dumps(doc, indent=2))
-    else:
-        what = (
-            "consolidated"
-            if target is None
-            else (f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
-        )
-        gbps = report.bytes_written / max(report.seconds, 1e-9) / 1e9
-        out.print(
-            f"[green]reshaped[/green] {escape(src)} -> {escape(dst)} ({what}): {report.files} files, "
-            f"{report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s "
-            f"({gbps:.2f} GB/s), peak RSS {peak_rss / 2**20:.0f} MiB",
-            highlight=False,
-        )
-        if problems is not None:
-            out.print("verified: every CRC matches" if not problems else f"[red]{len(problems)} problems[/red]")
-        for p in problems or ():
-            out.print(f"[red]{p['kind']}[/red]: {escape(p['message'])}", highlight=False, soft_wrap=True)
-    if problems:
-        raise typer.Exit(EXIT_PROBLEMS)
+        except (LayoutError, CheckpointError, OSError) as exc:
+            raise fail_with(exc, _one_line_keeping_diagram(exc)) from None
+        peak_rss = _peak_rss()
+        with phase("io"):
+            problems = _read_back(dst) if verify else None
+        doc = {
+            **report.model_dump(mode="json"),
+            "peak_rss_bytes": peak_rss,
+            "command": command_line(),
+            "verified": None if problems is None else not problems,
+            "problems": problems,
+        }
+        if json_output:
+            typer.echo(json.dumps(doc, indent=2))
+        else:
+            what = (
+                "consolidated"
+                if target is None
+                else (f"tp={target.mesh.tp} pp={target.mesh.pp} dp={target.mesh.dp} ZeRO-{target.zero.stage}")
+            )
+            gbps = report.bytes_written / max(report.seconds, 1e-9) / 1e9
+            out.print(
+                f"[green]reshaped[/green] {escape(src)} -> {escape(dst)} ({what}): {report.files} files, "
+                f"{report.tensors} tensors, {report.bytes_written / 1e9:.3f} GB in {report.seconds:.2f} s "
+                f"({gbps:.2f} GB/s), peak RSS {peak_rss / 2**20:.0f} MiB",
+                highlight=False,
+            )
+            if problems is not None:
+                out.print("verified: every CRC matches" if not problems else f"[red]{len(problems)} problems[/red]")
+            for p in problems or ():
+                out.print(f"[red]{p['kind']}[/red]: {escape(p['message'])}", highlight=False, soft_wrap=True)
+        if problems:
+            raise typer.Exit(EXIT_PROBLEMS)
 
 
 def _read_back(dst: str) -> list[dict[str, Any]]:
