@@ -8,6 +8,8 @@
 * ``training.checkpoint`` — every rank's state as ucp pieces of the global tensors (the seam);
 * ``training.compat``   — does a checkpoint fit an engine (model tensors and config, data seed)?
 * ``training.engine``   — ``Engine``: one call per optimizer step; ``python -m training.run``: the CLI.
+* ``training.entry``  — ``initialize``: DeepSpeed's entry point for any module: ``initialize(model, config=ds_config)``
+  returns a ``ModuleEngine`` (``training.module_engine``; config: ``training.ds_config``).
 
 Heavy submodules load on first use (``training.Engine``), so ``import training.models`` stays light.
 """
@@ -16,12 +18,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["DeepSpeedConfig", "Engine", "EngineConfig", "ModuleEngine", "initialize"]
+_HOMES = {
+    "Engine": "engine",
+    "EngineConfig": "engine",
+    "ModuleEngine": "module_engine",
+    "DeepSpeedConfig": "ds_config",
+    "initialize": "entry",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import engine
+    if name in _HOMES:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
     raise AttributeError(f"module 'training' has no attribute {name!r}")

@@ -1,0 +1,159 @@
+"""``training.initialize`` with a Hugging Face GPT-2 (tiny config, random weights) as the client: it trains
+like a plain ``torch.optim.AdamW`` loop, resumes at another world size and ZeRO stage with its Adam moments,
+trains the same with the optimizer on NVMe, and its checkpoint exports to a model ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from module_engine_worker import ds_config, global_batch, gpt2, gpt2_config, train_steps
+from training_helpers import run_world
+from typer.testing import CliRunner
+
+import training
+from ucp.cli.main import app
+
+WORKER = Path(__file__).parents[1] / "support" / "module_engine_worker.py"
+
+
+def test_zero0_matches_a_plain_adamw_loop() -> None:
+    """World 1, ZeRO-0, fp32: the engine's losses are a torch.optim.AdamW loop's, bit for bit, and fall."""
+    model = gpt2()
+    plain = copy.deepcopy(model)
+    engine = training.initialize(model, config=ds_config(0, micro=4, gas=1))
+    got = train_steps(engine, range(6))
+
+    opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    want = []
+    for step in range(6):
+        x = global_batch(step)
+        loss = plain(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert all(math.isfinite(v) for v in got)
+    assert got[4] < got[2] < got[0] and got[5] < got[3] < got[1]  # two alternating batches, each learnt
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    assert engine.global_steps == 6 and engine.get_lr() == [3e-3]
+
+
+def test_gradient_accumulation_boundaries() -> None:
+    engine = training.initialize(gpt2(), config=ds_config(1, micro=2, gas=2))
+    assert engine.train_batch_size() == 4 and engine.is_gradient_accumulation_boundary() is False
+    x = global_batch(0)[:2]
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    assert engine.global_steps == 0 and engine.is_gradient_accumulation_boundary()
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
+
+
+def test_nvme_offload_from_a_deepspeed_config_trains_the_same(tmp_path: Path) -> None:
+    """ZeRO-2 with offload_optimizer nvme (sub-groups small enough to pipeline) gives the in-memory losses."""
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    zero = {
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(swap), "pin_memory": True, "buffer_count": 6},
+        "sub_group_size": 20_000,
+        "reduce_bucket_size": 5e7,  # a DeepSpeed internals key: logged as ignored
+    }
+    offloaded = training.initialize(gpt2(), config=ds_config(2, micro=2, gas=2, zero=zero, aio={"block_size": 1 << 20}))
+    try:
+        assert offloaded.optimizer.offload is not None and offloaded.optimizer.offload.describe()["subgroups"] > 1
+        got = train_steps(offloaded, range(4))
+    finally:
+        offloaded.close()
+    want = train_steps(training.initialize(gpt2(), config=ds_config(2, micro=2, gas=2)), range(4))
+    assert got == want
+    assert list(swap.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"optimzer": {"type": "AdamW"}}, "optimzer: unknown key"),
+        (
+            {"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_sz": 1}},
+            "zero_optimization.stage3_prefetch_bucket_sz: unknown key",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "beta": [0.9, 0.9]}}},
+            "optimizer.params.beta: unknown key",
+        ),
+        ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
+        ({"bf16": {"enabled": True, "loss_scale": 1}}, "bf16.loss_scale: unknown key"),
+        ({"scheduler": {"type": "WarmupLR"}}, "scheduler="),
+        ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 6"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path"),
+    ],
+)
+def test_bad_config_names_the_key(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        training.initialize(gpt2(), config=config)
+
+
+def test_config_from_a_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, **ds_config(3, micro=2, gas=1)}))
+    engine = training.initialize(gpt2(), config=path)
+    assert engine.zero_optimization_stage() == 3 and engine.config.dtype == "bf16"
+    assert all(p.dtype == torch.bfloat16 for p in engine.optimizer.param_part)  # ZeRO-3: the partitions
+    assert all(math.isfinite(v) for v in train_steps(engine, range(2)))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fp17": {}}))
+    with pytest.raises(ValueError, match=f"DeepSpeed config {bad}: fp17: unknown key"):
+        training.initialize(gpt2(), config=bad)
+
+
+def test_checkpoint_at_two_ranks_resumes_at_one_and_exports_to_hf(tmp_path: Path) -> None:
+    """ZeRO-3 at 2 ranks saves after 3 steps and goes on to 6; ZeRO-0 at 1 rank resumes from the checkpoint
+    and continues that uninterrupted run's losses; the same resume with its Adam moments zeroed does not. ``ucp export --format hf``
+    of the checkpoint loads with ``from_pretrained`` and gives the resumed model's logits, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    scenarios = [{"name": "full", "stage": 3, "micro": 2, "gas": 1, "steps": [0, 6], "save": str(ckpt), "save_at": 3}]
+    run_world(2, scenarios, tmp_path / "world", timeout=240, worker=WORKER)
+    full = json.loads((tmp_path / "world" / "full.json").read_text())
+    assert (ckpt / "latest").read_text() == "global_step3"
+
+    engine = training.initialize(gpt2(seed=7), config=ds_config(0, micro=2, gas=2))  # other weights: all replaced
+    path, client = engine.load_checkpoint(ckpt)
+    assert path == str(ckpt / "global_step3") and client == {"note": "hf", "step": 3}
+    assert engine.global_steps == 3 and engine.optimizer.adam_step == 3
+    x = global_batch(3)
+    with torch.no_grad():
+        logits = engine(input_ids=x).logits
+    resumed = train_steps(engine, range(3, 6))
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, full[3:])) <= 1e-5, (resumed, full[3:])
+
+    zeroed = training.initialize(gpt2(), config=ds_config(0, micro=2, gas=2))
+    zeroed.load_checkpoint(ckpt)
+    for t in (*zeroed.optimizer.exp_avg, *zeroed.optimizer.exp_avg_sq):
+        t.zero_()
+    other = train_steps(zeroed, range(3, 6))
+    assert other[0] == resumed[0]  # step 3's loss comes before its update: the same weights
+    assert min(abs(a - b) / abs(b) for a, b in zip(other[1:], full[4:])) > 1e-4, (other, full[3:])
+
+    weights_only = training.initialize(gpt2(seed=7), config=ds_config(1, micro=2, gas=2))
+    assert weights_only.load_checkpoint(tmp_path / "nowhere") == (None, None)  # DeepSpeed: a fresh run
+    weights_only.load_checkpoint(ckpt, load_optimizer_states=False)
+    assert weights_only.global_steps == 0 and weights_only.optimizer.adam_step == 0
+    assert not any(t.any() for t in weights_only.optimizer.exp_avg)
+    with torch.no_grad():
+        assert torch.equal(weights_only(input_ids=x).logits, logits)
+
+    out = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["export", str(ckpt / "global_step3"), str(out), "--format", "hf"])
+    assert result.exit_code == 0, result.output
+    gpt2_config().save_pretrained(out)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=x).logits, logits)

@@ -1,0 +1,347 @@
+"""``ModuleEngine``: ZeRO 0-3 (and optimizer offload) around any ``nn.Module``, driven like DeepSpeed's engine.
+
+::
+
+    engine = training.initialize(model, config="ds_config.json")
+    for batch in data:
+        loss = engine(**batch).loss          # forward (DeepSpeedEngine.forward)
+        engine.backward(loss)
+        engine.step()                        # an optimizer step at each gradient-accumulation boundary
+    engine.save_checkpoint("ckpt")           # ckpt/global_step<N>/ (a UCP checkpoint) and ckpt/latest
+
+The parameters, fp32 masters and Adam moments are owned by a :class:`training.zero.ZeroOptimizer`
+(``for_module``: plain data parallelism over the world, one parameter group, weight decay on every
+parameter as ``torch.optim.AdamW(model.parameters())`` would apply it). Checkpoints are UCP
+checkpoints of the *global* tensors under the module's own parameter names (``model`` section: the
+compute-dtype weights, so ``ucp export --format hf`` of a Hugging Face model's checkpoint loads with
+``from_pretrained``; ``optimizer``: fp32 masters and moments), so they resume at any world size, ZeRO
+stage and offload setting. docs/deepspeed-config.md maps DeepSpeed's names to these.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+import ucp
+from ucp.convert.placement import layout_metadata
+
+from .checkpoint import build_targets
+from .comm import Comm
+from .ds_config import DeepSpeedConfig
+from .zero import DynamicLossScaler, ZeroOptimizer
+from .zero.optimizer import STATE_KEYS
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LATEST = "latest"  # DeepSpeed's file naming the newest tag in a save_checkpoint directory
+
+
+class ModuleEngine:
+    """One rank's part of a data-parallel run of ``module``; call every method on every rank (they communicate).
+
+    ``lr_scheduler(step) -> lr``: the learning rate of optimizer step ``step`` (0-based); default: the
+    config's constant ``lr``. The module's parameters become views of ZeRO's flat buffers (at ZeRO-3,
+    empty outside the forward and backward of the module holding them), in the config's precision.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: DeepSpeedConfig,
+        *,
+        lr_scheduler: Callable[[int], float] | None = None,
+        dp: Comm | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.lr_scheduler = lr_scheduler
+        self.dp = dp or Comm.world()
+        self.shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        self.optimizer = ZeroOptimizer.for_module(
+            module,
+            stage=config.zero_stage,
+            adam=config.adam,
+            dp=self.dp,
+            dtype=DTYPES[config.dtype],
+            clip=config.clip,
+            loss_scaler=DynamicLossScaler(config.loss_scale) if config.dtype == "fp16" else None,
+            offload=config.offload,
+        )
+        self.global_steps = 0  # optimizer steps taken (skipped fp16 steps included, as in DeepSpeed)
+        self.skipped_steps = 0
+        self.micro_steps = 0  # step() calls (micro-batches)
+        self.last_stats: dict[str, Any] = {}
+
+    # -- DeepSpeedEngine's accessors -----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.optimizer.device
+
+    @property
+    def world_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def global_rank(self) -> int:
+        return self.dp.index
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.grad_accum
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_stage
+
+    def get_lr(self) -> list[float]:
+        return [self._lr(self.global_steps)]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.last_stats.get("grad_norm")
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the weights (an fp16 overflow skips it)."""
+        return bool(self.last_stats) and not self.last_stats["skipped"]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` runs the optimizer."""
+        return (self.micro_steps + 1) % self.config.grad_accum == 0
+
+    def train(self, mode: bool = True) -> "ModuleEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ModuleEngine":
+        return self.train(False)
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return self.module.parameters()
+
+    def _lr(self, step: int) -> float:
+        return self.lr_scheduler(step) if self.lr_scheduler is not None else self.config.adam.lr
+
+    # -- training ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)``, with ZeRO-3's parameters gathered as its submodules run."""
+        with self.optimizer.forward_context():
+            out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled() and self.optimizer.gatherer is not None:
+            self.optimizer.gatherer.release_all()  # no backward will release them
+        return out
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Back-propagate ``loss`` into ZeRO's gradient buffers (reduced over ranks as they fill).
+
+        Gradients are averaged over micro-batches and ranks at the step, so ``loss`` is the micro-batch's
+        mean loss, unscaled (DeepSpeed divides it by the accumulation steps itself; so does this)."""
+        try:
+            self.optimizer.backward(loss)
+        except BaseException:
+            self.optimizer.reset()
+            raise
+        return loss
+
+    def step(self) -> None:
+        """End a micro-batch; at a gradient-accumulation boundary run the optimizer step (DeepSpeedEngine.step)."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        try:
+            self.last_stats = self.optimizer.step(lr=self._lr(self.global_steps))
+        except BaseException:
+            self.optimizer.reset()  # a failed step leaves no gradients to the next (only a load repairs weights)
+            raise
+        self.global_steps += 1
+        self.skipped_steps += int(bool(self.last_stats["skipped"]))
+
+    def zero_grad(self) -> None:
+        """Nothing to do: the step clears ZeRO's gradient buffers (kept for DeepSpeed scripts that call it)."""
+
+    def close(self) -> None:
+        """Release the optimizer offload tier (its swap directory is removed); idempotent."""
+        self.optimizer.close()
+
+    destroy = close
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The module's persistent buffers (saved beside the weights under their state_dict names)."""
+        params = {id(p) for p in self.module.parameters()}
+        return {
+            k: v
+            for k, v in self.module.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in params
+        }
+
+    def state_dict_for_checkpoint(self, client_state: Any = None) -> dict[str, Any]:
+        """``{"model": {name: piece}, "optimizer": {fp32_master, exp_avg, exp_avg_sq: {name: piece}, adam_step,
+        loss_scale, hparams}, "global_steps", "skipped_steps", "micro_steps", "client_state"}``; pieces view live
+        storage (offloaded state is staged from its tier)."""
+        nested = build_targets(self.optimizer.buffers(), self.shapes).nested()
+        optim: dict[str, Any] = {k: nested.get(k, {}) for k in STATE_KEYS}
+        optim |= self.optimizer.scalars()
+        a = self.config.adam
+        optim["hparams"] = {
+            "kind": self.config.optimizer,
+            "decoupled": a.decoupled,
+            "lr": a.lr,
+            "betas": [a.beta1, a.beta2],
+            "eps": a.eps,
+            "weight_decay": a.weight_decay,
+        }
+        return {
+            "model": {**nested.get("model", {}), **self._buffers()},
+            "optimizer": optim,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "micro_steps": self.micro_steps,
+            "client_state": client_state,
+        }
+
+    def save(self, path: str | os.PathLike[str], client_state: Any = None) -> ucp.Manifest:
+        """Write a UCP checkpoint directory at ``path`` (atomically); ``client_state``: any value ucp saves
+        (dicts, numbers, strings, tensors), returned by :meth:`load`. Gradients of an unfinished
+        accumulation are not saved."""
+        metadata = {
+            "engine": "training.ModuleEngine",
+            "zero_stage": self.config.zero_stage,
+            "dtype": self.config.dtype,
+            "world_size": self.dp.size,
+            **layout_metadata(self.optimizer.layout, self.shapes),
+        }
+        try:
+            return ucp.save(
+                self.state_dict_for_checkpoint(client_state),
+                path,
+                step=self.global_steps,
+                metadata=metadata,
+                mesh={"dp": self.dp.size},
+            )
+        finally:
+            self.optimizer.drop_staged()
+
+    def load(self, path: str | os.PathLike[str], *, load_module_only: bool = False) -> Any:
+        """Resume from the checkpoint directory at ``path``, whatever world size, ZeRO stage or offload
+        wrote it; returns its ``client_state``. ``load_module_only``: the weights alone (masters taken
+        from them; moments and counters stay this engine's).
+
+        Each rank reads only the regions it holds. A rank that fails makes every rank raise (naming the
+        failing rank's error on that rank), so none is left waiting in a collective.
+        """
+        self.optimizer.reset()
+        if load_module_only:
+            into: dict[str, Any] = {"model": self.state_dict_for_checkpoint()["model"]}
+        else:
+            self.optimizer.prepare_load()
+            sd = self.state_dict_for_checkpoint()
+            # every key the checkpoint holds: the pieces to fill, None for the values to take as saved
+            into = {
+                "model": sd["model"],
+                "optimizer": {
+                    **{k: sd["optimizer"][k] for k in STATE_KEYS},
+                    "adam_step": None,
+                    "loss_scale": None,
+                    "hparams": None,
+                },
+                "global_steps": None,
+                "skipped_steps": None,
+                "micro_steps": None,
+                "client_state": None,
+            }
+        error: Exception | None = None
+        try:
+            _load_into(path, into, partial=load_module_only)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
+            error = exc
+        failed = torch.tensor([1.0 if error is not None else 0.0], device=self.device)
+        self.dp.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if error is not None:
+            self.optimizer.drop_staged()
+            raise error
+        if failed.item():
+            self.optimizer.drop_staged()
+            raise ucp.CheckpointError(
+                f"another rank could not load its part of checkpoint {os.fspath(path)} (see that rank's error)"
+            )
+        self.micro_steps = 0
+        if load_module_only:
+            self.optimizer.masters_from_weights()
+            return None
+        self.optimizer.load_scalars(into["optimizer"])
+        self.optimizer.publish()  # compute weights from the loaded masters (and the staged state to the tier)
+        self.global_steps = int(into["global_steps"])
+        self.skipped_steps = int(into["skipped_steps"])
+        return into["client_state"]
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+    ) -> bool:
+        """DeepSpeed's layout: checkpoint ``save_dir/tag`` (default tag ``global_step<N>``) and, with
+        ``save_latest``, the tag written to ``save_dir/latest``. Returns True."""
+        tag = tag or f"global_step{self.global_steps}"
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise ValueError(f"checkpoint tag {tag!r}: a single directory name")
+        root = Path(save_dir)
+        if self.dp.index == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        self.save(root / tag, client_state=client_state)
+        if save_latest and self.dp.index == 0:
+            tmp = root / f".{LATEST}.tmp"
+            tmp.write_text(tag)
+            os.replace(tmp, root / LATEST)
+        self._barrier()
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_only: bool = False,
+        load_optimizer_states: bool = True,
+    ) -> tuple[str | None, Any]:
+        """DeepSpeed's ``(load path, client_state)``: ``load_dir/tag``, the tag by default read from
+        ``load_dir/latest``. Without a tag and a ``latest`` file it returns ``(None, None)`` and loads
+        nothing, as DeepSpeed does (a fresh run). ``load_optimizer_states=False``: the weights alone."""
+        root = Path(load_dir)
+        if tag is None:
+            latest = root / LATEST
+            if not latest.is_file():
+                log.warning("%s: no %r file, nothing loaded (give tag= to load a checkpoint)", root, LATEST)
+                return None, None
+            tag = latest.read_text().strip()
+        path = root / tag
+        state = self.load(path, load_module_only=load_module_only or not load_optimizer_states)
+        return str(path), state
+
+    def _barrier(self) -> None:
+        if self.dp.active:
+            self.dp.all_reduce(torch.zeros(1, device=self.device))
+
+
+def _load_into(path: str | os.PathLike[str], into: dict[str, Any], *, partial: bool) -> None:
+    """``ucp.load(path, into=into)``; ``partial``: ``into`` is a subtree of the checkpoint (the weights alone),
+    which a strict ``ucp.load`` (where it has ``strict``) would refuse."""
+    if partial and "strict" in inspect.signature(ucp.load).parameters:
+        ucp.load(path, into=into, strict=False)  # type: ignore[call-overload,unused-ignore]
+    else:
+        ucp.load(path, into=into)
