@@ -8,7 +8,9 @@ With ``crc=True`` it returns the CRC-32C of each tensor's written bytes (as ``cr
 computed tile by tile while the tile is still in cache, so the checksum costs no second pass.
 
 The C++ extension handles contiguous fp32/bf16/fp16 sources into an fp32/bf16/fp16 buffer, over
-``torch.get_num_threads()`` threads. Anything else (strided or other-dtype sources, other
+``torch.get_num_threads()`` threads. NaNs come out as torch's CPU ``.to()`` writes them on x86 (bf16
+0xFFFF, fp16 with the payload's top bits; fp16 -> bf16 0x7FC0), except fp16 -> fp32, where torch
+itself writes a NaN by its position (0x7FFFFFFF in a vector loop's tail): the kernel quiets it. Anything else (strided or other-dtype sources, other
 destination dtypes), and every tensor when the extension is unavailable, goes through torch's own
 ``copy_`` into the slot, then ``crc32c.crc32c`` over it: the same bytes, one pass more for the CRC.
 """

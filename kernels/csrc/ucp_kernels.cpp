@@ -48,14 +48,24 @@ inline float u2f(uint32_t u) {
   return f;
 }
 
-// Round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion.
+// NaNs as torch's CPU .to() writes them: on x86 its vectorized conversion (every contiguous cast,
+// tails included) writes bf16 NaN as 0xFFFF and fp16 NaN as F16C's vcvtps2ph does (sign, quiet bit,
+// the payload's top 10 bits); elsewhere c10's scalar conversions (0x7FC0; sign | 0x7E00).
+#if UCP_X86
+constexpr bool TORCH_X86_NANS = true;
+#else
+constexpr bool TORCH_X86_NANS = false;
+#endif
+
+// Round to nearest even (c10::BFloat16's conversion); NaN as torch writes it (above).
 __attribute__((always_inline)) inline uint16_t to_bf16(float f) {
   uint32_t u = f2u(f);
   uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return f != f ? uint16_t(0x7FC0) : uint16_t(r);
+  return f != f ? uint16_t(TORCH_X86_NANS ? 0xFFFF : 0x7FC0) : uint16_t(r);
 }
 
-// IEEE half, round to nearest even (c10's fp16_ieee_from_fp32_value, branch-free); NaN -> 0x7E00.
+// IEEE half, round to nearest even (c10's fp16_ieee_from_fp32_value, branch-free); NaN as torch
+// writes it (above).
 __attribute__((always_inline)) inline uint16_t to_fp16(float f) {
   const float scale_to_inf = u2f(0x77800000u);   // 2^112
   const float scale_to_zero = u2f(0x08800000u);  // 2^-110
@@ -70,7 +80,8 @@ __attribute__((always_inline)) inline uint16_t to_fp16(float f) {
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  const uint32_t nan = TORCH_X86_NANS ? 0x7E00u | ((w >> 13) & 0x3FFu) : 0x7E00u;
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign));
 }
 
 // torch.sqrt on float goes through MKL's vmsSqrt (VML_HA: within 1 ulp, not always correctly
@@ -515,7 +526,8 @@ int64_t copy_crc32c(int64_t dst_addr, int64_t src_addr, int64_t n, int64_t value
 }
 
 // ---- cast + flatten ------------------------------------------------------------------------------
-// bf16 -> fp32 is exact; fp16 -> fp32 is c10's fp16_ieee_to_fp32_value (exact; NaN stays NaN).
+// bf16 -> fp32 is exact; fp16 -> fp32 is c10's fp16_ieee_to_fp32_value (exact; NaN stays NaN, made
+// quiet on x86 as torch's vectorized conversion there does).
 inline float from_bf16(uint16_t h) { return u2f(uint32_t(h) << 16); }
 inline float from_fp16(uint16_t h) {
   const uint32_t w = uint32_t(h) << 16;
@@ -523,12 +535,14 @@ inline float from_fp16(uint16_t h) {
   const uint32_t two_w = w + w;
   const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * u2f(0x7800000u);  // * 2^-112
   const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
-  return u2f(sign | (two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized)));
+  // A NaN comes out quiet on x86, as F16C's vcvtph2ps (torch's conversion there) makes it.
+  const uint32_t quiet = TORCH_X86_NANS && two_w > 0xF8000000u ? 0x00400000u : 0u;
+  return u2f(sign | quiet | (two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized)));
 }
 
 // Element kinds: 0 fp32, 1 bf16, 2 fp16. Each element goes through fp32 (exact for every source
-// kind here), then rounds once to the destination as torch's .to() does (RNE; NaN -> 0x7FC0 for
-// bf16, sign | 0x7E00 for fp16).
+// kind here), then rounds once to the destination as torch's .to() does (RNE; NaNs as in to_bf16
+// and to_fp16).
 template <int SK, int DK>
 __attribute__((always_inline)) inline void cast_loop(const void* __restrict s, void* __restrict d, int64_t n) {
   const float* __restrict s32 = static_cast<const float*>(s);
@@ -539,7 +553,8 @@ __attribute__((always_inline)) inline void cast_loop(const void* __restrict s, v
   for (int64_t i = 0; i < n; ++i) {
     const float x = SK == 0 ? s32[i] : SK == 1 ? from_bf16(s16[i]) : from_fp16(s16[i]);
     if (DK == 0) d32[i] = x;
-    if (DK == 1) d16[i] = to_bf16(x);
+    // fp16 -> bf16 NaNs: torch converts that pair with c10's scalar conversion (0x7FC0), not vectorized.
+    if (DK == 1) d16[i] = SK == 2 && x != x ? uint16_t(0x7FC0) : to_bf16(x);
     if (DK == 2) d16[i] = to_fp16(x);
   }
 }
