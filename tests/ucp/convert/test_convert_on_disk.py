@@ -529,8 +529,8 @@ def test_write_error_from_the_disk_leaves_nothing(tmp_path: Path, monkeypatch: p
                     raise OSError(28, "No space left on device (injected)")
                 yield v
 
-    def failing(storage: Any, path: str, plan: Any, views: Any) -> Any:
-        return real(storage, path, plan, Failing(views))
+    def failing(storage: Any, path: str, plan: Any, views: Any, **kwargs: Any) -> Any:
+        return real(storage, path, plan, Failing(views), **kwargs)
 
     monkeypatch.setattr(reshape, "write_rank_file", failing)
     out = tmp_path / "out"
