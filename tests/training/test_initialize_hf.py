@@ -64,6 +64,23 @@ def test_gradient_accumulation_boundaries() -> None:
     assert engine.global_steps == 1 and engine.was_step_applied()
 
 
+def test_fp16_loss_scale_from_the_config_survives_a_checkpoint(tmp_path: Path) -> None:
+    """fp16: initial_scale_power / loss_scale_window drive the dynamic scale; save and load keep it."""
+    fp16 = {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 2}
+    config = {**ds_config(2, micro=4, gas=1), "fp16": fp16}
+    engine = training.initialize(gpt2(), config=config)
+    assert engine.optimizer.scaler is not None and engine.optimizer.scaler.scale == 16.0
+    losses = train_steps(engine, range(4))
+    assert all(math.isfinite(v) for v in losses) and engine.was_step_applied()
+    assert all(p.dtype == torch.float16 for p in engine.module.parameters())
+    assert engine.optimizer.scaler.scale == 64.0  # doubled after each 2 clean steps
+    engine.save(tmp_path / "c", client_state={"epoch": 1})
+    resumed = training.initialize(gpt2(seed=3), config=config)
+    assert resumed.load(tmp_path / "c") == {"epoch": 1}
+    assert resumed.optimizer.scaler is not None and resumed.optimizer.scaler.scale == 64.0
+    assert resumed.global_steps == 4 and resumed.optimizer.adam_step == 4
+
+
 def test_nvme_offload_from_a_deepspeed_config_trains_the_same(tmp_path: Path) -> None:
     """ZeRO-2 with offload_optimizer nvme (sub-groups small enough to pipeline) gives the in-memory losses."""
     swap = tmp_path / "nvme"
