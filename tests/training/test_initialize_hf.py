@@ -101,6 +101,28 @@ def test_nvme_offload_from_a_deepspeed_config_trains_the_same(tmp_path: Path) ->
     assert list(swap.iterdir()) == []
 
 
+def test_offloaded_checkpoint_resumes_with_offload_switched(tmp_path: Path) -> None:
+    """A checkpoint of an NVMe-offloaded engine resumes without offload, and one without resumes with it:
+    the losses of the uninterrupted in-memory run, bit for bit."""
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": str(swap)}, "sub_group_size": 20_000}
+    want = train_steps(training.initialize(gpt2(), config=ds_config(1, micro=4, gas=1)), range(5))
+    for first, then in ((nvme, {}), ({}, nvme)):
+        a = training.initialize(gpt2(), config=ds_config(1, micro=4, gas=1, zero=dict(first)))
+        got = train_steps(a, range(2))
+        a.save_checkpoint(tmp_path / "ckpt")
+        a.close()
+        b = training.initialize(gpt2(seed=5), config=ds_config(1, micro=4, gas=1, zero=dict(then)))
+        try:
+            assert b.load_checkpoint(tmp_path / "ckpt")[0] == str(tmp_path / "ckpt" / "global_step2")
+            got += train_steps(b, range(2, 5))
+        finally:
+            b.close()
+        assert got == want, (first, then)
+    assert list(swap.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
