@@ -321,8 +321,11 @@ class ZeroOptimizer:
                         self._launch_bucket(g, k)
             else:
                 psize = plan.param_part_size(i)
-                inp = torch.zeros(psize * plan.parts, dtype=torch.float32, device=flat.device)
+                # The gradient cast into the head, zeros only in the padded tail: one write pass, not two
+                # (torch.zeros then copy_ wrote the head twice; tools/bench_cast_wiring.py).
+                inp = torch.empty(psize * plan.parts, dtype=torch.float32, device=flat.device)
                 inp[: flat.numel()].copy_(flat)
+                inp[flat.numel() :].zero_()
                 out = torch.empty(psize, dtype=torch.float32, device=flat.device)
                 work = self.dp.reduce_scatter(out, inp, async_op=True)
                 self._inflight.append(_Pending(g, i, out, work, keep=inp))
