@@ -153,6 +153,9 @@ def test_config_from_a_json_file(tmp_path: Path) -> None:
     engine = training.initialize(gpt2(), config=path)
     assert engine.zero_optimization_stage() == 3 and engine.config.dtype == "bf16"
     assert all(p.dtype == torch.bfloat16 for p in engine.optimizer.param_part)  # ZeRO-3: the partitions
+    with torch.no_grad():  # an evaluation forward: ZeRO-3 lets its gathered weights go without a backward
+        before = engine(input_ids=global_batch(0)).logits
+    assert before.dtype == torch.bfloat16 and all(p.numel() == 0 for p in engine.module.parameters())
     assert all(math.isfinite(v) for v in train_steps(engine, range(2)))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fp17": {}}))
