@@ -48,6 +48,13 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "BenchOptionError": ("errors", "BenchOptionError"),
     "RawToolError": ("errors", "RawToolError"),
     "load": ("loading.loader", "load"),
+    "LoadReport": ("loading.loader", "LoadReport"),
+    "open": ("loading.lazy", "open"),
+    "CheckpointReader": ("loading.lazy", "CheckpointReader"),
+    "TensorSlice": ("loading.lazy", "TensorSlice"),
+    "reshape": ("convert.api", "reshape"),
+    "export": ("convert.api", "export"),
+    "convert": ("convert", "convert"),
     "read_manifest": ("store.reader", "read_checkpoint_manifest"),
     "CheckpointInfo": ("manager", "CheckpointInfo"),
     "CheckpointManager": ("manager", "CheckpointManager"),
@@ -64,6 +71,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from the same places
+    from ucp.convert import convert
+    from ucp.convert.api import export, reshape
     from ucp.errors import (
         BenchError,
         BenchOptionError,
@@ -88,7 +97,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from
     )
     from ucp.format.manifest import FORMAT_VERSION, Manifest, parse_manifest
     from ucp.format.sharding import FlatShard, ShardedTensor, Shards
-    from ucp.loading.loader import load
+    from ucp.loading.lazy import CheckpointReader, TensorSlice, open
+    from ucp.loading.loader import LoadReport, load
     from ucp.loading.verify import Problem, VerifyReport, verify
     from ucp.manager import CheckpointInfo, CheckpointManager
     from ucp.saving.async_save import AsyncSaver, SaveHandle, aload, asave, async_save
@@ -96,8 +106,10 @@ if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from
     from ucp.store.reader import read_checkpoint_manifest as read_manifest
 
 # The public face is listed once, in _EXPORTS; the TYPE_CHECKING imports above mirror it for static
-# tools (tests/ucp/test_public_exports.py keeps the two equal).
-__all__ = sorted(_EXPORTS)
+# tools (tests/ucp/test_public_exports.py keeps the two equal). ``from ucp import *`` leaves out the
+# names that would shadow a builtin (``ucp.open``).
+NOT_STARRED = frozenset({"open"})
+__all__ = sorted(set(_EXPORTS) - NOT_STARRED)
 
 
 if not TYPE_CHECKING:  # static tools see the imports above; at run time names resolve on first use

@@ -516,10 +516,11 @@ class CheckpointManager:
         return info.step if info is not None else None
 
     def load(
-        self, step: int | None = None, *, into: dict[str, Any] | None = None, verify: bool = True
-    ) -> dict[str, Any]:
+        self, step: int | None = None, *, into: dict[str, Any] | None = None, strict: bool = True, verify: bool = True
+    ) -> Any:
         """Load ``step``, or by default the latest: ``latest``'s checkpoint, else the newest complete one that loads.
 
+        ``into``/``strict`` as for :func:`ucp.load` (the state dict, or with ``strict=False`` a LoadReport).
         :attr:`loaded_step` tells which step was read.
         """
         if step is not None:
@@ -539,7 +540,12 @@ class CheckpointManager:
         for s in candidates:
             try:
                 state = _load(
-                    self.path(s), into=into, verify=verify, process_group=self.process_group, aio_config=self.aio_config
+                    self.path(s),
+                    into=into,
+                    strict=strict,  # type: ignore[call-overload]  # bool: either overload's result
+                    verify=verify,
+                    process_group=self.process_group,
+                    aio_config=self.aio_config,
                 )
             except (CheckpointError, OSError) as exc:
                 if step is not None:

@@ -177,7 +177,7 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
             },
         }
         with ReadSpy() as spy:
-            ucp.load(path, into=into, verify=verify, process_group=dist.group.WORLD)
+            ucp.load(path, into=into, verify=verify, strict=False, process_group=dist.group.WORLD)
         res[f"into_{verify}"] = {
             "w": same_bytes(into["model"]["w"].local, W[rank * 4 : (rank + 1) * 4].contiguous()),
             "f": same_bytes(
@@ -191,7 +191,7 @@ def scenario_main(rank: int, world: int, ck: str) -> dict[str, Any]:
     mb = ucp.save({"big": big}, f"{ck}/big")
     into = {"big": ucp.ShardedTensor(torch.zeros(1, 1024), (32, 1024), (rank * 16 + 5, 0))}
     with ReadSpy() as spy:
-        ucp.load(f"{ck}/big", into=into, verify=False)
+        ucp.load(f"{ck}/big", into=into, verify=False, strict=False)
     res["into_row"] = {
         "ok": same_bytes(into["big"].local, BIG[rank * 16 + 5 : rank * 16 + 6].contiguous()),
         "reads": spy.reads,
@@ -300,7 +300,7 @@ def scenario_sub(rank: int, world: int, ck: str) -> dict[str, Any]:
             "w": ucp.ShardedTensor(torch.zeros(4, 6), (8, 6), (g * 4, 0)),
             "r": torch.zeros(3, 3, dtype=torch.float16),
         }
-        ucp.load(path, into=into, process_group=sub)
+        ucp.load(path, into=into, strict=False, process_group=sub)
         res["into"] = same_bytes(into["w"].local, W[g * 4 : (g + 1) * 4].contiguous()) and same_bytes(into["r"], R)
         res["manifest_same_as_disk"] = m.to_json() == Path(f"{path}/manifest.json").read_bytes()
     dist.barrier()

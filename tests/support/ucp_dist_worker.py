@@ -85,13 +85,13 @@ def load4(rank: int, world: int, ck: str) -> None:
         "optim": {"state": {0: {"f": ucp.FlatShard(torch.zeros(f1 - f0, dtype=torch.int64), (5, 7), f0)}}},
         "step": 0,
     }
-    ucp.load(f"{ck}/two", into=into, process_group=dist.group.WORLD)
+    ucp.load(f"{ck}/two", into=into, strict=False, process_group=dist.group.WORLD)  # some of the tensors
     check(same_bytes(into["model"]["w"].local, W[:, c0:c1].double()), "w as columns (cast to f64)")
     check(same_bytes(into["model"]["v"].local, V[r0:r1].contiguous()), "v as rows")
     check(same_bytes(into["optim"]["state"][0]["f"].local, F.reshape(-1)[f0:f1].contiguous()), "f re-cut")
     check(into["step"] == 100, "plain value")
     box = {"optim": {"state": {0: {"f": ucp.ShardedTensor(torch.zeros(1, 7, dtype=torch.int64), (5, 7), (rank, 0))}}}}
-    ucp.load(f"{ck}/two", into=box, verify=False)
+    ucp.load(f"{ck}/two", into=box, strict=False, verify=False)
     check(same_bytes(box["optim"]["state"][0]["f"].local, F[rank : rank + 1].contiguous()), "flat stored -> box")
 
     # a 2x2 (dp x tp) save: M split in columns by tp and replicated over dp; Z flat over all 4 ranks

@@ -391,7 +391,7 @@ class Worker:
             if variant == "full":
                 self.loaded = ucp.load(path, aio_config=self._aio())
             else:
-                ucp.load(path, into=self.state.ucp_into, aio_config=self._aio())
+                ucp.load(path, into=self.state.ucp_into, strict=False, aio_config=self._aio())  # this rank's tensors
         elif method == "torch":
             self.loaded = torch.load(self.rank_file(directory, "pt"), weights_only=True, mmap=False)
         elif method == "safetensors":
@@ -560,7 +560,9 @@ class Worker:
                 cur = cur.setdefault(k, {})
             cur[path[-1]] = target
             fresh.append((path, local))
-        ucp.load(os.path.join(directory, "ckpt"), into=into, aio_config=self._aio())
+        ucp.load(
+            os.path.join(directory, "ckpt"), into=into, strict=False, aio_config=self._aio()
+        )  # a sample of tensors
         self.loaded = {}
         bad = None
         for (path, expected), (_, local) in zip(self._checks, fresh):

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from pydantic import ValidationError
 from rich.markup import escape
 
 from aio.sizes import SIZE_HELP, parse_size
@@ -173,45 +172,23 @@ def _target_layout(
     layout_file: Path | None,
     model: str | None,
 ):  # -> reshard.Layout | None
-    """The target layout from the options and what SRC recorded; None means consolidate."""
-    from reshard import Layout, LayoutError, plain_layout
-    from reshard.layout import validation_line
-    from ucp.convert.placement import recorded_layout
-    from ucp.store.reader import read_checkpoint_manifest
+    """The target layout from the options and what SRC recorded; None means consolidate
+    (:func:`ucp.convert.api.target_layout`, which ``ucp.reshape`` uses too; ``--model`` gives its base)."""
+    from reshard import LayoutError
+    from ucp.convert.api import target_layout
 
-    flags = {k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v is not None}
-    if layout_file is None and not flags and zero is None:
-        if model is not None:
-            raise LayoutError("--model gives a base layout; say the target with --tp/--pp/--dp/--zero")
-        return None
+    if model is None:
+        return target_layout(src, tp=tp, pp=pp, dp=dp, zero=zero, layout=layout_file)
+    if layout_file is None and tp is None and pp is None and dp is None and zero is None:
+        raise LayoutError("--model gives a base layout; say the target with --tp/--pp/--dp/--zero")
     if layout_file is not None:
-        base = Layout.load(layout_file)
-    elif model is not None:
-        from training.layout import gpt_layout
-        from training.models.gpt import PRESETS
+        return target_layout(src, tp=tp, pp=pp, dp=dp, zero=zero, layout=layout_file)
+    from training.layout import gpt_layout
+    from training.models.gpt import PRESETS
 
-        if model not in PRESETS:
-            raise LayoutError(f"--model {model!r} is not a preset ({', '.join(sorted(PRESETS))})")
-        base = gpt_layout(PRESETS[model])
-    else:
-        manifest, source = read_checkpoint_manifest(src), f"{src}/manifest.json"
-        recorded = recorded_layout(manifest, source=source).layout
-        if recorded is None:
-            split = [f"--{k} {v}" for k, v in flags.items() if k in ("tp", "pp") and v > 1]
-            if split:
-                raise LayoutError(
-                    f"{src} records no layout (metadata.layout), and {' '.join(split)} needs one to know how "
-                    "tensors split: give one with --layout FILE or --model PRESET (--dp/--zero need none)"
-                )
-            base = plain_layout()  # plain DP/ZeRO: every tensor replicated, the parameters one ZeRO group
-        else:
-            base = recorded
-    stage = base.zero.stage if zero is None else zero
-    try:
-        mesh = type(base.mesh).model_validate(base.mesh.model_copy(update=flags).model_dump())
-        return base.replace(mesh=mesh, zero=base.zero.model_copy(update={"stage": stage}))
-    except ValidationError as exc:
-        raise LayoutError(f"target layout: {validation_line(exc)}") from None
+    if model not in PRESETS:
+        raise LayoutError(f"--model {model!r} is not a preset ({', '.join(sorted(PRESETS))})")
+    return target_layout(src, tp=tp, pp=pp, dp=dp, zero=zero, layout=gpt_layout(PRESETS[model]))
 
 
 def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool, quiet: bool):

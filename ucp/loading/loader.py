@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -50,31 +50,105 @@ from ucp.store.reader import (
 from ucp.store.storage import Storage, as_aio_config, open_storage
 
 
+@overload
 def load(
     path: str | os.PathLike[str],
     *,
     into: dict[str, Any] | None = None,
+    strict: Literal[True] = True,
+    map_location: str | torch.device | None = None,
     verify: bool = True,
     process_group: Any = None,
     aio_config: AioConfig | dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike[str],
+    *,
+    into: dict[str, Any] | None = None,
+    strict: Literal[False],
+    map_location: str | torch.device | None = None,
+    verify: bool = True,
+    process_group: Any = None,
+    aio_config: AioConfig | dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> LoadReport: ...
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    into: dict[str, Any] | None = None,
+    strict: bool = True,
+    map_location: str | torch.device | None = None,
+    verify: bool = True,
+    process_group: Any = None,
+    aio_config: AioConfig | dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any] | LoadReport:
     """Load the checkpoint at ``path``.
 
     Without ``into`` returns the saved state dict, sharded tensors assembled into full
-    ones. With ``into`` fills that structure in place (tensors ``copy_``'d with a dtype
-    cast where needed, ShardedTensor/FlatShard locals with their part, other values
-    replaced) reading only the bytes it needs, and returns it. ``verify`` checks the
-    CRC-32C of every piece read. With an explicit ``process_group`` rank 0 reads the
-    manifest and broadcasts it; without, every rank reads it itself (no collectives).
-    Every data file's size is checked against the manifest before anything is allocated.
+    ones, on ``map_location`` (default: CPU; dtypes as saved; ``"cuda"`` raises a
+    CheckpointError where CUDA is not usable). With ``into`` fills that structure in place
+    (tensors ``copy_``'d with a dtype cast where needed, ShardedTensor/FlatShard locals with
+    their part, other values replaced) reading only the bytes it needs, and returns it.
+
+    ``strict`` (the default): every key of ``into`` must be in the checkpoint, and every key the
+    checkpoint holds inside a dict ``into`` describes must be in it too (the top level only selects:
+    ``into={"model": ...}`` leaves the checkpoint's other sections unread); otherwise one
+    LayoutMismatchError names all the missing and unexpected keys (and suggests the prefix when
+    one explains them, e.g. ``into={"model": ...}``), before anything is read. ``strict=False``
+    fills what matches and returns a :class:`LoadReport` (``.state``: the loaded state or
+    ``into``; ``.loaded``, ``.missing``, ``.unexpected``: key paths). Shape, dtype-kind and
+    structure mismatches are errors either way.
+
+    ``verify`` checks the CRC-32C of every piece read. With an explicit ``process_group``
+    rank 0 reads the manifest and broadcasts it; without, every rank reads it itself (no
+    collectives). Every data file's size is checked against the manifest before anything is
+    allocated.
     """
+    device = resolve_device(map_location)
+    if into is not None and map_location is not None:
+        raise CheckpointError("map_location applies to whole loads; with into= tensors are filled where they are")
     storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
     with storage:
         manifest = _manifest(storage, name, process_group)
         if into is None:
-            return load_full(storage, name, manifest, verify=verify)
-        return load_into(storage, name, manifest, into, verify=verify)
+            state = load_full(storage, name, manifest, verify=verify, device=device)
+            if strict:
+                return state
+            return LoadReport(state, loaded=[(k,) for k in state], missing=[], unexpected=[])
+        report = load_into(storage, name, manifest, into, verify=verify, strict=strict)
+        return report.state if strict else report
+
+
+def resolve_device(map_location: str | torch.device | None) -> torch.device | None:
+    """The device a whole load puts its tensors on (None: CPU, the zero-copy path); a CheckpointError
+    for a device this process cannot use (``"cuda"`` without CUDA), before anything is read."""
+    if map_location is None:
+        return None
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"map_location={map_location!r} is not a device: {exc}") from None
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(
+                f"map_location={str(map_location)!r}: CUDA is not available in this process "
+                "(no GPU visible, or torch built without CUDA); load to 'cpu' instead"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CheckpointError(
+                f"map_location={str(map_location)!r}: this process sees {torch.cuda.device_count()} GPU(s)"
+            )
+        return device
+    raise CheckpointError(f"map_location={str(map_location)!r}: only 'cpu' and 'cuda' devices are supported")
 
 
 def _manifest(storage: Storage, name: str, process_group: Any) -> Manifest:
@@ -114,9 +188,13 @@ def piece_tensor(buf: FileBuffer, fp: FilePiece) -> torch.Tensor:
     return buf.tensor(p.length, p.offset).view(dtype)
 
 
-def load_full(storage: Storage, name: str, manifest: Manifest, *, verify: bool) -> dict[str, Any]:
-    """Every tensor in full, then the state tree rebuilt around them."""
+def load_full(
+    storage: Storage, name: str, manifest: Manifest, *, verify: bool, device: torch.device | None = None
+) -> dict[str, Any]:
+    """Every tensor in full, then the state tree rebuilt around them; on ``device`` when given (not CPU)."""
     check_data_files(storage, name, manifest)  # before any tensor is allocated from the manifest's shapes
+    if device is not None:
+        return decode_state(manifest.state, _load_to_device(storage, name, manifest, device, verify=verify).__getitem__)
     total = sum(e.nbytes for e in manifest.tensors.values())
     assembled = sum(e.nbytes for e in manifest.tensors.values() if len(e.pieces) > 1)
     if assembled * 2 > total:  # mostly sharded: read the pieces straight into the full tensors
@@ -183,6 +261,17 @@ def _load_assembled(storage: Storage, name: str, manifest: Manifest, *, verify: 
     return tensors
 
 
+def _load_to_device(
+    storage: Storage, name: str, manifest: Manifest, device: torch.device, *, verify: bool
+) -> dict[str, torch.Tensor]:
+    """Every tensor allocated on ``device`` (dtype as stored) and filled by the ``into=`` planner: pieces are
+    read into host staging, checked, and copied to the device, within the planner's staging memory."""
+    tensors = {n: torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=device) for n, e in manifest.tensors.items()}
+    targets = [Target(n, t, Box.full(tuple(t.shape)), ()) for n, t in tensors.items()]
+    read_targets(storage, name, manifest, targets, verify=verify)
+    return tensors
+
+
 # -- loads into a given structure -----------------------------------------------------------------
 
 
@@ -193,6 +282,101 @@ class IntoPlan:
     # tuples cannot change in place: one holding plain values is rebuilt around its (filled) tensors
     # and put back into its container: (container, key, the tuple in ``into``, its stored node)
     rebuilds: list[tuple[Any, Any, tuple, Any]] = field(default_factory=list)
+    loaded: list[tuple[Any, ...]] = field(default_factory=list)  # key paths of the tensors and values filled
+    missing: list[tuple[Any, ...]] = field(default_factory=list)  # in ``into``, not in the checkpoint
+    unexpected: list[tuple[Any, ...]] = field(default_factory=list)  # in the checkpoint, not in ``into``'s dicts
+    skipped: list[tuple[Any, ...]] = field(default_factory=list)  # top-level keys ``into`` does not ask for
+
+
+@dataclass
+class LoadReport:
+    """What a ``strict=False`` load did: ``state`` is what it returns otherwise (the filled ``into``, or
+    the whole state); ``loaded``: key paths filled (tensors and plain values); ``missing``: key paths of
+    ``into`` the checkpoint lacks (left as they were); ``unexpected``: key paths the checkpoint holds
+    inside a dict of ``into`` that lacks them (not read); ``skipped``: the checkpoint's top-level keys
+    ``into`` does not ask for (sections not read, e.g. the optimizer's for ``into={"model": ...}``).
+    A key path is a tuple of keys, e.g. ``("optim", "state", 0)``."""
+
+    state: dict[str, Any]
+    loaded: list[tuple[Any, ...]]
+    missing: list[tuple[Any, ...]]
+    unexpected: list[tuple[Any, ...]]
+    skipped: list[tuple[Any, ...]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """True when ``into`` and the checkpoint matched key for key (what ``strict=True`` demands)."""
+        return not self.missing and not self.unexpected
+
+
+MAX_KEYS_NAMED = 12  # keys listed per kind in a strict-load error; the rest are counted
+
+
+def _key_list(paths: list[tuple[Any, ...]]) -> str:
+    named = ", ".join(path_str(p) for p in paths[:MAX_KEYS_NAMED])
+    return named + (f" and {len(paths) - MAX_KEYS_NAMED} more" if len(paths) > MAX_KEYS_NAMED else "")
+
+
+def strict_error(where: str, plan: IntoPlan, manifest: Manifest, into: dict[str, Any]) -> LayoutMismatchError:
+    """One error naming every missing and every unexpected key, with a hint when a prefix explains them."""
+    parts = []
+    if plan.missing:
+        parts.append(f"missing from the checkpoint (in into= but not saved): {_key_list(plan.missing)}")
+    if plan.unexpected:
+        parts.append(f"unexpected (saved but not in into=): {_key_list(plan.unexpected)}")
+    if plan.skipped and any(len(p) == 1 for p in plan.missing):
+        parts.append(f"the checkpoint's other top-level keys: {_key_list(plan.skipped)}")
+    hints = [h for h in (_prefix_hint(plan, manifest, into), _empty_hint(plan, into)) if h]
+    return LayoutMismatchError(
+        f"into= does not match the checkpoint {where}: "
+        + "; ".join(parts)
+        + "."
+        + "".join(f" {h}" for h in hints)
+        + " Pass strict=False to load what matches (it returns a LoadReport of what was and was not filled)."
+    )
+
+
+def _empty_hint(plan: IntoPlan, into: dict[str, Any]) -> str | None:
+    """Why a fresh optimizer's state_dict loads nothing: its 'state' is an empty dict, so the saved entries
+    have nowhere to go. Names the first such dict of ``into``."""
+    for path in plan.unexpected:
+        container: Any = into
+        for k in path[:-1]:
+            container = container[k]
+        if isinstance(container, dict) and not container:
+            top = path[0]
+            return (
+                f"{path_str(path[:-1])} is empty in into= (e.g. a fresh optimizer's state_dict(), which holds no "
+                f"state before its first step), so the saved entries have nowhere to go: load that part whole, "
+                f"e.g. optimizer.load_state_dict(ucp.load(path)[{top!r}]) when it is an optimizer's."
+            )
+    return None
+
+
+def _prefix_hint(plan: IntoPlan, manifest: Manifest, into: dict[str, Any]) -> str | None:
+    """'did you mean into={"model": ...}' when the checkpoint holds ``into``'s keys under one top-level key,
+    or 'pass into["model"] itself' when ``into`` holds the checkpoint's top-level keys under one key."""
+    top_missing = [p[0] for p in plan.missing if len(p) == 1]
+    top_unexpected = [p[0] for p in plan.skipped]
+    stored = dict(dict_items(manifest.state)) if node_kind(manifest.state) in ("dict", "items") else {}
+    if top_missing:
+        for key in top_unexpected:
+            node = stored.get(key)
+            if isinstance(node, dict) and node_kind(node) in ("dict", "items"):
+                inner = {_key(k) for k, _ in dict_items(node)}
+                if all(_key(k) in inner for k in top_missing):
+                    return (
+                        f"The checkpoint holds these keys under {key!r}: did you mean into={{{key!r}: ...}} "
+                        f"(e.g. into={{{key!r}: model.state_dict()}})?"
+                    )
+    if len(top_missing) == 1 and isinstance(into.get(top_missing[0]), dict):
+        wrapped = {_key(k) for k in into[top_missing[0]]}
+        if stored and all(_key(k) in wrapped for k in stored):
+            return (
+                f"The checkpoint holds the keys of into[{top_missing[0]!r}] at its top level: "
+                f"pass that dict itself (into=into[{top_missing[0]!r}])."
+            )
+    return None
 
 
 def _kind_text(node: Any) -> str:
@@ -223,16 +407,24 @@ def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPla
         if kind != "tensor":
             raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a tensor")
         plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(obj))
+        plan.loaded.append(path)
         return False
     if isinstance(obj, dict):
         if kind not in ("dict", "items"):
             raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a dict")
-        stored = {_key(k): v for k, v in dict_items(node)}
+        stored = {_key(k): (k, v) for k, v in dict_items(node)}
+        wanted = set()
         for k, v in obj.items():
-            child = stored.get(_key(k))
-            if child is None and _key(k) not in stored:
-                raise LayoutMismatchError(f"{path_str(path + (k,))} is not in the checkpoint")
-            _child(m, obj, k, v, child, path + (k,), plan)
+            wanted.add(_key(k))
+            if _key(k) not in stored:
+                plan.missing.append(path + (k,))
+                continue
+            _child(m, obj, k, v, stored[_key(k)][1], path + (k,), plan)
+        # the top level selects sections (into={"model": ...} leaves the optimizer unread); below it, every
+        # key of a dict ``into`` describes must be there
+        (plan.unexpected if path else plan.skipped).extend(
+            path + (k,) for sk, (k, _) in stored.items() if sk not in wanted
+        )
         return False
     if isinstance(obj, (list, tuple)):
         want = "list" if isinstance(obj, list) else "tuple"
@@ -257,6 +449,7 @@ def _child(m: Manifest, parent: Any, key: Any, value: Any, node: Any, path: tupl
             return True
         plan.rebuilds.append((parent, key, value, node))
         return False
+    plan.loaded.append(path)
     if isinstance(parent, tuple):
         return True
     plan.assigns.append((parent, key, node))
@@ -335,9 +528,14 @@ def _fillable(buffer: torch.Tensor, where: str) -> torch.Tensor:
     return buffer.detach() if buffer.requires_grad else buffer
 
 
-def load_into(storage: Storage, name: str, manifest: Manifest, into: dict[str, Any], *, verify: bool) -> dict[str, Any]:
+def load_into(
+    storage: Storage, name: str, manifest: Manifest, into: dict[str, Any], *, verify: bool, strict: bool = True
+) -> LoadReport:
+    """Fill ``into`` (see :func:`load`); with ``strict`` a key mismatch is an error before anything is read."""
     check_data_files(storage, name, manifest)  # before any tensor is allocated, or ``into`` changed
     plan = plan_into(manifest, into)
+    if strict and (plan.missing or plan.unexpected):
+        raise strict_error(storage.describe(name), plan, manifest, into)
     # Values that replace plain entries of ``into`` may reference tensors: load those in full.
     full: dict[str, torch.Tensor] = {}
     targets = list(plan.targets)
@@ -356,4 +554,4 @@ def load_into(storage: Storage, name: str, manifest: Manifest, into: dict[str, A
         container[key] = decode_state(node, full.__getitem__)
     for container, key, tup, node in plan.rebuilds:
         container[key] = _rebuilt(tup, node, full.__getitem__)
-    return into
+    return LoadReport(into, loaded=plan.loaded, missing=plan.missing, unexpected=plan.unexpected, skipped=plan.skipped)

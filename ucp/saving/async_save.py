@@ -574,27 +574,32 @@ async def aload(
     path: str | os.PathLike[str],
     *,
     into: dict[str, Any] | None = None,
+    strict: bool = True,
+    map_location: Any = None,
     verify: bool = True,
     process_group: Any = None,
     aio_config: AioConfig | dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``await ucp.aload(...)``: :func:`ucp.load` without blocking the event loop.
+) -> Any:
+    """``await ucp.aload(...)``: :func:`ucp.load` without blocking the event loop (same arguments and
+    results: the state dict, or with ``strict=False`` a :class:`ucp.loading.loader.LoadReport`).
 
     On local paths manifest.json is read with aiofiles on the loop; the data files
     are read on the default executor.
     """
-    from ucp.loading.loader import load, load_full, load_into
+    from ucp.loading.loader import LoadReport, load, load_full, load_into
 
     loop = asyncio.get_running_loop()
     text = os.fspath(path)
-    if process_group is not None or storage_options or "://" in text:
+    if process_group is not None or storage_options or "://" in text or map_location is not None:
         return await loop.run_in_executor(
             None,
             functools.partial(
                 load,
                 path,
                 into=into,
+                strict=strict,
+                map_location=map_location,
                 verify=verify,
                 process_group=process_group,
                 aio_config=aio_config,
@@ -620,10 +625,12 @@ async def aload(
         ) from None
     manifest = parse_manifest(data, source=manifest_path)
 
-    def run() -> dict[str, Any]:
+    def run() -> dict[str, Any] | LoadReport:
         with storage:
             if into is None:
-                return load_full(storage, name, manifest, verify=verify)
-            return load_into(storage, name, manifest, into, verify=verify)
+                state = load_full(storage, name, manifest, verify=verify)
+                return state if strict else LoadReport(state, loaded=[(k,) for k in state], missing=[], unexpected=[])
+            report = load_into(storage, name, manifest, into, verify=verify, strict=strict)
+            return report.state if strict else report
 
     return await loop.run_in_executor(None, run)

@@ -129,6 +129,8 @@ def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
     where = f"{path_str(leaf.path)} (tensor {leaf.name!r})"
     import torch  # a leaf holds torch tensors, so torch is loaded already
 
+    if type(local) is not torch.Tensor and type(local) is not torch.nn.Parameter:
+        raise UnsupportedStateError(f"{where}: {_subclass_text(local)}")
     if local.layout != torch.strided or local.is_nested or local.device.type == "meta":
         raise UnsupportedStateError(f"{where}: only dense (strided) tensors with data can be saved")
     dtype = dtype_name(local.dtype, tensor=leaf.name)
@@ -139,6 +141,22 @@ def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
         return LeafLayout(leaf.name, dtype, value.global_shape, value.range, value.replica_id, False, phase)
     shape = tuple(local.shape)
     return LeafLayout(leaf.name, dtype, shape, Box.full(shape), 0, True, phase)
+
+
+def _subclass_text(t: Any) -> str:
+    """Why a tensor subclass is refused, and what to save instead (its bytes are not the subclass's values
+    in general: a DTensor's are one shard of a tensor spread over a mesh)."""
+    kind = type(t)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if kind.__name__ == "DTensor":
+        return (
+            f"is a DTensor ({name}), which ucp.save does not store: save its local shard as a ucp.ShardedTensor "
+            "(local=t.to_local(), with the shard's global shape and box), or t.full_tensor()"
+        )
+    return (
+        f"is a tensor subclass ({name}), which ucp.save does not store (only torch.Tensor and nn.Parameter): "
+        "save a plain tensor, e.g. t.as_subclass(torch.Tensor) when its storage holds its values"
+    )
 
 
 def memory_phase(t: "torch.Tensor") -> int | None:

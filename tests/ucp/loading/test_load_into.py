@@ -100,7 +100,7 @@ def test_into_other_shardings(ck, world, verify):
             },
             "lr": None,
         }
-        ucp.load(ck, into=into, verify=verify)
+        ucp.load(ck, into=into, verify=verify, strict=False)  # a subset of the tensors
         assert same_bytes(into["w"].local, W[:, w_lo:w_hi].contiguous())
         assert same_bytes(into["v"].local, V[v_lo:v_hi].contiguous())
         assert same_bytes(into["f"].local, F.reshape(-1)[f_lo:f_hi].contiguous())
@@ -162,24 +162,27 @@ def test_into_structure_and_values(ck):
         "lr": 1.0,
         "r": torch.zeros(4, dtype=torch.float64),
     }
-    ucp.load(ck, into=into)
+    ucp.load(ck, into=into, strict=False)
     assert into["opt"]["step"] == 10 and into["lr"] == 0.5
     assert same_bytes(into["opt"][0]["z"], Z)
     # a plain value in ``into`` where the checkpoint has a tensor: replaced by the full tensor
     into2 = {"w": None, "opt": {0: {"z2": "placeholder"}}}
-    ucp.load(ck, into=into2)
+    ucp.load(ck, into=into2, strict=False)
     assert same_bytes(into2["w"], W) and same_bytes(into2["opt"][0]["z2"], Z)
 
 
 @pytest.mark.parametrize(
     "into, match",
     [
-        ({"missing": torch.zeros(1)}, r"\['missing'\] is not in the checkpoint"),
+        (
+            {"missing": torch.zeros(1)},
+            r"missing from the checkpoint \(in into= but not saved\): state_dict\['missing'\]",
+        ),
         ({"w": torch.zeros(8, 5)}, r"'w'.*shape is \[8, 6\], the target's \[8, 5\]"),
         ({"w": ucp.ShardedTensor(torch.zeros(2, 2), (4, 4), (0, 0))}, "shape"),
         ({"lr": torch.zeros(1)}, "holds the value 0.5 here, not a tensor"),
         ({"w": {"x": 1}}, "holds a tensor here, not a dict"),
-        ({"opt": {"0": {}}}, r"\['opt'\]\['0'\] is not in the checkpoint"),  # int key 0 is not str "0"
+        ({"opt": {"0": {}}}, r"missing from the checkpoint .*: state_dict\['opt'\]\['0'\]"),  # int key 0 is not str "0"
         ({"opt": [1]}, "not a list"),
     ],
 )
@@ -215,7 +218,7 @@ def test_many_small_batches(ck, monkeypatch, verify):
         "r": torch.zeros(4, dtype=torch.float64),
         "opt": {0: {"z": torch.zeros(3, 4, 5, dtype=torch.float16), "z2": torch.zeros(3, 4, 5)}},
     }
-    ucp.load(ck, into=into, verify=verify)
+    ucp.load(ck, into=into, verify=verify, strict=False)
     assert same_bytes(into["w"].local, W[:, 3:].contiguous()) and same_bytes(into["v"], V)
     assert same_bytes(into["f"].local, F.reshape(-1)[10:30].contiguous()) and same_bytes(into["r"], R)
     assert same_bytes(into["opt"][0]["z"], Z) and same_bytes(into["opt"][0]["z2"], Z.float())

@@ -97,9 +97,9 @@ def test_flat_target_of_box_pieces_and_box_target_of_flat_pieces(ck):
 
 def test_partial_into_ignores_other_keys_and_keeps_int_keys(ck):
     into = {"opt": {0: {"lr": None}}}
-    assert ucp.load(ck, into=into) is into
+    assert ucp.load(ck, into=into, strict=False).state is into  # strict=False: the rest of 'opt' is left unread
     assert into == {"opt": {0: {"lr": 0.1}}}
-    with pytest.raises(ucp.LayoutMismatchError, match=r"\['opt'\]\['0'\] is not in the checkpoint"):
+    with pytest.raises(ucp.LayoutMismatchError, match=r"missing from the checkpoint .*: state_dict\['opt'\]\['0'\]"):
         ucp.load(ck, into={"opt": {"0": {"lr": None}}})
 
 
@@ -193,7 +193,7 @@ def test_two_rules_matching_one_tensor_names_both():
 
 def test_plain_values_inside_tuples_are_loaded(ck):
     into = {"opt": {"betas": (0.5, 0.6), "pair": (torch.zeros(3, dtype=torch.int64), 0)}}
-    ucp.load(ck, into=into)
+    ucp.load(ck, into=into, strict=False)
     assert same_bytes(into["opt"]["pair"][0], torch.arange(3))  # the tensor in the tuple is filled...
     assert into["opt"]["betas"] == (0.9, 0.999)  # ...but these stay (0.5, 0.6)
     assert into["opt"]["pair"][1] == 7
