@@ -69,7 +69,8 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class LayoutMismatchError(CheckpointError):
-    """The structure given to ``load(into=...)`` does not fit the checkpoint (missing key, other shape)."""
+    """The structure given to ``load(into=...)`` does not fit the checkpoint (a missing key, an unexpected one
+    under ``strict``, another shape), or a tensor asked of ``ucp.open`` is not in it."""
 
 
 class UnsupportedStateError(CheckpointError):

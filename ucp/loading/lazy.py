@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from reshard.box import Box
-from ucp.errors import LayoutMismatchError
+from ucp.errors import CheckpointError, LayoutMismatchError
 from ucp.format.dtypes import torch_dtype
 from ucp.format.manifest import Manifest, TensorEntry
 from ucp.loading.partial import SourceIndex, Target, read_targets
@@ -102,7 +102,7 @@ class CheckpointReader:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("I/O on a closed ucp checkpoint reader")
+            raise CheckpointError(f"{self._storage.describe(self._name)}: the reader is closed")
 
     def close(self) -> None:
         """Release the storage (idempotent)."""
