@@ -31,6 +31,7 @@ import ucp
 from reshard import Mesh, Resolver
 from reshard.pipeline import stage_layers
 from ucp.convert.placement import layout_metadata
+from ucp.format.tree import path_str
 
 from .adam import AdamConfig
 from .checkpoint import CheckpointTargets, build_targets, fill_from_full
@@ -422,12 +423,12 @@ class Engine:
         try:
             if not isinstance(source, ucp.CheckpointManager):
                 self._check_fits(os.fspath(source))
-                ucp.load(source, into=into)
+                _no_missing_keys(ucp.load(source, into=into, strict=False))
                 return int(into["step"]), None
             chosen = source.latest() if step is None else step
             if chosen is not None:
                 self._check_fits(source.path(chosen))
-            source.load(step, into=into)
+            _no_missing_keys(source.load(step, into=into, strict=False))
             loaded = source.loaded_step
             assert loaded is not None
             if loaded != chosen:  # the manager fell back to an older checkpoint: checked only once read
@@ -455,3 +456,13 @@ def _describe(source: ucp.CheckpointManager | str | os.PathLike[str]) -> str:
     if isinstance(source, ucp.CheckpointManager):
         return f"the checkpoints under {source.root}"
     return f"checkpoint {os.fspath(source)}"
+
+
+def _no_missing_keys(report: ucp.LoadReport) -> None:
+    """A load into this rank's part of the state is not strict about the checkpoint's other keys (a ZeRO
+    rank's ``into`` holds only its own partitions of the fp32 masters and moments); a key of ``into`` that
+    the checkpoint lacks is still an error, as a strict load would make it."""
+    if report.missing:
+        names = ", ".join(path_str(p) for p in report.missing[:12])
+        more = f" and {len(report.missing) - 12} more" if len(report.missing) > 12 else ""
+        raise ucp.LayoutMismatchError(f"the checkpoint lacks {names}{more}")
