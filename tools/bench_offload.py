@@ -86,6 +86,16 @@ def proc_io(text: str | None = None) -> tuple[int, int]:
         raise ValueError(f"/proc/self/io: no {exc.args[0]} field") from exc
 
 
+def protocol_stream() -> IO[str]:
+    """The worker's answer stream: the real stdout, while fd 1 and ``sys.stdout`` go to stderr from now on, so that
+    a library's prints (DeepSpeed logs to stdout) never land in the protocol."""
+    sys.stdout.flush()
+    stream = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return stream
+
+
 def serve(
     step: Callable[[int], float],
     drain: Callable[[], None],
@@ -161,6 +171,7 @@ def run_worker(method: str, args: argparse.Namespace) -> int:
     """One of our methods in this process, served to the parent."""
     from concurrent.futures import wait
 
+    out = protocol_stream()
     from training import Engine
     from training.offload import OffloadConfig
 
@@ -182,7 +193,7 @@ def run_worker(method: str, args: argparse.Namespace) -> int:
     state = 12 * sum(pl.size for pl in engine.optimizer.plans)
     tier = off.describe() if off is not None else {}
     try:
-        serve(engine.train_step, drain, parts, {"state_bytes": state, "tier": tier})
+        serve(engine.train_step, drain, parts, {"state_bytes": state, "tier": tier}, out=out)
     finally:
         engine.close()
     return 0

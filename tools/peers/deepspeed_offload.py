@@ -61,6 +61,9 @@ def ds_config(args: argparse.Namespace, zero: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from tools.bench_offload import protocol_stream, serve
+
+    out = protocol_stream()  # DeepSpeed logs to stdout
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch
 
-    from tools.bench_offload import serve
     from tools.peers.deepspeed_train import skip_shm_op
     from training.models import GPT, PRESETS, batch_for_step
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             "state_bytes_computed": state,
             "optimizer": type(engine.optimizer).__name__,
         }
-        serve(step, lambda: None, lambda: None, ready)
+        serve(step, lambda: None, lambda: None, ready, out=out)
     finally:
         if swap_dir is not None:
             shutil.rmtree(swap_dir, ignore_errors=True)
