@@ -481,8 +481,8 @@ def targets(
         )
         out.append(
             f"* host memory ≤ half DeepSpeed's: peak RSS {format_size(rss['nvme'])} against {format_size(rss[ds])} "
-            f"({rss['nvme'] / rss[ds]:.2f}), locked {format_size(locked['nvme'])} against {format_size(locked[ds])}: "
-            f"{verdict(rss['nvme'] <= rss[ds] / 2 and locked['nvme'] <= max(locked[ds] / 2, 0))}"
+            f"({rss['nvme'] / rss[ds]:.2f}): {verdict(rss['nvme'] <= rss[ds] / 2)}; locked (pinned) "
+            f"{format_size(locked['nvme'])} against {format_size(locked[ds])}: {verdict(locked['nvme'] <= locked[ds] / 2)}"
         )
     if "nvme" in step and "cpu" in step:
         ratio = step["nvme"] / step["cpu"]
