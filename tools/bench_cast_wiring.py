@@ -4,7 +4,7 @@ Each site is timed as it runs today and as it would with the kernel, interleaved
 (``--rounds`` rounds, each variant once per round, medians), at 1 and 2 torch threads:
 
 * ``export``: an export with ``--dtype bf16`` casts a batch of fp32 tensors read from a checkpoint
-  (``ucp/convert/exporters/stream.py``): a ``.to(bf16)`` per tensor (fresh memory each), against one
+  (``ucp/conversion/exporters/stream.py``): a ``.to(bf16)`` per tensor (fresh memory each), against one
   ``cast_flatten`` of the batch into a buffer allocated per batch, and into one buffer reused batch
   after batch (what ``stream.CastArena`` does).
 * ``stage3``: a ZeRO-3 gradient (bf16) laid into the fp32 reduce-scatter input

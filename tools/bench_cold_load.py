@@ -71,7 +71,7 @@ def make_states(root: Path, total: int) -> dict[int, dict[str, Path]]:
 
     import ucp
     from reshard import plain_layout
-    from ucp.convert.reshape import reshape
+    from ucp.conversion.reshape import reshape
 
     out: dict[int, dict[str, Path]] = {}
     for count in SHAPES:

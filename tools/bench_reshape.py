@@ -88,7 +88,7 @@ def make_source(root: Path, layers: int, vocab: int | None = None) -> Path:
 
 
 def _engine_metadata(engine) -> dict:
-    from ucp.convert.placement import layout_metadata
+    from ucp.conversion.placement import layout_metadata
 
     return {
         "mesh": engine.mesh.as_dict(),

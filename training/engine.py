@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import ucp
 from reshard import Mesh, Resolver
 from reshard.pipeline import stage_layers
-from ucp.convert.placement import layout_metadata
+from ucp.conversion.placement import layout_metadata
 from ucp.format.tree import path_str
 
 from .adam import AdamConfig

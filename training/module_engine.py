@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import ucp
-from ucp.convert.placement import layout_metadata
+from ucp.conversion.placement import layout_metadata
 
 from .checkpoint import build_targets
 from .comm import Comm

@@ -52,9 +52,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "open": ("loading.lazy", "open"),
     "CheckpointReader": ("loading.lazy", "CheckpointReader"),
     "TensorSlice": ("loading.lazy", "TensorSlice"),
-    "reshape": ("convert.api", "reshape"),
-    "export": ("convert.api", "export"),
-    "convert": ("convert", "convert"),
+    "reshape": ("conversion.api", "reshape"),
+    "export": ("conversion.api", "export"),
+    "convert": ("conversion.api", "convert"),
     "read_manifest": ("store.reader", "read_checkpoint_manifest"),
     "CheckpointInfo": ("manager", "CheckpointInfo"),
     "CheckpointManager": ("manager", "CheckpointManager"),
@@ -71,8 +71,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from the same places
-    from ucp.convert import convert
-    from ucp.convert.api import export, reshape
+    from ucp.conversion.api import convert, export, reshape
     from ucp.errors import (
         BenchError,
         BenchOptionError,

@@ -98,7 +98,7 @@ def test_cli_options_agree(tmp_path: Path) -> None:
     their help says so."""
     import ucp
     from ucp.cli.main import app
-    from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET
+    from ucp.conversion.reshape import DEFAULT_MEMORY_BUDGET
 
     runner = CliRunner()
     src = tmp_path / "src"

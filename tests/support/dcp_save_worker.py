@@ -1,9 +1,9 @@
 """One rank of a torch.distributed.checkpoint save of sharded DTensors, for the DCP importer's tests.
 
 usage: python dcp_save_worker.py SCENARIO RANK WORLD INIT_FILE OUT_DIR
-  rows   row-sharded weights, uneven split (tests/ucp/convert/test_import_dcp.py), any world size
+  rows   row-sharded weights, uneven split (tests/ucp/conversion/test_import_dcp.py), any world size
   mixed  rows, columns (bf16), an empty chunk, a replicated tensor and optimizer state; 2 ranks
-         (tests/ucp/convert/test_import_export_data.py)
+         (tests/ucp/conversion/test_import_export_data.py)
 """
 
 from __future__ import annotations

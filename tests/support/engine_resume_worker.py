@@ -1,5 +1,5 @@
 """One rank of the training Engine resuming UCP imports of DeepSpeed checkpoints at other meshes, saving
-again (tests/ucp/convert/test_import_deepspeed.py).
+again (tests/ucp/conversion/test_import_deepspeed.py).
 
 usage: python engine_resume_worker.py RANK WORLD INIT_FILE SPEC_JSON
 (SPEC_JSON: a list of {"src", "out", "mesh", "zero_stage", "dtype"})

@@ -20,8 +20,8 @@ from training_resume_worker import DP1, DP2, SPLIT, STEPS, engine
 
 import ucp
 from reshard import Mesh
-from ucp.convert.placement import place, recorded_layout
-from ucp.convert.reshape import reshape
+from ucp.conversion.placement import place, recorded_layout
+from ucp.conversion.reshape import reshape
 
 WORKER = SUPPORT / "training_resume_worker.py"
 

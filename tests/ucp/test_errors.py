@@ -16,7 +16,7 @@ from aio import AioError, FileWriter
 
 # Internal signals, caught where they are raised and never seen by a caller (so not in ``ucp``).
 INTERNAL = {
-    "ucp.convert.importers.stored.NeedsTorch": "the importers catch it and read the checkpoint with torch",
+    "ucp.conversion.importers.stored.NeedsTorch": "the importers catch it and read the checkpoint with torch",
     "ucp.saving.cow.userfaultfd.ReadError": "an OSError of the copy-on-write helper process, reported as a message",
 }
 
@@ -57,8 +57,8 @@ def test_raisers_use_the_public_classes() -> None:
     """The modules that raise them hand out the same class objects as ``ucp``."""
     from ucp.bench.common import BenchError
     from ucp.bench.raw import RawToolError
-    from ucp.convert.exporters import ExportError
-    from ucp.convert.importers.errors import UnknownFormatError, UnsafePickleError
+    from ucp.conversion.exporters import ExportError
+    from ucp.conversion.importers.errors import UnknownFormatError, UnsafePickleError
     from ucp.saving.cow.snapshot import CowUnavailable
 
     assert (BenchError, RawToolError, ExportError, CowUnavailable) == (

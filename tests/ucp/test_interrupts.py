@@ -49,7 +49,7 @@ RUNNER = textwrap.dedent(r'''
 
 
     def patch_reshape():
-        import ucp.convert.reshape as r
+        import ucp.conversion.reshape as r
         orig = r._fill
 
         def fill(*a, **k):  # one batch of a reshape read from the source; DELAY: a slow disk
@@ -73,12 +73,12 @@ RUNNER = textwrap.dedent(r'''
         def write(storage, rel, plan, views, **k):  # each piece of the rank file, as it is written
             return orig(storage, rel, plan, Tripwire(views), **k)
         s.write_rank_file = write
-        import ucp.convert.reshape as r  # convert's torch-free path writes through the reshape's writer
+        import ucp.conversion.reshape as r  # convert's torch-free path writes through the reshape's writer
         r.write_rank_file = write
 
 
     def patch_export():
-        import ucp.convert.exporters.hf as h
+        import ucp.conversion.exporters.hf as h
         orig = h.export_hf
 
         def export_hf(*a, progress=None, **k):
@@ -325,7 +325,7 @@ def test_sigterm_leaves_no_temp_dir(tmp_path: Path, sources: dict[str, Path], co
 def test_reshape_in_flight_into_manager_root_is_not_a_leftover(
     tmp_path: Path, sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ucp.convert.reshape as reshape_mod
+    import ucp.conversion.reshape as reshape_mod
     from ucp.manager import clean_leftovers, list_checkpoints
 
     root = tmp_path / "run"

@@ -38,8 +38,8 @@ def test_importing_ucp_and_its_cli_does_not_import_torch() -> None:
 def test_the_deepspeed_byte_copy_path_does_not_import_torch() -> None:
     """``ucp convert`` of a DeepSpeed checkpoint reads and copies it without torch in the usual case."""
     modules = (
-        "ucp.convert.importers, ucp.convert.importers.deepspeed, ucp.convert.importers.universal, ucp.convert.importers.torch_archive, "
-        "ucp.convert.importers.write_stored"
+        "ucp.conversion.importers, ucp.conversion.importers.deepspeed, ucp.conversion.importers.universal, ucp.conversion.importers.torch_archive, "
+        "ucp.conversion.importers.write_stored"
     )
     assert _python(f"import sys, {modules}; print('torch' in sys.modules)") == "False"
 

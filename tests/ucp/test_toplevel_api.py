@@ -1,5 +1,5 @@
 """``ucp.reshape``, ``ucp.convert``, ``ucp.export``: functions with the command line's options, writing what
-the commands write; errors are ucp errors; ``ucp.convert`` is both the function and the package; the
+the commands write; errors are ucp errors; ``ucp.convert`` stays the function whatever is imported; the
 names resolve without importing torch."""
 
 from __future__ import annotations
@@ -101,11 +101,12 @@ def test_export_writes_what_the_command_writes(ckpt: Path, tmp_path: Path) -> No
         ucp.export(ckpt, ckpt / "inside")  # the destination lies inside the source
 
 
-def test_convert_is_the_package_and_the_function() -> None:
-    import ucp.convert.importers  # the import system sets ucp.convert to the package
+def test_convert_stays_the_function_after_the_package_is_imported() -> None:
+    import ucp.conversion.importers  # sets ucp.conversion, never ucp.convert
+    from ucp.conversion.api import convert
 
-    assert ucp.convert is sys.modules["ucp.convert"] and callable(ucp.convert)
-    assert ucp.convert.importers.convert is not None
+    assert ucp.convert is convert
+    assert ucp.conversion.importers.convert is not None
 
 
 def test_the_names_resolve_without_torch() -> None:
@@ -120,6 +121,6 @@ def test_the_names_resolve_without_torch() -> None:
 
 
 def test_default_memory_budget_matches_the_reshaper() -> None:
-    from ucp.convert import api, reshape
+    from ucp.conversion import api, reshape
 
     assert api.DEFAULT_MEMORY_BUDGET == reshape.DEFAULT_MEMORY_BUDGET

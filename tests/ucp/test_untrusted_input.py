@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 import ucp
-from ucp.convert.importers import ForeignCheckpointError, UnsafePickleError, convert, read
-from ucp.convert.importers.pickles import load_torch
+from ucp.conversion.importers import ForeignCheckpointError, UnsafePickleError, convert, read
+from ucp.conversion.importers.pickles import load_torch
 from ucp.errors import CorruptCheckpointError, ManifestError
 from ucp.format.manifest import parse_manifest, seal
 
@@ -124,19 +124,19 @@ def _load_into(src: Path, out: Path) -> None:
 
 
 def _export_hf(src: Path, out: Path) -> None:
-    from ucp.convert.exporters import export
+    from ucp.conversion.exporters import export
 
     export(src, out, format="hf")
 
 
 def _export_zarr(src: Path, out: Path) -> None:
-    from ucp.convert.exporters import export
+    from ucp.conversion.exporters import export
 
     export(src, out, format="zarr")
 
 
 def _reshape(src: Path, out: Path) -> None:
-    from ucp.convert.reshape import reshape
+    from ucp.conversion.reshape import reshape
 
     reshape(src, out)
 
@@ -293,7 +293,7 @@ HOSTILE_NAMES = ["../../evil", "/abs/evil", "..", ".", "a/../../b", "../zarr.jso
 
 @pytest.mark.parametrize("fmt", ["hf", "zarr"])
 def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, fmt: Literal["hf", "zarr"]) -> None:
-    from ucp.convert.exporters import export
+    from ucp.conversion.exporters import export
 
     work = tmp_path / "work"
     work.mkdir()
@@ -311,7 +311,7 @@ def test_export_of_hostile_tensor_names_stays_inside_the_output(tmp_path: Path, 
         import zarr
         from zarr_checks import ucp_attrs
 
-        from ucp.convert.exporters.zarr_export import read_tensor
+        from ucp.conversion.exporters.zarr_export import read_tensor
 
         group = zarr.open_group(str(out), mode="r")
         mapping = ucp_attrs(group)["tensors"]
@@ -323,8 +323,8 @@ def test_zarr_export_of_names_with_backslashes(tmp_path: Path) -> None:
     import zarr
     from zarr_checks import ucp_attrs
 
-    from ucp.convert.exporters import export
-    from ucp.convert.exporters.zarr_export import read_tensor
+    from ucp.conversion.exporters import export
+    from ucp.conversion.exporters.zarr_export import read_tensor
 
     state = {"p": torch.zeros(2), "p\\q": torch.ones(2), "x\\..\\y": torch.full((3,), 2.0)}
     _save(tmp_path / "ck", {"model": state})
@@ -423,7 +423,7 @@ def test_torch_archive_entry_claiming_a_huge_size_is_a_clean_error(tmp_path: Pat
 def _dcp(path: Path) -> Any:
     import torch.distributed.checkpoint as dcp
 
-    from ucp.convert.importers.dcp import read_metadata
+    from ucp.conversion.importers.dcp import read_metadata
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # single-process save, no process group
@@ -532,7 +532,7 @@ def _outside_tag(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute"])
 def test_deepspeed_latest_naming_a_folder_outside_the_root_is_refused(tmp_path: Path, kind: str) -> None:
-    from ucp.convert.importers.deepspeed import tag_dir
+    from ucp.conversion.importers.deepspeed import tag_dir
 
     other = _outside_tag(tmp_path)
     root = tmp_path / "ds"
@@ -544,7 +544,7 @@ def test_deepspeed_latest_naming_a_folder_outside_the_root_is_refused(tmp_path: 
 
 @pytest.mark.parametrize("text", ["", "\n", ".", "a/b", "global_step1\0x"])
 def test_deepspeed_latest_must_name_a_plain_tag_folder(tmp_path: Path, text: str) -> None:
-    from ucp.convert.importers.deepspeed import tag_dir
+    from ucp.conversion.importers.deepspeed import tag_dir
 
     root = tmp_path / "ds"
     (root / "a" / "b").mkdir(parents=True)
@@ -555,7 +555,7 @@ def test_deepspeed_latest_must_name_a_plain_tag_folder(tmp_path: Path, text: str
 
 
 def test_deepspeed_latest_universal_naming_a_folder_outside_the_root_is_refused(tmp_path: Path) -> None:
-    from ucp.convert.importers.universal import universal_dir
+    from ucp.conversion.importers.universal import universal_dir
 
     _outside_tag(tmp_path)
     root = tmp_path / "ds"

@@ -62,7 +62,7 @@ def convert_cmd(
         with phase("imports"):
             import ucp
             from aio.sizes import format_size
-            from ucp.convert.importers import convert
+            from ucp.conversion.importers import convert
 
         source_reads_start()
 

@@ -89,8 +89,8 @@ def export_cmd(
     with prefetching(src):
         with phase("imports"):
             import ucp
-            from ucp.convert.exporters import ExportError, export, size_option
-            from ucp.convert.exporters.output import check_destination
+            from ucp.conversion.exporters import ExportError, export, size_option
+            from ucp.conversion.exporters.output import check_destination
 
         source_reads_start()
 

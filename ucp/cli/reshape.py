@@ -76,7 +76,7 @@ def reshape_cmd(
     with prefetching(src):
         with phase("imports"):
             from reshard import LayoutError
-            from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
+            from ucp.conversion.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
             from ucp.errors import CheckpointError
 
         try:
@@ -173,9 +173,9 @@ def _target_layout(
     model: str | None,
 ):  # -> reshard.Layout | None
     """The target layout from the options and what SRC recorded; None means consolidate
-    (:func:`ucp.convert.api.target_layout`, which ``ucp.reshape`` uses too; ``--model`` gives its base)."""
+    (:func:`ucp.conversion.api.target_layout`, which ``ucp.reshape`` uses too; ``--model`` gives its base)."""
     from reshard import LayoutError
-    from ucp.convert.api import target_layout
+    from ucp.conversion.api import target_layout
 
     if model is None:
         return target_layout(src, tp=tp, pp=pp, dp=dp, zero=zero, layout=layout_file)
@@ -192,7 +192,7 @@ def _target_layout(
 
 
 def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool, quiet: bool):
-    from ucp.convert.reshape import reshape
+    from ucp.conversion.reshape import reshape
 
     with progress_bar("reshape (MiB)", enabled=not quiet) as update:
         return reshape(

@@ -18,7 +18,7 @@ from training.inference.executor import Executor
 from training.inference.generate import Sampling, generate
 from training.inference.sources import open_weights
 from training.models.gpt import GPT, PRESETS
-from ucp.convert.reshape import reshape
+from ucp.conversion.reshape import reshape
 
 pytest.importorskip("transformers")
 

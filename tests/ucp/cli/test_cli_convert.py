@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import ucp  # noqa: E402
 from tools.peers.deepspeed_ckpt import deepspeed_missing, make_checkpoint, reference_fp32  # noqa: E402
 from ucp.cli.main import app  # noqa: E402
-from ucp.convert.importers import ConvertReport  # noqa: E402
+from ucp.conversion.importers import ConvertReport  # noqa: E402
 
 runner = CliRunner()
 

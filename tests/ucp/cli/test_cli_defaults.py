@@ -25,7 +25,7 @@ def _api(fn: Any) -> dict[str, Any]:
 
 
 def test_reshape() -> None:
-    from ucp.convert.reshape import DEFAULT_MEMORY_BUDGET, reshape
+    from ucp.conversion.reshape import DEFAULT_MEMORY_BUDGET, reshape
 
     cli, api = _defaults("reshape"), _api(reshape)
     assert api["memory_budget"] == DEFAULT_MEMORY_BUDGET
@@ -38,8 +38,8 @@ def test_reshape() -> None:
 
 
 def test_export() -> None:
-    from ucp.convert.exporters import export
-    from ucp.convert.exporters.zarr_export import DEFAULT_CHUNK_BYTES
+    from ucp.conversion.exporters import export
+    from ucp.conversion.exporters.zarr_export import DEFAULT_CHUNK_BYTES
 
     cli, api = _defaults("export"), _api(export)
     assert parse_size(cli["memory_budget"]) == api["memory_budget"]
@@ -51,7 +51,7 @@ def test_export() -> None:
 
 
 def test_convert() -> None:
-    from ucp.convert.importers import convert
+    from ucp.conversion.importers import convert
 
     cli, api = _defaults("convert"), _api(convert)
     assert cli["source_format"] == api["source_format"]

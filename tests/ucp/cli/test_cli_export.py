@@ -15,8 +15,8 @@ from zarr_checks import array, open_group
 
 import ucp
 from ucp.cli.main import app
-from ucp.convert.exporters import ExportReport
-from ucp.convert.exporters.zarr_export import read_tensor
+from ucp.conversion.exporters import ExportReport
+from ucp.conversion.exporters.zarr_export import read_tensor
 
 runner = CliRunner()
 W = random_tensor(torch.float32, (16, 8), seed=1)

@@ -19,9 +19,9 @@ from ucp_helpers import cli_error_line
 
 import ucp
 from ucp.cli.main import app
-from ucp.convert.importers import ForeignCheckpointError, UnknownFormatError, UnsafePickleError
-from ucp.convert.importers.hf import read_hf
-from ucp.convert.importers.pickles import load_torch, load_torch_bytes
+from ucp.conversion.importers import ForeignCheckpointError, UnknownFormatError, UnsafePickleError
+from ucp.conversion.importers.hf import read_hf
+from ucp.conversion.importers.pickles import load_torch, load_torch_bytes
 from ucp.store.storage import LocalStorage
 
 runner = CliRunner()

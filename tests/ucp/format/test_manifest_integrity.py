@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 import ucp
 import ucp.format.manifest as manifest_mod
 from ucp.cli.main import app
-from ucp.convert.importers import convert
-from ucp.convert.reshape import reshape
+from ucp.conversion.importers import convert
+from ucp.conversion.reshape import reshape
 from ucp.format.manifest import CHECKSUM_FIELD, MAX_MANIFEST_BYTES, parse_manifest, seal
 from ucp.manager import check_complete, looks_complete
 from ucp.saving.async_save import aload, async_save

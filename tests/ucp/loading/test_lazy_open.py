@@ -4,6 +4,7 @@ byte range, a whole tensor is CRC-checked, unknown names and bad indices are nam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_a_slice_of_a_truncated_file_reads_before_the_damage(ckpt: tuple[Path, d
         (slice(5, 1),),
     ],
 )
-def test_slices_match_tensor_indexing(ckpt: tuple[Path, dict[str, torch.Tensor]], index: object) -> None:
+def test_slices_match_tensor_indexing(ckpt: tuple[Path, dict[str, torch.Tensor]], index: Any) -> None:
     path, tensors = ckpt
     with ucp.open(path) as f:
         got = f.get_slice("model.cube")[index]

@@ -67,7 +67,7 @@ def test_a_fresh_process_loads_every_dtype_bit_exact(tmp_path: Path) -> None:
 def test_a_fresh_process_loads_a_sharded_checkpoint_bit_exact(tmp_path: Path) -> None:
     """Tensors split across four rank files (ZeRO-3 flat ranges) are read into whole tensors of their own."""
     from reshard import plain_layout
-    from ucp.convert.reshape import reshape
+    from ucp.conversion.reshape import reshape
 
     state = _state()
     ucp.save(state, tmp_path / "ck")
@@ -90,7 +90,7 @@ def test_a_fresh_process_loads_a_sharded_checkpoint_bit_exact(tmp_path: Path) ->
 def test_a_damaged_piece_of_a_sharded_checkpoint_is_named(tmp_path: Path) -> None:
     """The sharded full-load path checks every piece's CRC as the whole-file path does."""
     from reshard import plain_layout
-    from ucp.convert.reshape import reshape
+    from ucp.conversion.reshape import reshape
 
     ucp.save(_state(), tmp_path / "ck")
     reshape(tmp_path / "ck", tmp_path / "z3", layout=plain_layout(4, 3))

@@ -6,6 +6,7 @@ and was not filled. ``map_location`` for whole loads."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def model_ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_a_full_match_loads_strictly(model_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
     path, sd = model_ckpt
-    into = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}, "step": None}
+    into: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}, "step": None}
     out = ucp.load(path, into=into)
     assert out is into and into["step"] == 7
     assert all(torch.equal(into["model"][k], sd[k]) for k in sd)
@@ -49,7 +50,7 @@ def test_a_wrapped_into_on_a_flat_checkpoint_suggests_unwrapping(tmp_path: Path)
 
 def test_missing_and_unexpected_keys_are_reported_together(model_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
     path, sd = model_ckpt
-    into = {"model": {"w1": torch.zeros(3, 4), "w3": torch.zeros(2)}, "step": None}
+    into: dict[str, Any] = {"model": {"w1": torch.zeros(3, 4), "w3": torch.zeros(2)}, "step": None}
     with pytest.raises(ucp.LayoutMismatchError) as info:
         ucp.load(path, into=into)
     msg = str(info.value)

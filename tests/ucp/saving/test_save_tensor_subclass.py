@@ -50,7 +50,7 @@ def test_a_tensor_subclass_is_refused_naming_its_key(tmp_path: Path) -> None:
     with pytest.raises(ucp.UnsupportedStateError, match=r"state_dict\['opt'\]\[0\] \(tensor 'opt.0'\).*Tagged"):
         ucp.save({"opt": [t]}, tmp_path / "c")
     with ucp.AsyncSaver() as saver, pytest.raises(ucp.UnsupportedStateError, match=r"Tagged"):
-        saver.save({"x": t}, tmp_path / "a").wait()
+        saver.save({"x": t}, tmp_path / "a").result()
 
 
 def test_parameters_and_plain_tensors_still_save(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 import ucp
-from ucp.convert.reshape import reshape
+from ucp.conversion.reshape import reshape
 from ucp.saving.async_save import async_save
 
 RANK0 = "rank-00000.safetensors"

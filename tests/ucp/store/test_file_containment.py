@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ucp
-from ucp.convert.exporters import export
-from ucp.convert.reshape import reshape
+from ucp.conversion.exporters import export
+from ucp.conversion.reshape import reshape
 
 
 def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:

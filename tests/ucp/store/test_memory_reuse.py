@@ -1,6 +1,6 @@
 """Batch memory reused between batches (``ucp.store.reader.MemoryPool``): never a stale byte, never past the budget.
 
-``ucp.convert.reshape`` (and ``ucp convert`` of DeepSpeed checkpoints, the same engine) now fill each batch
+``ucp.conversion.reshape`` (and ``ucp convert`` of DeepSpeed checkpoints, the same engine) now fill each batch
 in memory that held an earlier batch, without zeroing it. These tests look for any way a stale byte
 could reach a written file or memory could be handed out while still in use:
 
@@ -33,16 +33,16 @@ from ucp_helpers import TrackedFileBuffers, flat, random_tensor
 
 import aio.handle
 import ucp
-import ucp.convert.importers.write_stored
-import ucp.convert.reshape
+import ucp.conversion.importers.write_stored
+import ucp.conversion.reshape
 import ucp.loading.partial
 import ucp.store.reader
 import ucp.store.storage
 from aio import AioConfig, AioHandle
 from aio.engines.threads import ThreadEngine
 from reshard import Box, FlatRange, Layout, Mesh, Pipeline, Rule
-from ucp.convert.placement import layout_metadata
-from ucp.convert.reshape import reshape
+from ucp.conversion.placement import layout_metadata
+from ucp.conversion.reshape import reshape
 from ucp.store.reader import MemoryPool
 
 MiB = 1 << 20
@@ -214,7 +214,7 @@ def test_two_sources_alternating_in_one_process_never_mix(tmp_path: Path) -> Non
 def test_tensor_one_page_larger_than_a_batch_and_exactly_a_batch(tmp_path: Path) -> None:
     """Pieces of a batch's size, a page more, a byte more, a page less: cut or not, with their phase."""
     for budget, workers in ((MiB, 1), (2 * MiB + 5000, 2)):
-        _, batch = ucp.convert.reshape._share_budget(budget, workers, 2)
+        _, batch = ucp.conversion.reshape._share_budget(budget, workers, 2)
         sizes = {
             "exact": batch,
             "page_more": batch + 4096,
@@ -260,17 +260,17 @@ def _data_files(path: Path) -> dict[str, bytes]:
 def test_deepspeed_convert_under_small_budgets_writes_the_same_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: tuple[int, str, int]
 ) -> None:
-    from ucp.convert.importers import convert
+    from ucp.conversion.importers import convert
 
     ckpt = _deepspeed(config)
     convert(ckpt, tmp_path / "ref")  # default budget: a few large batches
     want = _data_files(tmp_path / "ref")
     ref_manifest = ucp.read_manifest(tmp_path / "ref")
-    real = ucp.convert.importers.write_stored.rewrite
+    real = ucp.conversion.importers.write_stored.rewrite
     for budget, workers in ((MiB, 1), (MiB + 8191, 2), (2 * MiB, 2)):
         tracked = TrackedFileBuffers(monkeypatch)
         monkeypatch.setattr(
-            ucp.convert.importers.write_stored,
+            ucp.conversion.importers.write_stored,
             "rewrite",
             functools.partial(real, memory_budget=budget, workers=workers),
         )
@@ -410,7 +410,7 @@ def test_peak_of_mapped_buffers_within_budget(
     source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, workers: int
 ) -> None:
     src, ref = source
-    tracked = TrackedFileBuffers(monkeypatch, ucp.convert.reshape, ucp.loading.partial)
+    tracked = TrackedFileBuffers(monkeypatch, ucp.conversion.reshape, ucp.loading.partial)
     peaks = {}
     prev = src
     for name, layout in (("tp2", mesh(tp=2)), ("z3", mesh(tp=2, dp=2, zero=3)), ("cons", None)):
@@ -439,7 +439,7 @@ def test_peak_within_budget_when_the_checksum_thread_lags(
 
     monkeypatch.setattr(ucp.store.writer.CrcChain, "_update", lagging)
     src, ref = source
-    tracked = TrackedFileBuffers(monkeypatch, ucp.convert.reshape, ucp.loading.partial)
+    tracked = TrackedFileBuffers(monkeypatch, ucp.conversion.reshape, ucp.loading.partial)
     peaks = {}
     prev = src
     for name, layout in (("tp2", mesh(tp=2)), ("z3", mesh(tp=2, dp=2, zero=3)), ("cons", None)):
@@ -583,7 +583,7 @@ def test_reshape_with_late_completing_borrowed_writes_is_bit_exact(
 ) -> None:
     """Batches large enough that the writer moves pieces straight from batch memory (borrowed, O_DIRECT),
     through a device whose writes complete late: batches whose writes are still in flight must not be
-    refilled. (Their memory is not counted in the budget: see ucp.convert.reshape.reshape.)"""
+    refilled. (Their memory is not counted in the budget: see ucp.conversion.reshape.reshape.)"""
     src, ref = source
     handle = AioHandle(AioConfig(engine="threads", block_size=256 << 10, queue_depth=16), engine=_SlowWrites())
     borrowed = {"n": 0}

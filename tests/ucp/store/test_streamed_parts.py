@@ -1,6 +1,6 @@
 """Pieces larger than a batch read and written part by part, source pieces checksummed span by span.
 
-Covers ``reshard.box.split_region``, ``ucp.convert.reshape`` (parts handed to the writer as iterators),
+Covers ``reshard.box.split_region``, ``ucp.conversion.reshape`` (parts handed to the writer as iterators),
 ``ucp.loading.partial.read_targets`` / ``SourceIndex.feed`` / ``SourceIndex.finish`` and ``_direct_span``
 (parts of a stored piece read straight into a target), through reshape, ``read_targets`` with a
 small staging, and the exporters. Small memory budgets force the new paths with small tensors.
@@ -21,14 +21,14 @@ import torch
 from ucp_helpers import TrackedFileBuffers
 
 import ucp
-import ucp.convert.exporters.stream
+import ucp.conversion.exporters.stream
 import ucp.loading.partial
 import ucp.store.reader
 from reshard import Box, FlatRange, Layout, Mesh, Pipeline, Rule
 from reshard.box import split_region, transfers
-from ucp.convert.exporters import export
-from ucp.convert.placement import layout_metadata
-from ucp.convert.reshape import reshape
+from ucp.conversion.exporters import export
+from ucp.conversion.placement import layout_metadata
+from ucp.conversion.reshape import reshape
 from ucp.loading.partial import SourceIndex, Target, read_targets
 from ucp.store.storage import open_storage
 
@@ -156,7 +156,7 @@ def test_reshape_of_tensors_larger_than_a_batch_is_bit_exact(
 def test_reshape_with_empty_0d_and_boundary_sized_tensors(tmp_path: Path) -> None:
     """Pieces of a batch's size give or take a page, next to empty and 0-d tensors, consolidated from tp=2."""
     g = torch.Generator().manual_seed(3)
-    batch = 188416  # ucp.convert.reshape._share_budget(1 MiB, ...) for one file
+    batch = 188416  # ucp.conversion.reshape._share_budget(1 MiB, ...) for one file
     shapes = {
         "a": (300, 256),
         "e": (0, 8),
@@ -213,34 +213,34 @@ def test_a_writer_failing_on_its_own_stops_the_read_ahead_at_once(
 ) -> None:
     """The destination fails (say ENOSPC) after a few pieces: no fill reads on while the error is handled,
     even though the caller still holds the exception (and with it the writer's frames)."""
-    import ucp.convert.reshape
+    import ucp.conversion.reshape
     import ucp.store.writer
 
     want = values(torch.float32, (4096, 256))
     one_tensor_source(tmp_path / "src", "(tp r) c", want)
     real = ucp.store.writer.write_rank_file
     fills: list[int] = []
-    real_fill = ucp.convert.reshape._fill
+    real_fill = ucp.conversion.reshape._fill
 
     def counted_fill(batch: Any, *a: Any) -> Any:
         fills.append(1)
         return real_fill(batch, *a)
 
-    monkeypatch.setattr(ucp.convert.reshape, "_fill", counted_fill)
+    monkeypatch.setattr(ucp.conversion.reshape, "_fill", counted_fill)
 
     def failing(storage, rel_path, plan, views, **kw):  # noqa: ANN001, ANN003, ANN202
         it = iter(views)
         next(it)  # the first piece's bytes arrive, then the device is full
         raise OSError(28, "No space left on device", rel_path)
 
-    monkeypatch.setattr(ucp.convert.reshape, "write_rank_file", failing)
+    monkeypatch.setattr(ucp.conversion.reshape, "write_rank_file", failing)
     with pytest.raises(OSError, match="No space left") as info:
         reshape(tmp_path / "src", tmp_path / "dst", memory_budget=BUDGET, workers=1)
     assert info.value is not None  # the exception (and its traceback) is alive here
     assert [t.name for t in threading.enumerate() if t.name.startswith("ucp-reshape")] == []
     settled = len(fills)
     threading.Event().wait(0.2)
-    assert len(fills) == settled <= 1 + ucp.convert.reshape.READ_AHEAD
+    assert len(fills) == settled <= 1 + ucp.conversion.reshape.READ_AHEAD
     assert real is ucp.store.writer.write_rank_file
     assert not (tmp_path / "dst").exists()
 
@@ -404,9 +404,9 @@ def test_export_of_large_pieces_under_a_small_staging(
 
     root, w = sources
     monkeypatch.setattr(
-        ucp.convert.exporters.stream,
+        ucp.conversion.exporters.stream,
         "read_targets",
-        functools.partial(ucp.convert.exporters.stream.read_targets, staging_bytes=4096),
+        functools.partial(ucp.conversion.exporters.stream.read_targets, staging_bytes=4096),
     )
     export(root / "cols", tmp_path / "ok", format=fmt, memory_budget=1 << 16)
     if fmt == "hf":

@@ -1,0 +1,157 @@
+"""Exporters: a UCP checkpoint out to other formats (Hugging Face safetensors, zarr v3).
+
+::
+
+    from ucp.conversion.exporters import export
+    export("ckpt/step-100", "out/hf", format="hf", dtype="bf16", max_shard_size="5GB")
+    export("ckpt/step-100", "out/model.zarr", format="zarr", compressor="zstd")
+
+Both stream: tensors are read in batches bounded by ``memory_budget`` (sharded
+tensors assembled from their pieces on the way) and written as they arrive, into
+a temporary directory that becomes ``dst`` only once everything is written.
+See docs/import-export.md, "Export".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from ucp.conversion.exporters.options import ExportError, parse_dtype, size_option
+from ucp.conversion.exporters.output import check_destination, staged_dir
+from ucp.conversion.exporters.selection import Selection, select_tensors
+from ucp.conversion.exporters.stream import DEFAULT_MEMORY_BUDGET, plan_batches
+
+Format = Literal["hf", "zarr"]
+ZARR_OPTIONS = frozenset({"compressor", "level", "chunk_bytes"})
+
+
+class ExportReport(BaseModel):
+    """What an export wrote."""
+
+    format: Format
+    dst: str
+    files: list[str] = Field(description="hf: file names in dst; zarr: array names in the group")
+    tensors: int
+    bytes: int = Field(description="bytes of tensor data written (before zarr compression)")
+    seconds: float
+    section: str = Field(description="the state subtree exported; '' for every tensor")
+    dtype: str | None = Field(None, description="the dtype floating tensors were cast to, if any")
+
+
+def export(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    format: Format = "hf",
+    section: str | None = None,
+    dtype: Any = None,
+    max_shard_size: int | str | None = None,
+    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+    overwrite: bool = False,
+    verify: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **zarr_options: Any,
+) -> ExportReport:
+    """Export checkpoint ``src`` to ``dst`` (a local directory, created; replaced only with ``overwrite``).
+
+    ``section``: the state subtree to export (default ``model`` when present, else
+    everything; ``""``/``"all"``: everything under full names). ``dtype``: cast
+    floating tensors (``"bf16"``, ``"fp16"``, ``torch.float32``...). ``max_shard_size``
+    (hf only): bytes or ``"2GB"``. ``zarr_options`` (zarr only): ``compressor``
+    (``zstd``/``blosc``/``none``), ``level``, ``chunk_bytes``. ``progress(done_bytes,
+    total_bytes, tensor_name)`` is called after each tensor. Raises ExportError
+    (bad option, unknown section, non-empty ``dst``) or ucp's CheckpointError.
+    """
+    from ucp.store.reader import check_data_files, read_manifest
+    from ucp.store.storage import open_storage
+
+    if format not in ("hf", "zarr"):
+        raise ExportError(f"format: unknown format {format!r} (choose hf or zarr)")
+    unknown = set(zarr_options) - ZARR_OPTIONS
+    if unknown:
+        raise ExportError(f"unknown options {sorted(unknown)} (zarr takes {sorted(ZARR_OPTIONS)})")
+    if format == "hf" and zarr_options:
+        raise ExportError(f"options {sorted(zarr_options)} apply to format 'zarr' only")
+    if format == "zarr" and max_shard_size is not None:
+        raise ExportError("max_shard_size applies to format 'hf' only")
+    cast = parse_dtype(dtype)
+    budget = size_option(memory_budget, option="memory_budget")
+    shard = None if max_shard_size is None else size_option(max_shard_size, option="max_shard_size")
+    if "chunk_bytes" in zarr_options:
+        zarr_options["chunk_bytes"] = size_option(zarr_options["chunk_bytes"], option="chunk_bytes")
+    if format == "zarr":
+        from ucp.conversion.exporters.zarr_export import codecs
+
+        codecs(zarr_options.get("compressor", "zstd"), zarr_options.get("level"))  # bad values fail before any work
+    check_destination(dst, overwrite=overwrite, src=src)
+    t0 = time.perf_counter()
+    storage, name = open_storage(src, storage_options=storage_options)
+    with storage:
+        manifest = read_manifest(storage, name)
+        check_data_files(storage, name, manifest)  # before buffers or output files are sized from its claims
+        selection = select_tensors(manifest, section, dtype=cast)
+        with staged_dir(Path(dst), overwrite=overwrite) as out_dir:
+            if format == "hf":
+                from ucp.conversion.exporters.hf import export_hf
+
+                files = export_hf(
+                    storage,
+                    name,
+                    manifest,
+                    selection,
+                    out_dir,
+                    max_shard_size=shard,
+                    budget=budget,
+                    verify=verify,
+                    progress=progress,
+                )
+            else:
+                from ucp.conversion.exporters.zarr_export import export_zarr
+
+                files = export_zarr(
+                    storage,
+                    name,
+                    manifest,
+                    selection,
+                    out_dir,
+                    source=_describe(src),
+                    cast=cast,
+                    budget=budget,
+                    verify=verify,
+                    progress=progress,
+                    **zarr_options,
+                )
+    return ExportReport(
+        format=format,
+        dst=str(Path(dst).absolute()),
+        files=files,
+        tensors=len(selection.tensors),
+        bytes=selection.nbytes,
+        seconds=round(time.perf_counter() - t0, 3),
+        section=selection.section,
+        dtype=str(cast).removeprefix("torch.") if cast is not None else None,
+    )
+
+
+def _describe(src: str | os.PathLike[str]) -> str:
+    """The source as recorded in the output: absolute for local paths, the URL otherwise."""
+    text = os.fspath(src)
+    return text if "://" in text else os.path.abspath(text)
+
+
+__all__ = [
+    "ExportError",
+    "ExportReport",
+    "Selection",
+    "export",
+    "parse_dtype",
+    "size_option",
+    "plan_batches",
+    "select_tensors",
+]
