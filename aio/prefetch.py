@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .memstat import meminfo
+
 CHUNK = 2 << 20  # bytes per fadvise call: the kernel reads at most max(read-ahead, max request) per call
 THREADS = 3
 MEMORY_SHARE = 0.5  # of MemAvailable, at most, pulled into the page cache
@@ -63,14 +65,7 @@ def forget(paths: Paths | None = None) -> None:
 
 def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes, or None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return meminfo("MemAvailable")
 
 
 def regular_files(paths: Paths) -> list[tuple[str, int]]:

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from aio.memstat import peak_rss  # noqa: E402
 from tools.bench_cold_load import drop, run_fio  # noqa: E402
-from training.inference.metrics import peak_rss  # noqa: E402
 
 # The child: argv = method, weights path, json args; moves itself into the cgroup first; prints one JSON line.
 CHILD = r"""

@@ -9,10 +9,11 @@ from typing import Callable
 import torch
 
 from aio import AioConfig
+from aio.memstat import peak_rss
 from training.inference.config import load_model
 from training.inference.executor import Executor
 from training.inference.generate import Generated, Sampling, generate
-from training.inference.metrics import InferMetrics, page_cache_bytes, peak_rss
+from training.inference.metrics import InferMetrics, page_cache_bytes
 from training.inference.sources import open_weights
 from training.inference.tokens import Tokenizer
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import resource
-
 from pydantic import BaseModel
+
+from aio.memstat import meminfo
 
 
 class InferMetrics(BaseModel):
@@ -31,26 +31,6 @@ class InferMetrics(BaseModel):
     engine: str
 
 
-def peak_rss() -> int:
-    """The process's peak resident set so far, in bytes: VmHWM, which starts afresh at exec (getrusage's
-    ru_maxrss carries the parent's peak across fork + exec, so a child of a big process would report it)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def page_cache_bytes() -> int:
     """The system's page cache (``Cached``), 0 where /proc/meminfo is absent."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("Cached:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return meminfo("Cached") or 0

@@ -17,13 +17,13 @@ adds the pattern with a caret under the part at fault).
 from __future__ import annotations
 
 import json
-import resource
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 
+from aio import memstat
 from aio.sizes import SIZE_HELP, parse_size
 from ucp.cli.common import EXIT_FAILED, command_line, fail_with, out, prefetching, progress_bar, source_reads_start
 from ucp.cli.inspect import _one_line, bad_input
@@ -94,7 +94,7 @@ def reshape_cmd(
                 report = _run(src, dst, target, budget, workers, overwrite, json_output)
         except (LayoutError, CheckpointError, OSError) as exc:
             raise fail_with(exc, _one_line_keeping_diagram(exc)) from None
-        peak_rss = _peak_rss()
+        peak_rss = memstat.peak_rss()
         with phase("io"):
             problems = _read_back(dst) if verify else None
         doc = {
@@ -148,19 +148,6 @@ def _one_line_keeping_diagram(exc: BaseException) -> str:
     from reshard import PatternError
 
     return str(exc) if isinstance(exc, PatternError) else _one_line(exc)
-
-
-def _peak_rss() -> int:
-    """This process's peak resident set (bytes): VmHWM, which starts afresh at exec (ru_maxrss does not:
-    a child inherits its parent's high-water mark)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _target_layout(
