@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,29 +36,9 @@ if str(REPO) not in sys.path:
 
 import kernels  # noqa: E402
 from kernels._build import cache_dir  # noqa: E402
+from ucp.bench.report import cpu_model, source_commit  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "kernels", "tools"], cwd=REPO, capture_output=True
-        )
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 def _deepspeed(param: torch.nn.Parameter) -> tuple[Callable[[], None] | None, str]:
@@ -233,7 +211,7 @@ def main(argv: list[str]) -> int:
     crc = {t: bench_crc(args.crc_mib << 20, t, args.rounds) for t in threads}
     cast = {t: bench_cast(args.cast_params, t, args.rounds) for t in threads}
 
-    print(f"Fused CPU kernels — {datetime.date.today().isoformat()}, commit {_commit()}, {_cpu_model()}, "
+    print(f"Fused CPU kernels — {datetime.date.today().isoformat()}, commit {source_commit(REPO)}, {cpu_model()}, "
           f"torch {torch.__version__}, backend `{kernels.backend()}`")  # fmt: skip
     print()
     print(f"Command: `{' '.join([_python(), 'tools/bench_kernels.py', *argv])}` "

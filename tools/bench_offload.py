@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from aio.sizes import SIZE_HELP, format_size, parse_size  # noqa: E402
+from ucp.bench.report import cpu_model, source_commit  # noqa: E402
 
 OURS = ("memory", "cpu", "nvme", "nvme-serial")
 METHODS = (*OURS, "deepspeed-nvme")
@@ -302,21 +302,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 def hidden(f: dict[str, float]) -> float | None:
     """Share of the I/O threads' busy time that no one waited for (None without I/O)."""
     busy = f.get("io_read", 0.0) + f.get("io_write", 0.0)
@@ -400,7 +385,7 @@ def report(
     state = next((w.ready.get("state_bytes") for w in workers.values() if "state_bytes" in w.ready), None)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"Measured at commit {_commit()}, recorded {date}, {_cpu_model()} ({os.cpu_count()} vCPUs), "
+        f"Measured at commit {source_commit(REPO)}, recorded {date}, {cpu_model()} ({os.cpu_count()} vCPUs), "
         f"torch {torch.__version__}; load average before {loads[0]:.2f}, after {loads[1]:.2f}",
         "",
         f"Command: `.venv/bin/python tools/bench_offload.py {' '.join(argv)}` (one process per method; "

@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
 UCP = [sys.executable, "-m", "ucp.cli"]
 
 from tools.argtypes import positive_int  # noqa: E402
+from ucp.bench.report import cpu_model  # noqa: E402
 
 
 def drop_caches(mode: str, src: Path) -> bool:
@@ -178,15 +179,6 @@ def timed(step: Step, src: Path, dst: Path, drop: str) -> tuple[float, dict | No
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
     return seconds, doc
-
-
-def cpu_model() -> str:
-    """The CPU's model name (benchmarks on machines of this kind run on different CPUs)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 
 
 def synced(step: Step, syncs: list[float]) -> Step:

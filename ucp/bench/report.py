@@ -80,6 +80,16 @@ def source_commit(path: str | Path | None = None) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none): machines of one kind
+    run on different CPUs, so every published figure names it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 # -- rendering ------------------------------------------------------------------------------------
 
 
