@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +106,39 @@ class FlatShard:
         return self.local.dtype
 
 
+@dataclass(eq=False)
+class StreamedShard:
+    """A region of a global tensor whose bytes are produced while the save writes them, not held in memory.
+
+    For state that lives outside memory (an optimizer offloaded to NVMe): ``parts()`` is called once,
+    by the writer, and yields consecutive byte views that together hold ``region``'s elements in
+    row-major order as ``dtype``. The producer may reuse a part's memory as soon as the next part is
+    asked for: the writer writes and checksums each part before that. The piece it becomes is an
+    ordinary one (the manifest cannot tell). Only a synchronous save writes one (``ucp.save``, a
+    ``CheckpointManager`` without ``async_save``); it is never a load target.
+    """
+
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    region: Box | FlatRange
+    parts: Callable[[], Iterable[memoryview]]
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = _ints(self.global_shape, "global_shape")
+        self.replica_id = int(self.replica_id)
+        inside = (
+            self.region.within(self.global_shape)
+            if isinstance(self.region, Box)
+            else 0 <= self.region.start <= self.region.stop <= math.prod(self.global_shape)
+        )
+        if not inside:
+            raise ValueError(f"StreamedShard: region {self.region} lies outside global_shape {list(self.global_shape)}")
+
+
+Part = Union[ShardedTensor, FlatShard, StreamedShard]
+
+
 class Shards:
     """Several regions of ONE global tensor held by this rank (one logical tensor, one name).
 
@@ -115,13 +148,15 @@ class Shards:
     views of one local tensor. Save writes each part as its own piece.
     """
 
-    def __init__(self, parts: Sequence[ShardedTensor | FlatShard]) -> None:
+    def __init__(self, parts: Sequence[Part]) -> None:
         parts = list(parts)
         if not parts:
             raise ValueError("Shards needs at least one part")
         for i, p in enumerate(parts):
-            if not isinstance(p, (ShardedTensor, FlatShard)):
-                raise TypeError(f"Shards part {i} must be a ShardedTensor or FlatShard, got {type(p).__name__}")
+            if not isinstance(p, (ShardedTensor, FlatShard, StreamedShard)):
+                raise TypeError(
+                    f"Shards part {i} must be a ShardedTensor, FlatShard or StreamedShard, got {type(p).__name__}"
+                )
         first = parts[0]
         for i, p in enumerate(parts[1:], 1):
             if p.global_shape != first.global_shape:
@@ -130,7 +165,7 @@ class Shards:
                 )
             if p.dtype != first.dtype:
                 raise ValueError(f"Shards part {i} has dtype {p.dtype}, part 0 has {first.dtype}")
-        self.parts: tuple[ShardedTensor | FlatShard, ...] = tuple(parts)
+        self.parts: tuple[Part, ...] = tuple(parts)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -144,7 +179,7 @@ class Shards:
         return f"Shards({len(self.parts)} parts of {list(self.global_shape)} {self.dtype})"
 
 
-TensorLike = Union["torch.Tensor", ShardedTensor, FlatShard, Shards]
+TensorLike = Union["torch.Tensor", ShardedTensor, FlatShard, StreamedShard, Shards]
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -154,9 +189,9 @@ def _is_torch_tensor(obj: object) -> bool:
 
 
 def is_tensor_like(obj: object) -> bool:
-    return isinstance(obj, (ShardedTensor, FlatShard, Shards)) or _is_torch_tensor(obj)
+    return isinstance(obj, (ShardedTensor, FlatShard, StreamedShard, Shards)) or _is_torch_tensor(obj)
 
 
-def parts_of(value: TensorLike) -> tuple[torch.Tensor | ShardedTensor | FlatShard, ...]:
+def parts_of(value: TensorLike) -> tuple[torch.Tensor | Part, ...]:
     """The single-region values a leaf is made of: a Shards leaf's parts, else the value itself."""
     return value.parts if isinstance(value, Shards) else (value,)

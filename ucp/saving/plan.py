@@ -43,7 +43,7 @@ from reshard.box import Box, FlatRange
 from ucp.errors import UnsupportedStateError
 from ucp.format.dtypes import dtype_name, itemsize
 from ucp.format.manifest import FORMAT_VERSION
-from ucp.format.sharding import FlatShard, ShardedTensor, Shards
+from ucp.format.sharding import FlatShard, ShardedTensor, Shards, StreamedShard
 from ucp.format.tree import ENTRY_SEP, PAD_PREFIX, Leaf, path_str
 
 if TYPE_CHECKING:
@@ -125,6 +125,9 @@ def leaf_layouts(leaf: Leaf) -> list[LeafLayout]:
 def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
     """Describe a leaf's (or one part's) placement; raises UnsupportedStateError for tensors the format cannot hold."""
     value = leaf.value if value is None else value
+    if isinstance(value, StreamedShard):  # bytes produced at write time: no memory, so no phase
+        dtype = dtype_name(value.dtype, tensor=leaf.name)
+        return LeafLayout(leaf.name, dtype, value.global_shape, value.region, value.replica_id, False, None)
     local = value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
     where = f"{path_str(leaf.path)} (tensor {leaf.name!r})"
     import torch  # a leaf holds torch tensors, so torch is loaded already

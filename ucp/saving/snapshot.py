@@ -16,9 +16,10 @@ import torch
 import kernels
 from reshard.box import Box, FlatRange
 from ucp.errors import SnapshotChangedError, UnsupportedStateError
-from ucp.format.sharding import FlatShard, ShardedTensor, Shards
+from ucp.format.sharding import FlatShard, ShardedTensor, Shards, StreamedShard
 from ucp.format.tree import Leaf
 from ucp.saving.plan import PlannedPiece, SavePlan, assign_replicated, leaf_layouts
+from ucp.store.writer import PieceBytes, StreamedParts
 
 if TYPE_CHECKING:
     from ucp.saving.background.image import Progress
@@ -27,11 +28,22 @@ if TYPE_CHECKING:
 COPY_CHUNK = 64 << 20  # the snapshot reports progress to the writer every this many bytes
 
 
-def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
-    """The tensor a leaf's piece is made of (the local part of a sharded leaf, or of part ``part`` of a Shards)."""
+def leaf_part(leaf: Leaf, part: int | None = None) -> torch.Tensor | ShardedTensor | FlatShard | StreamedShard:
+    """A leaf's value, or part ``part`` of a Shards leaf."""
     value = leaf.value
-    if isinstance(value, Shards):
-        value = value.parts[part or 0]
+    return value.parts[part or 0] if isinstance(value, Shards) else value
+
+
+def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
+    """The tensor a leaf's piece is made of (the local part of a sharded leaf, or of part ``part`` of a Shards).
+
+    A :class:`StreamedShard` has none: an UnsupportedStateError (only a synchronous save writes one)."""
+    value = leaf_part(leaf, part)
+    if isinstance(value, StreamedShard):
+        raise UnsupportedStateError(
+            f"tensor {leaf.name!r} is a StreamedShard, whose bytes are produced while they are written: "
+            "only a synchronous save (ucp.save, a CheckpointManager without async_save) writes one"
+        )
     return value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
 
 
@@ -92,6 +104,16 @@ def snapshot(plan: SavePlan, leaves: Sequence[Leaf]) -> list[memoryview]:
     return [piece_bytes(p, leaves[p.leaf]) for p in plan.pieces]
 
 
+def write_views(plan: SavePlan, leaves: Sequence[Leaf]) -> list[PieceBytes]:
+    """What a synchronous save hands the writer: :func:`snapshot`'s views, but a :class:`StreamedShard`'s
+    parts, produced as the writer goes, where a leaf is one."""
+    out: list[PieceBytes] = []
+    for p in plan.pieces:
+        value = leaf_part(leaves[p.leaf], p.part)
+        out.append(StreamedParts(value.parts) if isinstance(value, StreamedShard) else piece_bytes(p, leaves[p.leaf]))
+    return out
+
+
 def replica_checksums(leaves: Sequence[Leaf], rank: int, world_size: int) -> list[tuple[str, Box | FlatRange, int]]:
     """``(tensor, region, CRC-32C)`` of every region this rank holds but another rank writes: plain
     tensors the planner gives to another rank, shard replicas with ``replica_id`` > 0. Compared
@@ -104,8 +126,14 @@ def replica_checksums(leaves: Sequence[Leaf], rank: int, world_size: int) -> lis
     for i, lay in layouts:
         if (owner.get(lay.name) == rank) if lay.replicated else lay.replica_id == 0:
             continue  # written by this rank
-        data = tensor_bytes(host_contiguous(local_tensor(leaves[i], lay.part)))
-        out.append((lay.name, lay.region, crc32c.crc32c(data)))
+        value = leaf_part(leaves[i], lay.part)
+        if isinstance(value, StreamedShard):
+            crc = 0
+            for part in value.parts():
+                crc = crc32c.crc32c(part, crc)
+        else:
+            crc = crc32c.crc32c(tensor_bytes(host_contiguous(local_tensor(leaves[i], lay.part))))
+        out.append((lay.name, lay.region, crc))
     return out
 
 

@@ -9,7 +9,8 @@ The four steps are separate functions so that an asynchronous save can run
     JSON state tree.
 (b) ``snapshot.snapshot(plan, leaves) -> list[memoryview]`` — each piece's bytes
     as a contiguous CPU byte view (here: views on the tensors themselves;
-    ``snapshot.local_tensor`` / ``host_contiguous`` / ``tensor_bytes`` are the parts).
+    ``snapshot.local_tensor`` / ``host_contiguous`` / ``tensor_bytes`` are the parts;
+    ``snapshot.write_views`` adds a ``StreamedShard``'s parts, made as they are written).
 (c) ``writer.write_rank_file(storage, rel_path, plan, views) -> [(name, Piece)]`` —
     header then pieces through the storage's writer (``aio`` for local paths), CRC-32C
     computed on the way out by ``writer.CrcChain``.
@@ -35,8 +36,9 @@ from ucp.dist import Group, resolve_group
 from ucp.errors import UnsupportedStateError
 from ucp.format.manifest import Manifest
 from ucp.format.tree import encode_state
+from ucp.saving.dtensor import lower_leaves, with_record
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
-from ucp.saving.snapshot import replica_checksums, snapshot
+from ucp.saving.snapshot import replica_checksums, write_views
 from ucp.store import commit as _commit
 from ucp.store.storage import Storage, as_aio_config, open_storage
 from ucp.store.writer import write_rank_file
@@ -149,7 +151,8 @@ def save_with(
     tree: Any = None
     try:
         encoded = encode_state(state_dict)
-        leaves, tree = encoded.leaves, encoded.tree
+        leaves, records = lower_leaves(encoded.leaves, group)  # DTensors: this rank's regions
+        tree, metadata = encoded.tree, with_record(metadata, records)
         plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
     except BaseException as exc:
         local_error = exc
@@ -211,7 +214,7 @@ def _write_and_commit(
     report = _commit.RankReport(rank=group.rank)
     if local_error is None and temp is not None and plan is not None:
         try:
-            views = snapshot(plan, leaves)
+            views = write_views(plan, leaves)
             records = write_rank_file(storage, f"{temp}/{plan.file}", plan, views) if plan.file else []
             replicas = (
                 [_commit.Replica.of(*r) for r in replica_checksums(leaves, group.rank, group.world_size)]

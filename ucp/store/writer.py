@@ -10,7 +10,7 @@ instructions), so checksumming costs no disk time and nothing is read back.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import crc32c as _crc32c
 
@@ -62,6 +62,18 @@ class CrcChain:
         self.close()
 
 
+class StreamedParts:
+    """A piece's bytes as consecutive parts whose memory their producer reuses (a ``ucp.StreamedShard``'s):
+    :func:`write_rank_file` writes and checksums each part before it asks for the next, instead of
+    handing parts to the checksum thread and the device while it moves on."""
+
+    def __init__(self, parts: Callable[[], Iterable[memoryview]]) -> None:
+        self._parts = parts
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self._parts())
+
+
 PieceBytes = memoryview | Iterable[memoryview]
 
 
@@ -106,13 +118,21 @@ def write_rank_file(
                     continue
                 pos = piece.offset
                 known = i in inline
-                for part in (view,) if isinstance(view, memoryview) else view:
-                    for start in range(0, part.nbytes, chunk):
-                        block = part[start : start + chunk]
-                        if not known:
-                            crcs.feed(i, block)
-                        writer.write(block, borrow=True)  # the views stay unchanged until we return
-                    pos += part.nbytes
+                if isinstance(view, StreamedParts):  # each part written and checksummed before the next is made
+                    crc = 0
+                    for part in view:
+                        crc = crc if known else _crc32c.crc32c(part, crc)
+                        writer.write(part)  # not borrowed: returns once the memory may be reused
+                        pos += part.nbytes
+                    inline.setdefault(i, crc)
+                else:
+                    for part in (view,) if isinstance(view, memoryview) else view:
+                        for start in range(0, part.nbytes, chunk):
+                            block = part[start : start + chunk]
+                            if not known:
+                                crcs.feed(i, block)
+                            writer.write(block, borrow=True)  # the views stay unchanged until we return
+                        pos += part.nbytes
                 if pos != piece.offset + piece.length:
                     raise RuntimeError(
                         f"{rel_path}: piece {piece.name!r} got {pos - piece.offset} bytes, the plan says {piece.length}"

@@ -1,0 +1,79 @@
+"""A StreamedShard is saved as the ordinary piece its bytes make: the same manifest pieces and CRCs as the
+tensor it stands for, even when every part comes from one reused buffer; an asynchronous save refuses one,
+naming the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+import ucp
+from reshard.box import Box, FlatRange
+from ucp.errors import UnsupportedStateError
+from ucp.format.sharding import FlatShard, ShardedTensor, Shards, StreamedShard
+from ucp.saving.snapshot import tensor_bytes
+
+PART = 4096  # bytes per part, all through one buffer
+
+
+def reused(t: torch.Tensor) -> Iterator[memoryview]:
+    """``t``'s bytes part by part, each copied into the same buffer (overwritten when the next is asked for)."""
+    src = tensor_bytes(t.contiguous())
+    buf = bytearray(PART)
+    for a in range(0, src.nbytes, PART):
+        n = min(PART, src.nbytes - a)
+        buf[:n] = src[a : a + n]
+        yield memoryview(buf)[:n]
+
+
+def test_streamed_pieces_are_the_pieces_of_the_tensors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300_000, generator=g)  # large: written in many parts
+    box = torch.randn(64, 48, generator=g)
+    flat, boxed = big[1000:], box[16:]
+    plain = {
+        "a": Shards([FlatShard(flat, (300_000,), 1000), FlatShard(big[:1000], (300_000,), 0)]),
+        "b": Shards([ShardedTensor(boxed, (64, 48), (16, 0)), ShardedTensor(box[:16], (64, 48), (0, 0))]),
+        "c": torch.arange(10),
+    }
+    streamed = {
+        "a": Shards(
+            [
+                StreamedShard(torch.float32, (300_000,), FlatRange(1000, 300_000), lambda: reused(flat)),
+                FlatShard(big[:1000], (300_000,), 0),
+            ]
+        ),
+        "b": Shards(
+            [
+                StreamedShard(torch.float32, (64, 48), Box((16, 0), (48, 48)), lambda: reused(boxed)),
+                ShardedTensor(box[:16], (64, 48), (0, 0)),
+            ]
+        ),
+        "c": torch.arange(10),
+    }
+    ucp.save(plain, tmp_path / "plain")
+    ucp.save(streamed, tmp_path / "streamed")
+    ours, theirs = ucp.read_manifest(tmp_path / "streamed"), ucp.read_manifest(tmp_path / "plain")
+    assert ours.tensors.keys() == theirs.tensors.keys()
+    for name in ours.tensors:
+        mine = {(repr(p.region()), p.crc32c, p.length) for p in ours.tensors[name].pieces}
+        assert mine == {(repr(p.region()), p.crc32c, p.length) for p in theirs.tensors[name].pieces}, name
+    loaded = ucp.load(tmp_path / "streamed")
+    assert torch.equal(loaded["a"], big) and torch.equal(loaded["b"], box)
+    assert ucp.verify(tmp_path / "streamed").ok
+
+
+def test_a_streamed_shard_with_too_few_bytes_fails_the_save(tmp_path: Path) -> None:
+    short = StreamedShard(torch.float32, (100,), FlatRange(0, 100), lambda: reused(torch.ones(99)))
+    with pytest.raises(RuntimeError, match="piece 'a' got 396 bytes, the plan says 400"):
+        ucp.save({"a": short}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_async_save_refuses_a_streamed_shard(tmp_path: Path) -> None:
+    shard = StreamedShard(torch.float32, (8,), FlatRange(0, 8), lambda: reused(torch.ones(8)))
+    with ucp.AsyncSaver() as saver, pytest.raises(UnsupportedStateError, match="tensor 'w' is a StreamedShard"):
+        saver.save({"w": shard}, tmp_path / "async").result()
