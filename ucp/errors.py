@@ -115,6 +115,11 @@ class CommitError(CheckpointError):
         self.reason: str = message if reason is None else reason
 
 
+class StorageError(CheckpointError):
+    """The storage refused or failed a request: an object store's credentials, a missing bucket, a
+    transfer whose retries ran out. The message names the URL of the object at fault."""
+
+
 class DestinationError(CheckpointError):
     """Where a save, convert, reshape or export would write is in the way: it exists (and overwriting
     was not asked for), is not a checkpoint that may be replaced, or is or holds the source."""

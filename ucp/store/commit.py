@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from ucp.errors import CommitError, DestinationError, ManifestError
+from ucp.errors import CheckpointError, CommitError, DestinationError, ManifestError
 from ucp.format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -94,8 +94,24 @@ class RankReport(BaseModel):
     replicas: list[Replica] = []  # only with check_replicas
 
 
+SAVING_MARKER = ".ucp-saving"
+"""Object stores: written first under a prefix a save writes in place, deleted after its manifest. A prefix
+with it and no manifest is an interrupted save, which a later save may replace (never a checkpoint)."""
+
+
 def make_temp_dir(storage: Storage, name: str) -> str:
-    """Create and return the temporary sibling directory of checkpoint ``name``."""
+    """Create and return the temporary sibling directory of checkpoint ``name``.
+
+    Where the storage cannot rename (``storage.renames`` False: object stores) the save writes in place:
+    ``name`` itself is returned, after any checkpoint there was retired (manifest deleted first, so it
+    stops being one at once; see :func:`check_replaceable`) and :data:`SAVING_MARKER` written.
+    """
+    if not storage.renames:
+        if storage.exists(name):
+            check_replaceable(storage, name)
+            storage.remove_tree(name)
+        storage.write_small(f"{name}/{SAVING_MARKER}", b"")
+        return name
     temp = f".{name}.tmp-{secrets.token_hex(6)}"
     storage.makedirs(temp)
     return temp
@@ -203,6 +219,15 @@ def commit(
     it pointed to is left as it was (see ``storage.remove_path``).
     """
     data = manifest.to_json()
+    if temp == name:  # in place (no rename): the manifest, one atomic PUT, is the commit
+        if before_swap is not None:
+            before_swap()
+        storage.write_small(f"{name}/{MANIFEST_NAME}", data)
+        try:
+            storage.remove_file(f"{name}/{SAVING_MARKER}")
+        except (OSError, CheckpointError) as exc:  # harmless: readers go by the manifest alone
+            log.warning("could not remove %s: %s", storage.describe(f"{name}/{SAVING_MARKER}"), exc)
+        return data
     storage.write_small(f"{temp}/{MANIFEST_NAME}", data)
     storage.sync_dir(temp)
     if before_swap is not None:
@@ -303,6 +328,8 @@ def check_replaceable(storage: Storage, name: str) -> None:
     """Refuse to replace anything but a checkpoint or an empty directory (never delete a user's data)."""
     if storage.exists(f"{name}/{MANIFEST_NAME}"):
         return
+    if not storage.renames and storage.exists(f"{name}/{SAVING_MARKER}"):
+        return  # an interrupted in-place save
     try:
         entries: list[str] | None = storage.listdir(name)
     except OSError:

@@ -45,6 +45,10 @@ class Storage(abc.ABC):
     """Whether ``flock`` on its directories and files works: in-flight markers and liveness locks."""
     config: AioConfig = AioConfig()
     """How writes are sized and paced; only local storage moves its bytes through ``aio``."""
+    renames: bool = True
+    """Whether a directory can be moved into place (a rename, or a copy that stands in for one). Where it
+    cannot (object stores: ``ucp.store.s3``), a save writes its files under the final prefix and commits
+    by writing the manifest last (``ucp.store.commit``)."""
 
     def local_path(self, rel: str) -> str | None:
         """The OS path of ``rel`` where entries are local files; None elsewhere (URLs, object stores)."""
@@ -410,6 +414,10 @@ def open_storage(
 ) -> tuple[Storage, str]:
     """The storage holding checkpoint ``path``, and the checkpoint's name inside it."""
     text = os.fspath(path)
+    if text.startswith("s3://"):
+        from ucp.store.s3 import open_s3
+
+        return open_s3(text, storage_options)
     if "://" not in text and not storage_options:
         full = os.path.abspath(text)
         parent, name = os.path.split(full.rstrip(os.sep) or os.sep)
