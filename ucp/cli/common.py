@@ -17,12 +17,13 @@ import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+from ucp.cli.timings import phase
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -115,7 +116,8 @@ def prefetching(path: str | os.PathLike[str] | None, *, marker: str | None = "ma
     started = False
     if path is not None and os.environ.get("UCP_PREFETCH", "1").lower() not in ("0", "false", "no", "off"):
         try:
-            from aio.prefetch import prefetch_files
+            with phase("imports"):
+                from aio.prefetch import prefetch_files
 
             p = os.fspath(path)
             if "://" not in p and (marker is None or os.path.isfile(os.path.join(p, marker))):
@@ -146,6 +148,47 @@ def fail(message: str, code: int = 1) -> "typer.Exit":
     The message is printed as is: brackets in it ("[key, value]") are not rich markup."""
     err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def bad_input(message: str) -> typer.Exit:
+    """Print a one-line error and return the exit-2 (bad input) to raise."""
+    return fail(message, EXIT_BAD_INPUT)
+
+
+def load_storage_options(text: str | None) -> dict[str, Any] | None:
+    """``--storage-options`` JSON -> dict (fsspec keyword arguments); ValueError saying what is wrong."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    return value
+
+
+def parse_storage_options(text: str | None) -> dict[str, Any] | None:
+    """:func:`load_storage_options`, a bad value printed as a one-line error (exit 2)."""
+    try:
+        return load_storage_options(text)
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
+
+
+def unreadable_message(path: str, exc: BaseException) -> str:
+    """Why the checkpoint at ``path`` cannot be read, as one line naming it. UCP's errors name the
+    manifest already; others (an unknown URL protocol, a missing fsspec backend) get the path."""
+    from ucp.errors import CheckpointError
+
+    text = one_line(exc)
+    if (
+        not isinstance(exc, CheckpointError)
+        and not (isinstance(exc, OSError) and exc.filename is not None)
+        and path not in text
+    ):
+        text = f"{path}: {text}"
+    return text
 
 
 def require_dir(path: Path | None, option: str) -> None:
@@ -197,8 +240,14 @@ def progress_bar(
     """A rich progress bar on stderr; yields ``update(done, total, what)``. Hidden when not a terminal.
 
     ``percent``: show how far as a percentage rather than ``done/total`` (for work whose phases count in
-    different units, e.g. files read, then bytes written).
+    different units, e.g. files read, then bytes written). With no bar to show, ``rich.progress`` is not
+    even imported (a one-shot command in a script pays nothing for it).
     """
+    if not (enabled and err.is_terminal):
+        yield _no_progress
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -207,7 +256,6 @@ def progress_bar(
         TextColumn("{task.fields[what]}"),
         console=err,
         transient=True,
-        disable=not (enabled and err.is_terminal),
     )
     with progress:
         task = progress.add_task(description, total=None, what="")
@@ -216,3 +264,7 @@ def progress_bar(
             progress.update(task, completed=done, total=total, what=what)
 
         yield update
+
+
+def _no_progress(done: int, total: int, what: str) -> None:
+    """:func:`progress_bar`'s update when no bar is shown."""

@@ -16,8 +16,18 @@ from typing import Annotated, Optional
 import typer
 
 from aio.sizes import SIZE_HELP, format_size
-from ucp.cli.common import exit_code, fail, fail_with, out, prefetching, progress_bar, source_reads_start
-from ucp.cli.inspect import EXIT_BAD_INPUT, _one_line, parse_storage_options
+from ucp.cli.common import (
+    EXIT_BAD_INPUT,
+    exit_code,
+    fail,
+    fail_with,
+    one_line,
+    out,
+    parse_storage_options,
+    prefetching,
+    progress_bar,
+    source_reads_start,
+)
 from ucp.cli.timings import phase
 
 
@@ -138,7 +148,7 @@ def export_cmd(
         except (ucp.CheckpointError, OSError) as exc:
             if exit_code(exc) == EXIT_BAD_INPUT:
                 raise fail_with(exc) from None
-            raise fail_with(exc, f"export failed, {dst} left unchanged: {_one_line(exc)}") from None
+            raise fail_with(exc, f"export failed, {dst} left unchanged: {one_line(exc)}") from None
         if json_output:
             typer.echo(report.model_dump_json(indent=2))
             return

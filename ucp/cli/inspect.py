@@ -25,12 +25,8 @@ from pydantic import BaseModel, Field
 from rich.markup import escape
 
 from aio.sizes import format_size
-from ucp.cli.common import EXIT_BAD_INPUT, err, fail, fail_with, one_line, out
-
-
-def bad_input(message: str) -> typer.Exit:
-    """Print a one-line error and return the exit-2 (bad input) to raise."""
-    return fail(message, EXIT_BAD_INPUT)
+from ucp.cli.common import bad_input as bad_input  # noqa: F401 - where `ucp infer` imports it from
+from ucp.cli.common import err, fail_with, out, parse_storage_options, unreadable_message
 
 
 class PieceInfo(BaseModel):
@@ -261,27 +257,6 @@ def _print_report(report: InspectReport, *, max_pieces: int) -> None:
     out.print("metadata: " + escape(metadata), highlight=False)
 
 
-def load_storage_options(text: str | None) -> dict[str, Any] | None:
-    """``--storage-options`` JSON -> dict (fsspec keyword arguments); ValueError saying what is wrong."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--storage-options must be a JSON object")
-    return value
-
-
-def parse_storage_options(text: str | None) -> dict[str, Any] | None:
-    """:func:`load_storage_options`, a bad value printed as a one-line error (exit 2)."""
-    try:
-        return load_storage_options(text)
-    except ValueError as exc:
-        raise bad_input(str(exc)) from None
-
-
 def inspect_cmd(
     path: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL (s3://bucket/run/step-100).")],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -329,24 +304,6 @@ def inspect_cmd(
             _print_tensors(report, max_pieces=max_pieces)
     else:
         _print_report(report, max_pieces=max_pieces)
-
-
-_one_line = one_line  # the name the other commands import
-
-
-def unreadable_message(path: str, exc: BaseException) -> str:
-    """Why the checkpoint at ``path`` cannot be read, as one line naming it. UCP's errors name the
-    manifest already; others (an unknown URL protocol, a missing fsspec backend) get the path."""
-    from ucp.errors import CheckpointError
-
-    text = _one_line(exc)
-    if (
-        not isinstance(exc, CheckpointError)
-        and not (isinstance(exc, OSError) and exc.filename is not None)
-        and path not in text
-    ):
-        text = f"{path}: {text}"
-    return text
 
 
 def register(app: typer.Typer) -> None:

@@ -20,8 +20,7 @@ import typer
 from rich.markup import escape
 
 from aio.sizes import format_size
-from ucp.cli.common import out
-from ucp.cli.inspect import bad_input
+from ucp.cli.common import bad_input, out
 
 if TYPE_CHECKING:
     from ucp.manager import CheckpointInfo

@@ -9,6 +9,10 @@ How to add a command (e.g. ``ucp inspect``):
 
 Keep module top levels light (typer, rich, pydantic): import torch and other heavy
 packages inside the command functions, so that ``ucp --help`` answers at once.
+
+``ucp NAME ...`` imports and registers only NAME's module (the one-shot commands pay for no other
+command's imports, nor for typer building every command's options); ``ucp --help``, a mistyped
+name and :data:`app` get them all.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import atexit
 import importlib
 import signal
+import sys
 import time
+from typing import Sequence
 
 import typer
 
@@ -37,18 +43,40 @@ COMMAND_MODULES: list[str] = [
     "infer",
 ]
 
-app = typer.Typer(
-    name="ucp",
-    help="[bold]UCP[/bold]: universal checkpointing and storage I/O for large-model training.",
-    rich_markup_mode="rich",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
-)
 
-for _name in COMMAND_MODULES:
-    importlib.import_module(f"ucp.cli.{_name}").register(app)
-timings.mark("imports")  # UCP_TIMINGS=1: the interpreter's start-up and the command modules
+def build_app(names: Sequence[str] = COMMAND_MODULES) -> typer.Typer:
+    """The ``ucp`` app with the commands of ``names`` (modules of :data:`COMMAND_MODULES`) registered."""
+    app = typer.Typer(
+        name="ucp",
+        help="[bold]UCP[/bold]: universal checkpointing and storage I/O for large-model training.",
+        rich_markup_mode="rich",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_show_locals=False,
+    )
+    # A callback keeps the app a group whatever the number of commands: with one command alone, typer
+    # would make it the app itself (``ucp verify PATH`` would read "verify" as PATH).
+    app.callback()(_group)
+    for name in names:
+        importlib.import_module(f"ucp.cli.{name}").register(app)
+    return app
+
+
+def _group() -> None:
+    """The app's own (empty) callback: see :func:`build_app`."""
+
+
+def command_named(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` (the arguments after ``ucp``) runs, when it is one of ours and comes first."""
+    return argv[0] if argv and argv[0] in COMMAND_MODULES else None
+
+
+def __getattr__(name: str) -> typer.Typer:
+    """``app``: every command registered (``from ucp.cli.main import app``), built on first use."""
+    if name == "app":
+        app = globals()["app"] = build_app()
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -71,6 +99,9 @@ def main() -> None:
     # SIGTERM (kill, timeout, a scheduler, docker stop) unwinds like Ctrl-C does, so a command's
     # cleanup runs (temporary directories removed) before the process ends with 128 + 15.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    command = command_named(sys.argv[1:])
+    app = build_app(COMMAND_MODULES if command is None else [command])
+    timings.mark("imports")  # UCP_TIMINGS=1: the interpreter's start-up and the command's module
     try:
         app(prog_name="ucp")
     except SystemExit as exc:

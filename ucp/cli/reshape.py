@@ -25,8 +25,17 @@ from rich.markup import escape
 
 from aio import memstat
 from aio.sizes import SIZE_HELP, parse_size
-from ucp.cli.common import EXIT_FAILED, command_line, fail_with, out, prefetching, progress_bar, source_reads_start
-from ucp.cli.inspect import _one_line, bad_input
+from ucp.cli.common import (
+    EXIT_FAILED,
+    bad_input,
+    command_line,
+    fail_with,
+    one_line,
+    out,
+    prefetching,
+    progress_bar,
+    source_reads_start,
+)
 from ucp.cli.timings import phase
 
 EXIT_PROBLEMS = EXIT_FAILED  # --verify found problems in what was written
@@ -135,7 +144,7 @@ def _read_back(dst: str) -> list[dict[str, Any]]:
     try:
         report = ucp.verify(dst)
     except (OSError, ValueError) as exc:  # ucp.CheckpointError is a ValueError
-        return [{"kind": type(exc).__name__, "message": _one_line(exc)}]
+        return [{"kind": type(exc).__name__, "message": one_line(exc)}]
     return [
         {"kind": p.kind, "message": p.message, **{k: getattr(p, k, None) for k in ("file", "tensor", "offset")}}
         for p in report.problems
@@ -147,7 +156,7 @@ def _one_line_keeping_diagram(exc: BaseException) -> str:
     pattern with a caret under the part at fault."""
     from reshard import PatternError
 
-    return str(exc) if isinstance(exc, PatternError) else _one_line(exc)
+    return str(exc) if isinstance(exc, PatternError) else one_line(exc)
 
 
 def _target_layout(

@@ -21,8 +21,16 @@ from pydantic import BaseModel, Field
 from rich.markup import escape
 
 from aio.sizes import format_size
-from ucp.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err, exit_code, out
-from ucp.cli.inspect import load_storage_options, unreadable_message
+from ucp.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    err,
+    exit_code,
+    load_storage_options,
+    out,
+    unreadable_message,
+)
 from ucp.cli.timings import phase
 
 EXIT_PROBLEMS = EXIT_FAILED
