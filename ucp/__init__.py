@@ -62,6 +62,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Manifest": ("format.manifest", "Manifest"),
     "parse_manifest": ("format.manifest", "parse_manifest"),
     "save": ("saving.sync_save", "save"),
+    "save_state": ("distributed_state", "save_state"),
+    "load_state": ("distributed_state", "load_state"),
+    "get_state": ("distributed_state", "get_state"),
+    "set_state": ("distributed_state", "set_state"),
     "FlatShard": ("format.sharding", "FlatShard"),
     "ShardedTensor": ("format.sharding", "ShardedTensor"),
     "Shards": ("format.sharding", "Shards"),
@@ -72,6 +76,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 if TYPE_CHECKING:  # what static tools and IDEs see: the names of _EXPORTS, from the same places
     from ucp.conversion.api import convert, export, reshape
+    from ucp.distributed_state import get_state, load_state, save_state, set_state
     from ucp.errors import (
         BenchError,
         BenchOptionError,

@@ -36,6 +36,7 @@ from ucp.format.manifest import Manifest, TensorEntry, parse_manifest
 from ucp.format.regions import copy_region
 from ucp.format.sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
 from ucp.format.tree import decode_state, dict_items, node_kind, path_str, plain_key, tensor_refs
+from ucp.loading.dtensor import as_target
 from ucp.loading.partial import Target, read_targets
 from ucp.store.reader import (
     POPULATE_MIN_BYTES,
@@ -406,7 +407,7 @@ def _walk(m: Manifest, obj: Any, node: Any, path: tuple[Any, ...], plan: IntoPla
     if is_tensor_like(obj):
         if kind != "tensor":
             raise LayoutMismatchError(f"{path_str(path)}: the checkpoint holds {_kind_text(node)} here, not a tensor")
-        plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(obj))
+        plan.targets.extend(_target(m, node["tensor"], part, path) for part in parts_of(as_target(obj, path)))
         plan.loaded.append(path)
         return False
     if isinstance(obj, dict):

@@ -49,6 +49,7 @@ from ucp.dist import Group, resolve_group
 from ucp.errors import CommitError, ManifestError, NotACheckpointError, UnsupportedStateError
 from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, too_large
 from ucp.format.tree import Leaf, encode_state
+from ucp.saving.dtensor import lower_leaves, with_record
 from ucp.saving import snapshot_modes, step_guard
 from ucp.saving.background.handshake import identity, publish_report
 from ucp.saving.background.image import Progress
@@ -309,7 +310,8 @@ class AsyncSaver:
         replicas: list[_commit.Replica] = []
         try:
             encoded = encode_state(state_dict)
-            leaves, tree = encoded.leaves, encoded.tree
+            leaves, records = lower_leaves(encoded.leaves, group)  # DTensors: this rank's regions
+            tree, metadata = encoded.tree, with_record(metadata, records)
             plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
             replicas = (
                 [_commit.Replica.of(*r) for r in replica_checksums(leaves, group.rank, group.world_size)]
@@ -404,7 +406,8 @@ class AsyncSaver:
         if not self._snapshot_mode.copies:
             return 0
         group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
-        plan = plan_save(encode_state(state_dict).leaves, group.rank, group.world_size, cache=PLAN_CACHE)
+        leaves, _ = lower_leaves(encode_state(state_dict).leaves, group)
+        plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
         if plan.file is None:
             return 0
         arena = self.pool.acquire(plan.file_size)

@@ -1,4 +1,4 @@
-"""``ucp.save`` of a tensor subclass it does not store (a DTensor, any torch.Tensor subclass) raises an
+"""``ucp.save`` of a tensor subclass it does not store (a Partial DTensor, any other torch.Tensor subclass) raises an
 UnsupportedStateError naming the key, before anything is written; nn.Parameter is saved as before."""
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-def test_a_dtensor_is_refused_naming_its_key(tmp_path: Path, one_process_group: None) -> None:
-    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+def test_a_partial_dtensor_is_refused_naming_its_key(tmp_path: Path, one_process_group: None) -> None:
+    """DTensors are saved (tests/ucp/test_fsdp_resume.py), but not Partial ones: their local values
+    are unreduced partial sums, not the tensor's."""
+    from torch.distributed.tensor import DeviceMesh, DTensor, Partial
 
     mesh = DeviceMesh("cpu", [0])
-    dt = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    dt = DTensor.from_local(torch.randn(4, 4), mesh, [Partial()])
     with pytest.raises(ucp.UnsupportedStateError) as info:
         ucp.save({"model": {"layer.weight": dt}}, tmp_path / "c")
     msg = str(info.value)
-    assert "state_dict['model']['layer.weight']" in msg and "DTensor" in msg and "to_local()" in msg
+    assert "state_dict['model']['layer.weight']" in msg and "Partial(sum)" in msg and "redistribute" in msg
     assert ".numpy()" not in msg
     assert not (tmp_path / "c" / "manifest.json").exists()
 
