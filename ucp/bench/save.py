@@ -1,5 +1,8 @@
 """``ucp bench save``: checkpoint save/load throughput of UCP against torch.save, safetensors, DCP and fio.
 
+DCP runs twice: with its default FileSystemWriter/Reader (``dcp``) and with UCP's storage backend,
+``ucp.dcp.Writer``/``Reader`` (``ucp-dcp``), on the same state with the same planner.
+
 A GPT-like training state (bf16 weights, fp32 master weights, Adam moments: 14
 bytes per parameter) is saved and loaded back by every method, with 1 rank and
 with N ranks (real processes, gloo; see :mod:`ucp.bench.save_workers` for the
@@ -40,8 +43,9 @@ from ucp.bench.report import BenchReport, ReportCheck, ReportRow
 from ucp.bench.save_workers import BYTES_PER_PARAM, GptSpec, WorkerConfig, gpt_spec
 from ucp.errors import BenchOptionError
 
-METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "async")
-MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp"]
+METHOD_CHOICES = ("raw", "ucp", "torch", "safetensors", "dcp", "ucp-dcp", "async")
+MethodKind = Literal["raw", "ucp", "torch", "safetensors", "dcp", "ucp-dcp"]
+CHECKPOINT_METHODS = ("ucp", "torch", "safetensors", "dcp", "ucp-dcp")  # each saved, then loaded back
 ProgressFn = Callable[[int, int, str], None]
 
 # Memory one rank process costs besides its share of the state: the interpreter with torch, gloo,
@@ -55,6 +59,7 @@ LABELS = {
     ("torch", "full"): "torch.save+fsync / torch.load",
     ("safetensors", "full"): "safetensors save_file+fsync / load_file",
     ("dcp", "in-place"): "DCP save / load (in place)",
+    ("ucp-dcp", "in-place"): "DCP save / load via ucp.dcp (in place)",
 }
 DETAILS = {
     "ucp": "ucp.save (O_DIRECT aio, CRC-32C, atomic commit); load verifies every CRC",
@@ -62,6 +67,8 @@ DETAILS = {
     "safetensors": "one file per rank, flat names; save_file + fsync, load_file + touching every page (it maps lazily)",
     "dcp": "torch.distributed.checkpoint FileSystemWriter/Reader defaults (thread_count=1, sync_files=True); "
     "1 rank: no_dist=True; N ranks: gloo, rank-prefixed keys",
+    "ucp-dcp": "the same DCP save/load (same state, keys and planner) with storage_writer=ucp.dcp.Writer, "
+    "storage_reader=ucp.dcp.Reader: a UCP checkpoint (O_DIRECT aio, CRC-32C, atomic commit); load verifies every CRC",
 }
 
 
@@ -395,7 +402,7 @@ def load_variants(method: str, ranks: int) -> list[str]:
     """How each method's checkpoint is read back: UCP full loads only make sense for one rank."""
     if method == "ucp":
         return ["full", "into"] if ranks == 1 else ["into"]
-    return ["in-place"] if method == "dcp" else ["full"]
+    return ["in-place"] if method in ("dcp", "ucp-dcp") else ["full"]
 
 
 def _raw_tool(options: BenchSaveOptions, size: int, direct: bool) -> tuple[Fio | Dd | None, str]:
@@ -469,7 +476,7 @@ def _steps(options: BenchSaveOptions, has_raw: bool, has_async: bool) -> int:
     per_round = 2 if has_raw else 0
     for n in options.ranks:
         for m in options.methods:
-            if m in ("ucp", "torch", "safetensors", "dcp"):
+            if m in CHECKPOINT_METHODS:
                 per_round += 1 + len(load_variants(m, n))
             elif m == "async" and has_async:
                 per_round += len(options.async_snapshots)
@@ -522,7 +529,7 @@ def run_bench_save(
             if tool is not None:
                 _round_raw(run, tool, workdir, rnd, raw_samples)
             for n in options.ranks:
-                methods = [m for m in options.methods if m in ("ucp", "torch", "safetensors", "dcp")]
+                methods = [m for m in options.methods if m in CHECKPOINT_METHODS]
                 k = (rnd - 1) % len(methods) if methods else 0
                 for m in methods[k:] + methods[:k]:  # rotate: no method always runs first
                     _round_method(run, worlds[n], m, n, workdir, rnd)
@@ -728,7 +735,7 @@ def _result(
         methods.append(raw)
     for n in options.ranks:
         rows: list[MethodResult] = []
-        for m in ("ucp", "torch", "safetensors", "dcp"):
+        for m in CHECKPOINT_METHODS:
             if (m, n) not in run.save:
                 continue
             for variant in load_variants(m, n):
@@ -864,6 +871,21 @@ def _checks(methods: list[MethodResult], asyncs: list[AsyncResult], ranks: list[
                     ratio=ratio,
                     threshold=threshold,
                     passed=None if ratio is None else ratio >= threshold,
+                )
+            )
+        backend = next((m for m in methods if m.kind == "ucp-dcp" and m.ranks == n), None)
+        for op in ("save", "load") if backend is not None else ():
+            ratio = getattr(backend, f"{op}_vs_dcp")
+            checks.append(
+                Check(
+                    name=f"ucp_dcp_{op}_vs_dcp_{n}r",
+                    description=f"DCP {op} via ucp.dcp >= 1.5x DCP's FileSystem{'Writer' if op == 'save' else 'Reader'} "
+                    f"({n} rank{'s' if n > 1 else ''})",
+                    ranks=n,
+                    method="ucp-dcp",
+                    ratio=ratio,
+                    threshold=1.5,
+                    passed=None if ratio is None else ratio >= 1.5,
                 )
             )
         for a in (x for x in asyncs if x.ranks == n):

@@ -377,6 +377,18 @@ class Worker:
                     storage_writer=dcp.FileSystemWriter(os.path.join(directory, "dcp")),
                     no_dist=self.world == 1,
                 )
+        elif method == "ucp-dcp":
+            import torch.distributed.checkpoint as dcp
+
+            import ucp.dcp
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(
+                    self.dcp_state(),
+                    storage_writer=ucp.dcp.Writer(os.path.join(directory, "ckpt"), aio_config=self._aio()),
+                    no_dist=self.world == 1,
+                )
         else:
             raise ValueError(f"unknown save method {method!r}")
 
@@ -410,6 +422,18 @@ class Worker:
                 dcp.load(
                     self.dcp_state(),
                     storage_reader=dcp.FileSystemReader(os.path.join(directory, "dcp")),
+                    no_dist=self.world == 1,
+                )
+        elif method == "ucp-dcp":
+            import torch.distributed.checkpoint as dcp
+
+            import ucp.dcp
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    self.dcp_state(),
+                    storage_reader=ucp.dcp.Reader(os.path.join(directory, "ckpt"), aio_config=self._aio()),
                     no_dist=self.world == 1,
                 )
         else:
@@ -507,7 +531,7 @@ class Worker:
 
     @staticmethod
     def in_place(method: str, variant: str) -> bool:
-        return method == "dcp" or (method == "ucp" and variant == "into")
+        return method in ("dcp", "ucp-dcp") or (method == "ucp" and variant == "into")
 
     def check(self, method: str, variant: str) -> str | None:
         """None when every sampled tensor came back bit-exact, else what differs."""

@@ -158,7 +158,9 @@ def bench_save(
     ] = False,
     methods: Annotated[
         Optional[str],
-        typer.Option("--methods", help="Comma list of: raw, ucp, torch, safetensors, dcp, async (default all)."),
+        typer.Option(
+            "--methods", help="Comma list of: raw, ucp, torch, safetensors, dcp, ucp-dcp, async (default all)."
+        ),
     ] = None,
     raw: Annotated[
         RawChoice, typer.Option("--raw", help="Device-limit tool: fio if installed (auto), the dd fallback, or none.")

@@ -69,10 +69,12 @@ def test_every_method_at_both_rank_counts_with_verified_data(bench: tuple[BenchS
         ("torch", 1),
         ("safetensors", 1),
         ("dcp", 1),
+        ("ucp-dcp", 1),
         ("ucp-into", 2),
         ("torch", 2),
         ("safetensors", 2),
         ("dcp", 2),
+        ("ucp-dcp", 2),
     ]
     assert res.verification_passed and res.ranks == [1, 2] and res.rounds == 1
     for m in res.methods:
@@ -98,6 +100,7 @@ def test_checks_and_async_are_reported(bench: tuple[BenchSaveResult, Path]) -> N
     for n in (1, 2):
         for what in ("save_vs_raw", "load_vs_raw", "save_vs_torch", "save_vs_dcp", "load_vs_torch", "load_vs_dcp"):
             assert f"ucp_{what}_{n}r" in names
+        assert f"ucp_dcp_save_vs_dcp_{n}r" in names and f"ucp_dcp_load_vs_dcp_{n}r" in names
         assert f"ucp_async_stall_sync_{n}r" in names and f"ucp_async_stall_background_{n}r" in names
     assert all(isinstance(c.passed, bool) for c in res.checks if "async" not in c.name)
     modes = ["sync", "background"] + ([] if cow_unavailable() else ["cow"])
@@ -169,12 +172,12 @@ def _worker() -> Worker:
 
 def test_worker_round_trip_and_wrong_data_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     w = _worker()
-    for method in ("ucp", "torch", "safetensors", "dcp") * 2:  # twice: no method may disturb the next save
+    for method in ("ucp", "torch", "safetensors", "dcp", "ucp-dcp") * 2:  # twice: no method may disturb the next save
         d = tmp_path / method
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir()
         assert w.handle({"op": "save", "method": method, "dir": str(d)})["seconds"] > 0
-        variants = ["full", "into"] if method == "ucp" else ["in-place"] if method == "dcp" else ["full"]
+        variants = ["full", "into"] if method == "ucp" else ["in-place"] if "dcp" in method else ["full"]
         for v in variants:
             reply = w.handle({"op": "load", "method": method, "variant": v, "dir": str(d), "seed": 3})
             assert reply["mismatch"] is None, (method, v)
