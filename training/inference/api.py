@@ -40,10 +40,16 @@ def infer(
     config: str | os.PathLike[str] | None = None,
     aio_config: AioConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
+    kv_budget: int | None = None,
+    kv_dir: str | os.PathLike[str] | None = None,
+    pin_layers: bool = True,
 ) -> InferResult:
     """Generate for ``prompts`` (text, tokenized by the weights' tokenizer.json, or lists of ids) with
     weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch.
-    ``progress(done, total)`` counts token steps over all batches."""
+    A batch's KV cache stays in memory unless it needs more than ``kv_budget`` bytes; then it lives in
+    a temporary file under ``kv_dir``, read and written layer by layer through ``kv_budget`` bytes of
+    buffers. ``pin_layers``: keep whole layers resident in what the budget holds beyond a two-buffer
+    ring (``prefetch + 1`` buffers). ``progress(done, total)`` counts token steps over all batches."""
     source = open_weights(path)
     model, source = load_model(source, config)
     tok = Tokenizer.for_weights(source.root)
@@ -55,28 +61,29 @@ def infer(
     cache_before = page_cache_bytes()
     results: list[Generated] = []
     total = -(-len(ids) // bs) * max_new_tokens  # token steps over all batches (progress)
-    with Executor(model, source, memory_budget, prefetch=prefetch, dtype=dtype, aio_config=aio_config) as ex:
+    with Executor(
+        model, source, memory_budget, prefetch=prefetch, dtype=dtype, aio_config=aio_config, pin_layers=pin_layers
+    ) as ex:
         for i in range(0, len(ids), bs):
             done = i // bs * max_new_tokens
             tick = None if progress is None else (lambda n, done=done: progress(done + n, total))
-            results.append(generate(ex, ids[i : i + bs], max_new_tokens, sampling, vocab_size=vocab, on_token=tick))
+            results.append(
+                generate(
+                    ex,
+                    ids[i : i + bs],
+                    max_new_tokens,
+                    sampling,
+                    vocab_size=vocab,
+                    on_token=tick,
+                    kv_budget=kv_budget,
+                    kv_dir=kv_dir,
+                )
+            )
         stats, plan, engine = ex.stats, ex.plan, ex.handle.engine_name
     tokens = [t for r in results for t in r.tokens]
     decode_s = sum(r.decode_seconds for r in results)
     decode_tokens = sum(r.decode_steps * r.batch for r in results)
     generated = sum(len(t) for t in tokens)
-    kv = (
-        max(
-            2
-            * model.n_layers
-            * r.batch
-            * model.n_kv_heads
-            * model.head_dim
-            * (max(len(p) for p in ids) + max_new_tokens)
-            for r in results
-        )
-        * torch.empty((), dtype=dtype).element_size()
-    )
     metrics = InferMetrics(
         batch=bs,
         prompt_tokens=max(len(p) for p in ids),
@@ -93,7 +100,15 @@ def infer(
         ring_bytes=plan.ring_bytes,
         budget_bytes=plan.budget,
         prefetch_depth=plan.prefetch,
-        kv_cache_bytes=kv,
+        pinned_layers=len(plan.pinned),
+        streamed_layers=len(plan.streamed),
+        kv_cache_bytes=max(r.kv.total_bytes for r in results),
+        kv_offloaded=any(r.kv.offloaded for r in results),
+        kv_resident_bytes=max(r.kv.resident_bytes for r in results),
+        kv_bytes_read=sum(r.kv.bytes_read for r in results),
+        kv_bytes_written=sum(r.kv.bytes_written for r in results),
+        kv_read_seconds=sum(r.kv.read_seconds for r in results),
+        kv_wait_seconds=sum(r.kv.wait_seconds for r in results),
         peak_rss_bytes=peak_rss(),
         page_cache_growth_bytes=page_cache_bytes() - cache_before,
         engine=engine,

@@ -9,7 +9,10 @@ through :mod:`aio` (libaio where present) into page-aligned, pre-faulted buffers
 freed or re-faulted, so weights do not pass through the page cache and the process's resident memory
 stays at ring + resident tensors.
 
-The budget covers weight memory: the ring and the resident tensors (held in the compute dtype).
+The budget covers weight memory: the ring and the resident tensors (held in the compute dtype). With
+``pin_layers`` (the default), what the budget holds beyond the edge groups and a two-buffer ring (or
+``prefetch + 1`` buffers) keeps whole layers resident too, spread evenly over the depth: a layer read
+once instead of once per pass is the largest saving a batch-1 decode, bound by the disk, can get.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generator
+from typing import Generator, Sequence
 
 import torch
 
@@ -27,7 +30,7 @@ from aio.sizes import format_size
 from training.inference.errors import BudgetError, InferenceError
 from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
 from training.inference.model import Step, StreamModel
-from training.inference.sources import WeightSource
+from training.inference.sources import TensorSource, WeightSource
 from ucp.format.dtypes import itemsize, torch_dtype
 
 READ_CONFIG = AioConfig(block_size=4 << 20, queue_depth=32)  # few staging blocks: aligned spans read direct
@@ -43,6 +46,7 @@ class Plan:
     slot_bytes: int
     slots: int
     streamed: list[GroupLayout] = field(repr=False)
+    pinned: list[int] = field(default_factory=list)  # layers kept resident
 
     @property
     def prefetch(self) -> int:
@@ -50,7 +54,7 @@ class Plan:
 
     @property
     def ring_bytes(self) -> int:
-        return self.slots * self.slot_bytes
+        return self.slots * self.slot_bytes if self.streamed else 0
 
     @property
     def streamed_bytes_per_pass(self) -> int:
@@ -65,8 +69,11 @@ def plan_budget(
     *,
     resident_bytes: int,
     prefetch: int | None = None,
+    layer_resident_bytes: list[int] | None = None,
 ) -> Plan:
-    """Keep pre/post resident when the rest still leaves two layer buffers; else stream them too.
+    """Keep pre/post resident when the rest still leaves two layer buffers; else stream them too. With
+    ``layer_resident_bytes`` (each layer's size held resident), pin whole layers in what the budget
+    holds beyond the resident edges and a ring of ``prefetch + 1`` (default 2) buffers.
 
     BudgetError when the budget cannot hold the largest streamed group, naming it, its largest tensor
     and the budget needed.
@@ -85,11 +92,33 @@ def plan_budget(
             f"(largest tensor {big.name!r}, {format_size(big.nbytes)}); a budget of at least "
             f"{format_size(resident + slot)} ({resident + slot} bytes) is needed to stream it"
         )
+    pinned: list[int] = []
+    if layer_resident_bytes is not None and resident_names:
+        pinned = _pick_pinned(layer_resident_bytes, budget - resident, slot, 2 if prefetch is None else prefetch + 1)
+        resident += sum(layer_resident_bytes[i] for i in pinned)
+        resident_names += [layers[i].label for i in pinned]
+        streamed = [g for i, g in enumerate(layers) if i not in set(pinned)]
     slots = (budget - resident) // slot
     slots = min(slots, len(streamed) + 1)
     if prefetch is not None:
         slots = min(slots, prefetch + 1)
-    return Plan(budget, resident_names, resident, slot, max(1, slots), streamed)
+    return Plan(budget, resident_names, resident, slot, max(1, slots), streamed, pinned)
+
+
+def _pick_pinned(sizes: list[int], room: int, slot: int, ring: int) -> list[int]:
+    """Layers to keep resident in ``room`` bytes: all when they fit, else as many as leave ``ring``
+    buffers of ``slot`` bytes, spread evenly over the depth."""
+    n = len(sizes)
+    if sum(sizes) <= room:
+        return list(range(n))
+    room -= ring * slot
+    if room <= 0 or not sizes:
+        return []
+    for k in range(min(n - 1, room // min(sizes)), 0, -1):
+        chosen = sorted({min(n - 1, int((j + 0.5) * n / k)) for j in range(k)})
+        if sum(sizes[i] for i in chosen) <= room:
+            return chosen
+    return []
 
 
 @dataclass
@@ -175,6 +204,16 @@ class _Ring:
         self._thread.join()
 
 
+def held_bytes(tensors: Sequence[Placed | TensorSource], dtype: torch.dtype, as_read: int | None = None) -> int:
+    """Memory ``tensors`` take resident in compute ``dtype``: floating tensors converted to it. When
+    none needs converting and ``as_read`` is given, the buffer they were read into (its views keep it)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    floats = [torch_dtype(t.dtype).is_floating_point for t in tensors]
+    if as_read is not None and all(torch_dtype(t.dtype) == dtype for t, f in zip(tensors, floats) if f):
+        return as_read
+    return sum((t.nbytes // itemsize(t.dtype)) * (size if f else itemsize(t.dtype)) for t, f in zip(tensors, floats))
+
+
 def load_group(handle: AioHandle, g: GroupLayout, buf: AlignedBuffer) -> None:
     """Read every range of ``g`` into ``buf`` (all ranges of a file in flight together)."""
     for file, reads in g.reads.items():
@@ -193,6 +232,7 @@ class Executor:
         prefetch: int | None = None,
         dtype: torch.dtype = torch.float32,
         aio_config: AioConfig | None = None,
+        pin_layers: bool = True,
     ) -> None:
         model.check_weights(source)
         self.model, self.source, self.dtype = model, source, dtype
@@ -201,19 +241,23 @@ class Executor:
         layers = [layout_group(f"layer {i}", model.layer_names(i), source, sizes) for i in range(model.n_layers)]
         post = layout_group("final norm and head", model.post_names(), source, sizes)
         unique = {t.name: t for t in (*pre.tensors, *post.tensors)}
-        size = torch.empty((), dtype=dtype).element_size()
-        resident_bytes = sum(
-            (t.nbytes // itemsize(t.dtype)) * (size if torch_dtype(t.dtype).is_floating_point else itemsize(t.dtype))
-            for t in unique.values()
+        resident_bytes = held_bytes(list(unique.values()), dtype)
+        self.plan = plan_budget(
+            pre,
+            layers,
+            post,
+            budget,
+            resident_bytes=resident_bytes,
+            prefetch=prefetch,
+            layer_resident_bytes=[held_bytes(g.tensors, dtype, g.nbytes) for g in layers] if pin_layers else None,
         )
-        self.plan = plan_budget(pre, layers, post, budget, resident_bytes=resident_bytes, prefetch=prefetch)
         self.handle = AioHandle(aio_config or READ_CONFIG)
         self.resident: dict[str, torch.Tensor] = {}
         self.resident_stats = ReadStats()
         if self.plan.resident:
             t0 = time.perf_counter()
             rest = [n for n in model.post_names() if n not in model.pre_names()]  # a tied head is the embedding
-            for g in (pre, layout_group(post.label, rest, source, sizes)):
+            for g in (pre, layout_group(post.label, rest, source, sizes), *(layers[i] for i in self.plan.pinned)):
                 buf = AlignedBuffer(g.nbytes)
                 load_group(self.handle, g, buf)
                 self.resident_stats.bytes_read += g.read_bytes
@@ -222,23 +266,30 @@ class Executor:
                 del buf
             self.resident_stats.read_seconds = time.perf_counter() - t0
         self._streams_pre = not self.plan.resident
-        self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
+        self._pinned = set(self.plan.pinned)
+        self._ring = (
+            _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
+            if self.plan.streamed
+            else None
+        )
         self._index = 0
         self._failed: str | None = None
 
     @property
     def stats(self) -> ReadStats:
-        return self._ring.stats
+        return self._ring.stats if self._ring is not None else ReadStats()
 
     def _groups(self) -> Generator[dict[str, torch.Tensor], None, None]:
         """Each streamed group's tensors in order; the buffer goes back to the ring when the next is asked for."""
+        ring = self._ring
         for g in self.plan.streamed:
-            buf = self._ring.take(self._index)
+            assert ring is not None
+            buf = ring.take(self._index)
             self._index = (self._index + 1) % len(self.plan.streamed)
             try:
                 yield tensor_views(buf, g.tensors, self.dtype)
             finally:
-                self._ring.release(buf)
+                ring.release(buf)
 
     @torch.inference_mode()
     def forward(self, step: Step) -> torch.Tensor:
@@ -252,7 +303,7 @@ class Executor:
             w = next(groups) if self._streams_pre else self.resident
             h = self.model.embed(w, step).to(self.dtype)
             for i in range(self.model.n_layers):
-                h = self.model.layer(i, next(groups), h, step)
+                h = self.model.layer(i, self.resident if i in self._pinned else next(groups), h, step)
             w = next(groups) if self._streams_pre else self.resident
             return self.model.head(w, h)
         except BaseException as exc:
@@ -262,7 +313,8 @@ class Executor:
             groups.close()
 
     def close(self) -> None:
-        self._ring.close()
+        if self._ring is not None:
+            self._ring.close()
         self.handle.close()
 
     def __enter__(self) -> "Executor":

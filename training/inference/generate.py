@@ -1,4 +1,5 @@
-"""Generation: a batch of prompts, prefill then decode, greedy or sampled, KV cache in memory.
+"""Generation: a batch of prompts, prefill then decode, greedy or sampled; KV cache in memory, or on
+disk when it exceeds ``kv_budget`` (:mod:`training.inference.kvcache`).
 
 Prompts of different lengths are left-padded to a common length: every row writes the same cache
 slot at each step, its RoPE positions count only its real tokens, and padding slots are masked out,
@@ -7,6 +8,7 @@ so a row's tokens do not depend on the other rows of its batch.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from training.inference.errors import InferenceError
 from training.inference.executor import Executor
+from training.inference.kvcache import KVCache, KVStats, make_cache
 from training.inference.model import Step
 
 
@@ -58,6 +61,7 @@ class Generated:
     decode_steps: int
     batch: int
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
+    kv: KVStats = field(default_factory=KVStats)
 
 
 def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +86,13 @@ def generate(
     keep_logits: bool = False,
     vocab_size: int | None = None,
     on_token: Callable[[int], None] | None = None,
+    kv_budget: int | None = None,
+    kv_dir: str | os.PathLike[str] | None = None,
 ) -> Generated:
     """Generate ``max_new_tokens`` for each prompt in one batch: one prefill pass, then one pass per token
-    (``on_token(n)`` after the n-th token of every row)."""
+    (``on_token(n)`` after the n-th token of every row). The KV cache stays in memory unless it needs
+    more than ``kv_budget`` bytes; then it lives in a temporary file under ``kv_dir`` (default: the
+    system's temporary directory), ``kv_budget`` bytes of layer blocks read ahead."""
     sampling = sampling or Sampling()
     if max_new_tokens < 1:
         raise InferenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -98,13 +106,27 @@ def generate(
     b, t = tokens.shape
     total = t + max_new_tokens
     m = ex.model
-    cache = [
-        (
-            torch.zeros(b, m.n_kv_heads, total, m.head_dim, dtype=ex.dtype),
-            torch.zeros(b, m.n_kv_heads, total, m.head_dim, dtype=ex.dtype),
-        )
-        for _ in range(m.n_layers)
-    ]
+    with make_cache(
+        m.n_layers, b, m.n_kv_heads, m.head_dim, total, ex.dtype, budget=kv_budget, directory=kv_dir
+    ) as cache:
+        g = _run(ex, tokens, mask, max_new_tokens, sampling, gen, cache, keep_logits, on_token)
+    g.kv = cache.stats
+    return g
+
+
+def _run(
+    ex: Executor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    gen: torch.Generator,
+    cache: KVCache,
+    keep_logits: bool,
+    on_token: Callable[[int], None] | None,
+) -> Generated:
+    b, t = tokens.shape
+    total = t + max_new_tokens
     full_mask = torch.ones((b, total), dtype=torch.bool)
     full_mask[:, :t] = mask
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)

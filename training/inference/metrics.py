@@ -25,7 +25,15 @@ class InferMetrics(BaseModel):
     ring_bytes: int
     budget_bytes: int
     prefetch_depth: int
-    kv_cache_bytes: int
+    pinned_layers: int = 0  # whole layers kept resident (in resident_bytes)
+    streamed_layers: int = 0  # groups read every pass (layers, plus embedding and head when not resident)
+    kv_cache_bytes: int  # the whole KV cache of the largest batch
+    kv_offloaded: bool = False  # a batch's KV cache exceeded its budget and lived on disk
+    kv_resident_bytes: int = 0  # memory holding K/V: the whole cache, or the layer buffers when offloaded
+    kv_bytes_read: int = 0  # K/V read back from disk (offloaded)
+    kv_bytes_written: int = 0  # K/V written to disk (offloaded)
+    kv_read_seconds: float = 0.0  # the KV reader's time inside reads
+    kv_wait_seconds: float = 0.0  # compute's time waiting for a layer's K/V
     peak_rss_bytes: int
     page_cache_growth_bytes: int  # Cached in /proc/meminfo, after - before (near 0 on the O_DIRECT path)
     engine: str

@@ -9,13 +9,14 @@ through its ring) and calls :meth:`StreamModel.embed`, :meth:`StreamModel.layer`
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from training.inference.errors import ModelConfigError
+from training.inference.kvcache import KVCache
 from training.inference.sources import WeightSource
 
 
@@ -24,14 +25,15 @@ class Step:
     """One forward pass: ``tokens`` [B, T] at cache slots ``[start, start + T)``.
 
     ``positions`` [B, T] are each row's RoPE positions (rows are left-padded to a common length),
-    ``mask`` [B, start + T] marks the cache slots holding real tokens (False: padding).
+    ``mask`` [B, start + T] marks the cache slots holding real tokens (False: padding); ``cache`` holds
+    every layer's K/V (in memory or on disk).
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor
     start: int
-    cache: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    cache: KVCache
 
     def attn_mask(self) -> torch.Tensor:
         """[B, 1, T, start + T] booleans: a query sees real keys at or before its own slot."""
@@ -104,15 +106,16 @@ def attend(
     i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float | None = None
 ) -> torch.Tensor:
     """Write k, v [B, kv, T, hd] into layer ``i``'s cache at ``step.start`` and attend q [B, H, T, hd]
-    over the cache so far (GQA: each kv head serves H // kv consecutive query heads)."""
-    kc, vc = step.cache[i]
+    over the cache so far (GQA: each kv head serves H // kv consecutive query heads). The cache is
+    token-major ([slots, B, kv, hd]), whether in memory or on disk, so both run these same ops."""
     t = q.shape[2]
     end = step.start + t
-    kc[:, :, step.start : end] = k
-    vc[:, :, step.start : end] = v
-    keys, values = kc[:, :, :end], vc[:, :, :end]
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attn_mask(), scale=scale)
+    with step.cache.layer(i, step.start, end) as (kc, vc):
+        kc[step.start : end] = k.permute(2, 0, 1, 3)
+        vc[step.start : end] = v.permute(2, 0, 1, 3)
+        keys, values = kc[:end].permute(1, 2, 0, 3), vc[:end].permute(1, 2, 0, 3)
+        groups = q.shape[1] // keys.shape[1]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attn_mask(), scale=scale)

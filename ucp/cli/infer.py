@@ -71,12 +71,31 @@ def infer_cmd(
     config: Annotated[
         Optional[Path], typer.Option("--config", help="A config.json to use instead of the weights' own.")
     ] = None,
+    pin_layers: Annotated[
+        bool,
+        typer.Option(
+            "--pin-layers/--no-pin-layers",
+            help="Keep whole layers resident in the budget beyond a two-buffer ring (fewer bytes read per token).",
+        ),
+    ] = True,
+    kv_budget: Annotated[
+        Optional[str],
+        typer.Option(
+            "--kv-budget",
+            help=f"KV cache memory: a batch's cache beyond it lives on disk, layer blocks read ahead ({SIZE_HELP}; "
+            "default: no limit, in memory).",
+        ),
+    ] = None,
+    kv_dir: Annotated[
+        Optional[Path], typer.Option("--kv-dir", help="Where an offloaded KV cache's file goes (default: $TMPDIR).")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: outputs and metrics.")] = False,
 ) -> None:
     """Generate text with weights streamed from disk, layer by layer, within a memory budget."""
     texts = _prompts(prompt, prompts_file)
     try:
         budget = parse_size(memory_budget, what="--memory-budget")
+        kv_bytes = None if kv_budget is None else parse_size(kv_budget, what="--kv-budget")
     except ValueError as exc:
         raise bad_input(str(exc)) from None
     if top_p <= 0.0:
@@ -101,6 +120,9 @@ def infer_cmd(
                 sampling=sampling,
                 dtype=getattr(torch, dtype),
                 config=config,
+                kv_budget=kv_bytes,
+                pin_layers=pin_layers,
+                kv_dir=kv_dir,
                 progress=lambda done, total: update(done, total, "tokens"),
             )
     except (ValueError, OSError) as exc:
@@ -120,6 +142,12 @@ def infer_cmd(
         f"{format_size(m.ring_bytes)} of {format_size(m.budget_bytes)}, peak RSS {format_size(m.peak_rss_bytes)}",
         highlight=False,
     )
+    if m.kv_offloaded:
+        out.print(
+            f"KV cache on disk: {format_size(m.kv_cache_bytes)}, {format_size(m.kv_resident_bytes)} in memory, "
+            f"{format_size(m.kv_bytes_read)} read, {format_size(m.kv_bytes_written)} written",
+            highlight=False,
+        )
 
 
 def register(app: typer.Typer) -> None:

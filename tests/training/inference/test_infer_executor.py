@@ -33,7 +33,9 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def executor(path: Path, budget: int, **kw: object) -> Executor:
+    """Layers streamed, none pinned, unless ``pin_layers=True`` is passed."""
     model, source = load_model(open_weights(path))
+    kw.setdefault("pin_layers", False)
     return Executor(model, source, budget, **kw)  # type: ignore[arg-type]
 
 
@@ -55,6 +57,38 @@ def test_budget_plan(weights: Path, budget: int, prefetch: int | None, resident:
         assert p.resident_bytes + p.ring_bytes <= budget
         assert p.resident_bytes == (EDGES if resident else 0)
         got = generate(ex, [[1, 2, 3]], 3).tokens
+    with executor(weights, 1 << 20) as ex:
+        assert generate(ex, [[1, 2, 3]], 3).tokens == got
+
+
+A, L = 126976, 131072  # the layers' read sizes: 0 and 1 start mid-page in the file, 2 spans one page more
+SIZES = [A, A, L]
+
+
+@pytest.mark.parametrize(
+    "budget, prefetch, pinned, slots",
+    [
+        (EDGES + 2 * A + L, None, [0, 1, 2], 1),  # every layer fits: all pinned, no ring, nothing streamed
+        (EDGES + 2 * A + L - 1, None, [], 2),  # a two-buffer ring leaves less than a layer
+        (EDGES + 2 * A + L - 1, 0, [1], 1),  # --prefetch 0: a one-buffer ring leaves one (the middle one)
+        (EDGES + A + L, 0, [1], 1),
+        (EDGES + A + L - 1, 0, [], 1),
+    ],
+)
+def test_budget_pins_whole_layers_beyond_the_ring(
+    weights: Path, budget: int, prefetch: int | None, pinned: list[int], slots: int
+) -> None:
+    with executor(weights, budget, prefetch=prefetch, pin_layers=True) as ex:
+        p = ex.plan
+        assert p.pinned == pinned and p.slots == slots and p.slot_bytes == L
+        assert p.resident == ["embedding", "final norm and head", *(f"layer {i}" for i in pinned)]
+        assert p.resident_bytes == EDGES + sum(SIZES[i] for i in pinned)
+        assert p.resident_bytes + p.ring_bytes <= budget
+        assert [g.label for g in p.streamed] == [f"layer {i}" for i in range(3) if i not in pinned]
+        got = generate(ex, [[1, 2, 3]], 3).tokens
+        n, reads = len(p.streamed), ex.stats.groups_read
+        assert reads >= 3 * n and (reads == 0) == (n == 0)  # 3 passes: each streamed layer read at least 3 times
+        assert ex.stats.bytes_read == sum(p.streamed[i % n].read_bytes for i in range(reads))
     with executor(weights, 1 << 20) as ex:
         assert generate(ex, [[1, 2, 3]], 3).tokens == got
 

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
 def test_json_tokens_equal_transformers_and_metrics_are_reported(model_dir: tuple[object, Path]) -> None:
     hf, path = model_dir
     args = ["infer", str(path), "--prompt", "5 9 2 77", "--prompt", "3,1,4,1", "--max-new-tokens", "5"]
-    result = runner.invoke(app, [*args, "--memory-budget", "1MiB", "--prefetch", "1", "--json"])
+    result = runner.invoke(app, [*args, "--memory-budget", "1MiB", "--prefetch", "1", "--no-pin-layers", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert [o["tokens"] for o in doc["outputs"]] == hf_greedy(hf, torch.tensor([[5, 9, 2, 77], [3, 1, 4, 1]]), 5)
@@ -34,6 +34,7 @@ def test_json_tokens_equal_transformers_and_metrics_are_reported(model_dir: tupl
     m = doc["metrics"]
     assert m["batch"] == 2 and m["new_tokens"] == 5 and m["prefetch_depth"] == 1
     assert m["budget_bytes"] == 1 << 20 and m["resident_bytes"] + m["ring_bytes"] <= m["budget_bytes"]
+    assert m["pinned_layers"] == 0 and m["streamed_layers"] == 3 and not m["kv_offloaded"]
     layer_bytes = 4 * (3 * 64 * 96 + 64 * 64 * 2 + 2 * 32 * 64 + 2 * 64)
     assert m["streamed_bytes_per_pass"] >= 3 * layer_bytes  # the three layers stream every pass
     assert m["bytes_read"] >= 5 * m["streamed_bytes_per_pass"]  # prefill + 4 decode passes
