@@ -12,10 +12,10 @@ that pair (so saves and loads there run in a 2-rank process group, as a 2-proces
            steps (the reference losses).
   resume4  (4 ranks): FSDP2 on 4 ranks from the UCP checkpoint and from DCP's (states compared
            bit-exactly), FSDP x TP on a 2x2 mesh from the UCP checkpoint; each takes step 3; the 2-D
-           model is saved; whole loads give plain tensors equal to the DTensors' full values; a
+           and 4-rank FSDP models are saved; whole loads give plain tensors equal to the DTensors' full values; a
            DTensor on the 2-rank mesh saved by all 4 ranks is refused on every rank.
-  resume2  (2 ranks): FSDP2 on 2 ranks from the 2-D checkpoint takes step 4; a plain (full-tensor)
-           checkpoint loads into FSDP2 shards too.
+  resume2  (2 ranks): FSDP2 on 2 ranks from the 2-D checkpoint and from the 4-rank FSDP2 one takes
+           step 4; a plain (full-tensor) checkpoint loads into FSDP2 shards too.
 
 Losses go to OUT_DIR/losses.json (rank 0).
 """
@@ -144,10 +144,11 @@ def resume4(world: int, out: Path) -> dict[str, float]:
     ucp.load_state(out / "ucp1d", model=c[0], optimizer=c[1], scheduler=c[2])
     losses = {"a": step(*a), "b": step(*b), "c": step(*c)}
     ucp.save_state(out / "ucp2d", model=c[0], optimizer=c[1], scheduler=c[2], extra={"step": 3})
+    ucp.save_state(out / "ucp4", model=a[0], optimizer=a[1], scheduler=a[2], extra={"step": 3})
     return losses
 
 
-def resume2(pair: Any, out: Path) -> float:
+def resume2(pair: Any, out: Path) -> dict[str, float]:
     group = pair.get_group()
     d = build("fsdp", 2, pair)
     ucp.load_state(out / "ucp2d", model=d[0], optimizer=d[1], scheduler=d[2], process_group=group)
@@ -157,7 +158,9 @@ def resume2(pair: Any, out: Path) -> float:
     e = build("fsdp", 2, pair)
     ucp.load(out / "plain", into={"model": ucp.get_state(e[0])["model"]})
     assert_same(d[0].state_dict(), e[0].state_dict())
-    return step(*d)
+    f = build("fsdp", 2, pair)  # and the 1-D FSDP checkpoint of 4 ranks
+    ucp.load_state(out / "ucp4", model=f[0], optimizer=f[1], scheduler=f[2], process_group=group)
+    return {"d": step(*d), "f": step(*f)}
 
 
 def main() -> None:
