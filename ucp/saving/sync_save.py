@@ -65,6 +65,10 @@ def save(
     commits. ``mesh`` (axis name -> size, product = world size) is recorded in the
     manifest's topology. An existing checkpoint at ``path`` is replaced atomically.
 
+    A DTensor (FSDP2, tensor parallelism, any DeviceMesh whose ranks are the process group's) is saved as
+    the regions its local shard holds, replicas once, its placement recorded in ``metadata['dtensor']``;
+    ``Partial`` placements are refused (``ucp.saving.dtensor``).
+
     Replicated data is taken from one rank: a plain tensor (held whole by every rank) is written
     by the rank the planner assigns it to (spreading bytes over ranks), a shard by its replica 0;
     plain values and ``step``/``metadata``/``mesh`` are rank 0's. With ``check_replicas`` every
