@@ -358,13 +358,21 @@ def apply_retention(root: str | os.PathLike[str], keep_last: int, *, protect: se
     return removed
 
 
-def after_commit(root: str, step: int, name: str, keep_last: int | None) -> None:
+def after_commit(
+    root: str, step: int, name: str, keep_last: int | None, storage_options: dict[str, Any] | None = None
+) -> None:
     """What follows a committed save: move ``latest``, apply retention (rank 0; the async writer calls it too).
 
     The checkpoint is complete already, so a pointer that cannot be written is a warning, not a
     failed save: readers resolve "latest" from the complete checkpoints when the pointer is missing
-    or older (:func:`resume_choice`, :meth:`CheckpointManager.latest`).
+    or older (:func:`resume_choice`, :meth:`CheckpointManager.latest`). A URL root (an object store)
+    goes to :func:`ucp.manager_remote.after_commit`.
     """
+    if "://" in root:
+        from ucp import manager_remote
+
+        manager_remote.after_commit(root, step, name, keep_last, storage_options)
+        return
     try:
         write_latest(root, step, name)
     except OSError as exc:
@@ -386,7 +394,9 @@ class CheckpointManager:
     ``saver`` shares an existing AsyncSaver (its staging and writer) instead of
     making one; it implies asynchronous saves and is not closed by :meth:`close`.
     ``process_group`` is used for saves and loads; rank 0 does all file-system
-    housekeeping. The root must be a local or mounted shared directory. ``commit_timeout``
+    housekeeping. The root is a local or mounted shared directory, or an object-store URL
+    (``s3://bucket/run``, with ``storage_options``; :mod:`ucp.manager_remote` says how ``latest``,
+    retention and leftovers work there without rename or locks). ``commit_timeout``
     bounds how long an asynchronous save's ranks wait for each other (a rank that dies is
     noticed at once on local storage; this is for ranks that hang). ``snapshot`` is the
     :class:`~ucp.AsyncSaver`'s (default "auto": copy-on-write where Linux allows it). ``"background"`` or
@@ -410,12 +420,14 @@ class CheckpointManager:
         saver: AsyncSaver | None = None,
         commit_timeout: float | None = None,
         snapshot: Snapshot | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if "://" in os.fspath(root):
-            raise ValueError("CheckpointManager needs a local (or mounted) directory, not a URL")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (or None to keep everything), got {keep_last}")
-        self.root = os.path.abspath(os.fspath(root))
+        text = os.fspath(root)
+        self.remote = "://" in text
+        self.storage_options = storage_options
+        self.root = text.rstrip("/") if self.remote else os.path.abspath(text)
         self.keep_last = keep_last
         self.process_group = process_group
         self.aio_config = aio_config
@@ -429,7 +441,14 @@ class CheckpointManager:
         self.loaded_step: int | None = None  # the step the last load() actually read
 
     def path(self, step: int) -> str:
+        if self.remote:
+            return f"{self.root}/{step_name(step)}"
         return os.path.join(self.root, step_name(step))
+
+    def _remote_root(self) -> Any:
+        from ucp.manager_remote import open_root
+
+        return open_root(self.root, self.storage_options)
 
     def prepare(self, state_dict: dict[str, Any], *, process_group: Any = None) -> int:
         """Allocate the asynchronous saver's staging for ``state_dict`` ahead of the first save
@@ -458,7 +477,15 @@ class CheckpointManager:
 
         group = resolve_group(self.process_group)
         name = step_name(step)
-        if group.rank == 0:
+        if group.rank == 0 and self.remote:
+            from ucp.manager_remote import clean_leftovers as clean_remote
+
+            keep = {t.rstrip("/").rsplit("/", 1)[-1] for t in self.saver.in_flight_temps()} if self.saver else set()
+            with self._remote_root() as storage:
+                removed = clean_remote(storage, keep=keep | {name})
+            if removed:
+                log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
+        elif group.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             keep = self.saver.in_flight_temps() if self.saver is not None else set()
             removed = clean_leftovers(self.root, keep=keep)
@@ -474,15 +501,22 @@ class CheckpointManager:
                 aio_config=self.aio_config,
                 mesh=mesh,
                 check_replicas=check_replicas,
+                storage_options=self.storage_options,
             )
             if group.rank == 0:
-                after_commit(self.root, step, name, self.keep_last)
+                after_commit(self.root, step, name, self.keep_last, self.storage_options)
             return manifest
         from ucp.saving.background.job import PostCommit
 
         hook = PostCommit(
             call="ucp.manager:after_commit",
-            kwargs={"root": self.root, "step": step, "name": name, "keep_last": self.keep_last},
+            kwargs={
+                "root": self.root,
+                "step": step,
+                "name": name,
+                "keep_last": self.keep_last,
+                "storage_options": self.storage_options,
+            },
         )
         handle = self.saver.save(
             state_dict,
@@ -494,6 +528,7 @@ class CheckpointManager:
             mesh=mesh,
             post_commit=hook,
             check_replicas=check_replicas,
+            storage_options=self.storage_options,
         )
         # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
         self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
@@ -507,7 +542,20 @@ class CheckpointManager:
         wait_all(handles)
 
     def list(self) -> list[CheckpointInfo]:
+        if self.remote:
+            from ucp.manager_remote import list_checkpoints as list_remote
+
+            with self._remote_root() as storage:
+                return list_remote(storage)
         return list_checkpoints(self.root)
+
+    def _read_latest(self) -> tuple[int, str] | None:
+        if self.remote:
+            from ucp.manager_remote import read_latest as read_remote
+
+            with self._remote_root() as storage:
+                return read_remote(storage)
+        return read_latest(self.root)
 
     def latest(self) -> int | None:
         """The newest complete checkpoint's step (the one ``latest`` names unless that pointer is missing,
@@ -527,7 +575,7 @@ class CheckpointManager:
             candidates = [step]
         else:
             candidates = []
-            pointer = read_latest(self.root)
+            pointer = self._read_latest()
             complete = sorted((i.step for i in self.list() if i.status == "complete"), reverse=True)
             if pointer is not None and pointer[0] >= (complete[0] if complete else -1):
                 candidates.append(pointer[0])  # an older pointer is not "the latest" (see resume_choice)
@@ -546,6 +594,7 @@ class CheckpointManager:
                     verify=verify,
                     process_group=self.process_group,
                     aio_config=self.aio_config,
+                    storage_options=self.storage_options,
                 )
             except (CheckpointError, OSError) as exc:
                 if step is not None:

@@ -218,14 +218,16 @@ class S3Storage(Storage):
         return dirs, list(result["objects"])
 
     def list_objects(self, rel: str) -> list[dict[str, Any]]:
-        """Every object under ``rel`` (recursively), with ``path`` (full key) and ``size``."""
+        """Every object under ``rel`` (recursively): ``path`` (its key), ``rel`` (its path relative to this
+        storage's root) and ``size``."""
         import obstore
 
         prefix = self.key(rel)
+        cut = len(self.prefix) + 1 if self.prefix else 0
         out: list[dict[str, Any]] = []
         try:
             for chunk in obstore.list(self.store, prefix + "/" if prefix else None):
-                out.extend(chunk)
+                out.extend({**o, "rel": o["path"][cut:]} for o in chunk)
         except Exception as exc:
             raise self._error(exc, rel, "listing") from exc
         return out

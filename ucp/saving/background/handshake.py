@@ -295,6 +295,8 @@ def wait_for_commit(storage: Storage, job: WriteJob, report: _commit.RankReport)
     while True:
         if job.temp_identity is not None and identity(storage, job.name) == job.temp_identity:
             return _committed(storage, job)
+        if job.temp == job.name and _manifest_holds(storage, job, report):  # written in place (object stores)
+            return _committed(storage, job)
         reason = abandoned_because(storage, job)
         if reason is not None:
             raise CommitError(
