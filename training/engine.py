@@ -100,8 +100,10 @@ class EngineConfig(BaseModel):
         param = off.offload_param.device
         if param != "none" and self.zero_stage != 3:
             raise ValueError(f"offload_param.device {param!r} needs ZeRO stage 3 (zero_stage is {self.zero_stage})")
-        if param == "nvme" or (param == "cpu" and self.device != "cpu"):
-            raise ValueError(f"offload_param.device {param!r} is not supported yet (parameters stay on {self.device})")
+        if param != "none" and self.device != "cpu":
+            raise ValueError(
+                f"offload_param.device {param!r} is not supported yet on {self.device} (a CPU engine only)"
+            )
         return self
 
     @property

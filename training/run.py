@@ -13,8 +13,9 @@ line each) and ``--resume`` continues from the latest complete one, whatever mes
     torchrun --nproc-per-node 2 -m training.run --dp 2 --zero 3 --total-steps 20 --save-dir ck --resume
 
 Optimizer state can live off memory, as DeepSpeed's ZeRO-Offload/Infinity puts it (docs/offload.md):
-``--offload-optimizer cpu|nvme --nvme-path DIR [--sub-group-size N] [--swap-budget 1GiB]``, or a
-DeepSpeed JSON config's ``zero_optimization`` offload keys and ``aio`` section (``--ds-config ds.json``).
+``--offload-optimizer cpu|nvme --nvme-path DIR [--sub-group-size N] [--swap-budget 1GiB]``, and at ZeRO-3 so
+can the parameters (``--offload-param nvme``, the same ``--nvme-path``), or a DeepSpeed JSON config's
+``zero_optimization`` offload keys and ``aio`` section (``--ds-config ds.json``).
 
 Exit codes: 0 when every step ran and every checkpoint was written; 1 when a checkpoint save failed
 (also an asynchronous one that failed after its ``checkpoint`` line) or training raised; 2 for bad
@@ -119,7 +120,13 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         choices=("none", "cpu", "nvme"),
         help="where the fp32 masters and Adam moments live between steps (overrides --ds-config's)",
     )
-    p.add_argument("--nvme-path", default=None, help="directory the nvme tier swaps to (a fresh one is made inside)")
+    p.add_argument(
+        "--offload-param",
+        default=None,
+        choices=("none", "cpu", "nvme"),
+        help="where ZeRO-3's parameter partitions live between uses (overrides --ds-config's; needs --zero 3)",
+    )
+    p.add_argument("--nvme-path", default=None, help="directory the nvme tiers swap to (a fresh one is made inside)")
     p.add_argument("--sub-group-size", type=positive_int, default=None, help="elements per offloaded sub-group")
     p.add_argument("--swap-budget", default=None, help=f"most bytes of the nvme tier's buffer pool ({SIZE_HELP})")
     args = p.parse_args(argv)
@@ -147,6 +154,8 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         p.error(str(exc))
     if args.offload.zero_stage is not None and args.offload.zero_stage != args.zero:
         p.error(f"--ds-config names ZeRO stage {args.offload.zero_stage}, --zero is {args.zero}")
+    if args.offload.offload_param.device != "none" and args.zero != 3:
+        p.error(f"offload_param.device {args.offload.offload_param.device!r} needs --zero 3 (it is {args.zero})")
     return args
 
 
@@ -164,7 +173,12 @@ def offload_config(args: argparse.Namespace) -> Any:
         optimizer["device"] = args.offload_optimizer
     if args.nvme_path is not None:
         optimizer["nvme_path"] = args.nvme_path
-    update: dict[str, Any] = {"offload_optimizer": optimizer}
+    param = config.offload_param.model_dump(exclude_unset=True)
+    if args.offload_param is not None:
+        param["device"] = args.offload_param
+    if args.nvme_path is not None:
+        param["nvme_path"] = args.nvme_path
+    update: dict[str, Any] = {"offload_optimizer": optimizer, "offload_param": param}
     if args.sub_group_size is not None:
         update["sub_group_size"] = args.sub_group_size
     if args.swap_budget is not None:

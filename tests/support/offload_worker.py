@@ -26,11 +26,16 @@ from training.offload import OffloadConfig
 
 
 def weights_digest(engine: Engine) -> str:
-    """SHA-256 over this rank's compute-dtype weights (flat buffers, or stage-3 partitions)."""
+    """SHA-256 over this rank's compute-dtype weights (flat buffers, or stage-3 partitions: read from their swap
+    files where the parameters are on NVMe)."""
     h = hashlib.sha256()
     opt = engine.optimizer
-    for t in [*opt.flat_param, *opt.param_part]:
+    tier = getattr(opt, "param_tier", None)
+    parts = tier.stage() if tier is not None else opt.param_part
+    for t in [*opt.flat_param, *parts]:
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    if tier is not None:
+        tier.drop_staged()
     return h.hexdigest()
 
 
@@ -50,11 +55,21 @@ def run_scenario(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
         "state_bytes": 12 * sum(p.size for p in engine.optimizer.plans),
         "tier": off.describe() if off is not None else None,
         "last": off.last if off is not None else None,
+        "params": _param_facts(engine),
     }
     swap_dir = Path(off.describe()["dir"]) if off is not None and off.device == "nvme" else None
     engine.close()
     facts["dir_removed"] = None if swap_dir is None else not swap_dir.exists()
     (out / f"{sc['name']}.rank{rank}.json").write_text(json.dumps(facts))
+
+
+def _param_facts(engine: Engine) -> dict[str, Any] | None:
+    """The parameter tier's shape and I/O figures (ZeRO-3 with offload_param nvme), else None."""
+    tier = getattr(engine.optimizer, "param_tier", None)
+    if tier is None:
+        return None
+    largest = max(p.numel for p in tier.offload.partitions)
+    return {**tier.offload.describe(), **tier.offload.stats(), "largest_partition": largest}
 
 
 if __name__ == "__main__":

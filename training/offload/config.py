@@ -142,15 +142,19 @@ class OffloadOptimizerConfig(_Section):
 
 
 class OffloadParamConfig(_Section):
-    """``zero_optimization.offload_param`` (ZeRO-3): where parameter partitions live. Parsed with DeepSpeed's
-    meanings; only ``device: none`` (and ``cpu`` on a CPU-only engine, where they already are) runs yet."""
+    """``zero_optimization.offload_param`` (ZeRO-3): where parameter partitions live, with DeepSpeed's meanings
+    (``nvme``: training.offload.params; ``cpu``: a CPU engine's, where they already are). Defaults differ where
+    DeepSpeed's are traps (docs/offload.md): ``max_in_cpu`` 0 (DeepSpeed: 1e9 elements kept in host memory, so
+    any model under a billion parameters per rank never has a parameter on the device), ``buffer_size`` 1e7
+    (DeepSpeed: 1e8, there so that the largest parameter fits one buffer; here a larger one is split, and
+    5 × 1e8 elements is a 1 GB pool in bf16)."""
 
     device: Device = "none"
     nvme_path: Path | None = None
     pin_memory: bool = True
     buffer_count: int = Field(5, ge=0)
-    buffer_size: int = Field(100_000_000, ge=0)
-    max_in_cpu: int = Field(1_000_000_000, ge=0)
+    buffer_size: int = Field(10_000_000, ge=0)
+    max_in_cpu: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _path(self) -> "OffloadParamConfig":

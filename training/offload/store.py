@@ -28,7 +28,7 @@ import torch
 
 from aio.buffers import AlignedBuffer, round_up
 from aio.config import AioConfig
-from aio.engines import create_engine
+from aio.engines import Engine, create_engine
 from aio.errors import AioError, is_no_space
 from aio.files import open_file, preallocate
 from aio.sizes import format_size
@@ -279,6 +279,24 @@ class NvmeStore:
         self._engine.close()
         with self._cond:
             self._free.clear()
+
+
+def transfer(
+    engine: Engine, path: Path, view: memoryview, *, write: bool, block: int, direct: bool, offset: int = 0
+) -> tuple[BaseException | None, bool, int]:
+    """Move ``view`` to (``write``) or from the file at ``path``, from byte ``offset``, in requests of at most
+    ``block`` bytes all in flight at once through ``engine``, every one waited for (a buffer must not be reused
+    while the device may touch it). Returns the first request's error, whether every request moved all its
+    bytes (a read past the end of a truncated file comes back short) and the file's size. Raises
+    :class:`AioError` when the file cannot be opened. Shared by the optimizer tier and the parameter tier
+    (training.offload.params)."""
+    with open_file(path, "r+" if write else "r", direct=direct) as f:
+        submit = engine.submit_write if write else engine.submit_read
+        futures = [(off, submit(f, offset + off, view[off : off + block])) for off in range(0, view.nbytes, block)]
+        error = _wait(futures)
+        size = os.fstat(f.fd).st_size
+    whole = error is not None or all(fut.result() == min(block, view.nbytes - off) for off, fut in futures)
+    return error, whole, size
 
 
 def _wait(futures: list[tuple[int, Future]]) -> BaseException | None:

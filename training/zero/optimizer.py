@@ -38,6 +38,7 @@ from reshard import Layout, LocalBuffer, RankView
 from training.adam import AdamConfig, adam_update
 from training.comm import Comm
 from training.offload import OffloadConfig, OptimizerOffload
+from training.offload.params import ParamTier
 
 from .groups import GroupPlan
 from .loss_scale import DynamicLossScaler
@@ -68,6 +69,8 @@ class ZeroOptimizer:
     ``offload``: with ``offload_optimizer.device`` cpu or nvme, the fp32 masters and Adam moments live
     in that tier (training.offload) instead of :attr:`master` / :attr:`exp_avg` / :attr:`exp_avg_sq`,
     which then stay empty (checkpoints stage them: :meth:`buffers`); call :meth:`close` to remove its swap files.
+    With ``offload_param.device`` nvme (stage 3), the compute-dtype partitions live in swap files too
+    (training.offload.params, :attr:`param_tier`) and :attr:`param_part` stays empty.
     """
 
     def __init__(
@@ -140,11 +143,18 @@ class ZeroOptimizer:
         self._micro = 0  # backward passes accumulated since the last step
         self.offload: OptimizerOffload | None = None
         self._staged: dict[str, list[torch.Tensor]] | None = None  # offloaded state staged for a checkpoint
+        self.param_tier: ParamTier | None = None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        params_on_nvme = offload is not None and offload.offload_param.device == "nvme"
+        if params_on_nvme and self.stage != 3:
+            raise ValueError(f"offload_param.device 'nvme' needs ZeRO stage 3 (the stage is {self.stage})")
         if offload is not None and offload.enabled:
-            rank = dist.get_rank() if dist.is_initialized() else 0
             self.offload = OptimizerOffload(offload, [plan.size for plan in self.plans], rank=rank)
         try:
             self._build_buffers()
+            if params_on_nvme:
+                assert offload is not None
+                self._params_to_tier(offload, rank)
         except BaseException:
             self.close()
             raise
@@ -159,7 +169,8 @@ class ZeroOptimizer:
                     size = plan.param_part_size(i)
                     part = self.param_part[g][plan.offsets[i] : plan.offsets[i] + size]
                     spec[self.params[n]] = (plan.shapes[i], part, size * plan.parts)
-            self.gatherer = ParamGatherer(module, spec, dp, prefetch=prefetch)
+            source = self.param_tier.source if self.param_tier is not None else None
+            self.gatherer = ParamGatherer(module, spec, dp, prefetch=prefetch, source=source)
         for p in self.params.values():
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -264,6 +275,15 @@ class ZeroOptimizer:
             self.exp_avg_sq.append(torch.zeros_like(master))
             acc = plan.size if self.stage >= 2 else plan.padded_total
             self.grad_acc.append(torch.zeros(acc, dtype=torch.float32, device=dev))
+
+    @torch.no_grad()
+    def _params_to_tier(self, offload: OffloadConfig, rank: int) -> None:
+        """Stage 3, ``offload_param`` nvme: the compute-dtype partitions go to their swap files; none stay here."""
+        self.param_tier = tier = ParamTier(offload, self.plans, self.params, self.dtype, rank=rank, device=self.device)
+        for g, part in enumerate(self.param_part):
+            tier.write_group(g, part)
+        tier.flush()
+        self.param_part = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in self.plans]
 
     def _norm_ranges(self) -> list[list[tuple[int, int]]]:
         """Per group, the ranges of this rank's gradient partition that count towards the global norm.
@@ -396,6 +416,8 @@ class ZeroOptimizer:
         if self._micro == 0:
             raise RuntimeError("step() without a backward pass since the last step")
         self._staged = None  # staged for a checkpoint before this step: stale from now on
+        if self.param_tier is not None:
+            self.param_tier.drop_staged()
         if self.stage <= 1:
             for name in self.tied:
                 g, i = self._where[name]
@@ -472,7 +494,8 @@ class ZeroOptimizer:
             return torch.empty(size, dtype=self.dtype, device=self.device)
         if target.is_contiguous() and target.numel() == size:
             return target
-        return torch.empty(size, dtype=self.dtype, device=self.device) if self.offload is not None else None
+        elsewhere = self.offload is not None or self.param_tier is not None  # the update's casts go to a tier
+        return torch.empty(size, dtype=self.dtype, device=self.device) if elsewhere else None
 
     @torch.no_grad()
     def publish(self, casts: Sequence[torch.Tensor | None] | None = None) -> None:
@@ -484,9 +507,14 @@ class ZeroOptimizer:
         masters = self.master
         if self.offload is not None and casts is None:  # after a load: the staged state goes to the tier
             masters = self._push_staged()
+        if self.param_tier is not None:
+            self.param_tier.drop_staged()  # the weights are derived from the masters again
         for g, plan in enumerate(self.plans):
             done = casts[g] if casts is not None else None
-            if self.stage == 3:
+            if self.param_tier is not None:  # stage 3, partitions on NVMe
+                if plan.size:
+                    self.param_tier.write_group(g, done if done is not None else masters[g])
+            elif self.stage == 3:
                 if done is None:
                     self.param_part[g].copy_(masters[g])
                 elif done is not self.param_part[g]:
@@ -499,19 +527,24 @@ class ZeroOptimizer:
             elif plan.size:
                 mine = done if done is not None else masters[g].to(self.dtype)
                 self.dp.all_gather(self.flat_param[g], mine)
+        if self.param_tier is not None:
+            self.param_tier.flush()
 
     @torch.no_grad()
     def masters_from_weights(self) -> None:
         """fp32 masters from the compute-dtype weights (after loading weights only)."""
         masters = self._stage()["fp32_master"] if self.offload is not None else self.master
+        parts = self.param_tier.stage() if self.param_tier is not None else self.param_part
         for g, plan in enumerate(self.plans):
             if self.stage == 3:
-                masters[g].copy_(self.param_part[g])
+                masters[g].copy_(parts[g])
             else:
                 lo = plan.rank * plan.size if self.stage else 0
                 masters[g].copy_(self.flat_param[g][lo : lo + plan.size])
         if self.offload is not None:
             self._push_staged()
+        if self.param_tier is not None:
+            self.param_tier.push_staged()  # the loaded weights, as loaded
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (e.g. after an aborted step)."""
@@ -548,13 +581,14 @@ class ZeroOptimizer:
         (after a load) writes back to the tier and :meth:`drop_staged` (after a save) lets go.
         """
         out: list[tuple[str, LocalBuffer, torch.Tensor]] = []
+        parts = self.param_tier.stage() if self.param_tier is not None else self.param_part  # staged from NVMe
         for buf in self.view.weights():
             n = buf.name
             g, i = self._where[n]
             plan = self.plans[g]
             if self.stage == 3:
                 off = plan.offsets[i]
-                out.append(("model", buf, self.param_part[g][off : off + plan.param_part_size(i)]))
+                out.append(("model", buf, parts[g][off : off + plan.param_part_size(i)]))
             else:
                 off = plan.offsets[i]
                 out.append(("model", buf, self.flat_param[g][off : off + plan.numels[i]].view(plan.shapes[i])))
@@ -619,11 +653,16 @@ class ZeroOptimizer:
     def drop_staged(self) -> None:
         """Let go of the offloaded state staged for a checkpoint (:meth:`buffers`); the tier keeps the state."""
         self._staged = None
+        if self.param_tier is not None:
+            self.param_tier.drop_staged()
 
     def close(self) -> None:
-        """Release the offload tier (its swap directory is removed); idempotent. Without offload: nothing."""
+        """Release the offload tiers (their swap directories are removed); idempotent. Without offload: nothing."""
         if self.offload is not None:
             self.offload.close()
+        if getattr(self, "param_tier", None) is not None:
+            assert self.param_tier is not None
+            self.param_tier.close()
 
 
 class _Null:

@@ -15,13 +15,18 @@ Lifecycle of a parameter (one ``all_gather`` over dp per gather):
 
 Every dp rank runs the same graph, so gathers (and prefetches, decided from the same recorded
 order) are issued in the same order everywhere, as collectives require.
+
+With a partition *source* (parameters on NVMe, :mod:`training.offload.params`), each gather takes its
+input from the source instead of a view of the partition buffer, and every module visit (and the start
+of each pass) asks the source to read ahead the partitions of the modules that follow in the recorded
+order, as far as its buffer budget goes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -38,6 +43,16 @@ class _Packed:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+class PartitionSource(Protocol):
+    """Where a gather's input partition comes from when it is not kept in memory (parameters on NVMe)."""
+
+    def partition(self, p: nn.Parameter) -> torch.Tensor: ...
+
+    def read_ahead(self, params: Iterable[nn.Parameter]) -> None: ...
+
+    def drop(self) -> None: ...
 
 
 class _Trace:
@@ -71,11 +86,16 @@ class _Trace:
             return None
         return self.order[self.pos] if self.pos < len(self.order) else None
 
+    def upcoming(self) -> list[nn.Module]:
+        """The modules the recorded order expects from here on (none while recording or after it broke)."""
+        return [] if self.recording or not self.valid else self.order[self.pos :]
+
 
 class ParamGatherer:
     """Gathers and releases the partitioned parameters of ``module`` around its submodules' use.
 
-    ``params[param] = (local shape, this rank's flat partition, padded size D·p)``.
+    ``params[param] = (local shape, this rank's flat partition, padded size D·p)``; ``source``: where the
+    partitions come from instead (the partition views are then unused).
     """
 
     def __init__(
@@ -84,12 +104,14 @@ class ParamGatherer:
         params: dict[nn.Parameter, tuple[tuple[int, ...], torch.Tensor, int]],
         dp: Comm,
         prefetch: bool = True,
+        source: PartitionSource | None = None,
     ) -> None:
         self.dp = dp
+        self.source = source
         self.params = params  # param -> (local shape, partition view, padded numel D·p)
         self.prefetch = prefetch
         self.full: dict[nn.Parameter, torch.Tensor] = {}  # gathered 1-d buffers
-        self.inflight: dict[nn.Parameter, tuple[torch.Tensor, Any]] = {}
+        self.inflight: dict[nn.Parameter, tuple[torch.Tensor, Any, torch.Tensor]] = {}  # buffer, work, input
         self.by_storage: dict[int, nn.Parameter] = {}
         self.modules = [m for m in module.modules() if any(p in params for p in m.parameters(recurse=False))]
         self.fwd, self.bwd = _Trace(), _Trace()
@@ -111,8 +133,10 @@ class ParamGatherer:
         if p in self.full or p in self.inflight:
             return
         _, part, padded = self.params[p]
+        if self.source is not None:
+            part = self.source.partition(p)
         buf = torch.empty(padded, dtype=part.dtype, device=part.device)
-        self.inflight[p] = (buf, self.dp.all_gather(buf, part, async_op=True))
+        self.inflight[p] = (buf, self.dp.all_gather(buf, part, async_op=True), part)  # the input lives until waited
         self.gathers += 1
 
     def _finish(self, p: nn.Parameter) -> None:
@@ -120,7 +144,7 @@ class ParamGatherer:
             return
         if p not in self.inflight:
             self._launch(p)
-        buf, work = self.inflight.pop(p)
+        buf, work, _ = self.inflight.pop(p)
         work.wait()
         shape = self.params[p][0]
         n = math.prod(shape)
@@ -150,7 +174,7 @@ class ParamGatherer:
 
     def release_all(self) -> None:
         """Drop every gathered or prefetched parameter (end of a backward pass)."""
-        for _, work in list(self.inflight.values()):
+        for _, work, _ in list(self.inflight.values()):
             work.wait()
         self.inflight.clear()
         for p in list(self.full):
@@ -162,14 +186,25 @@ class ParamGatherer:
         self.inflight.clear()
         for p in list(self.full):
             self.release(p)
+        if self.source is not None:
+            self.source.drop()
         for trace in (self.fwd, self.bwd):
             if trace.recording:
                 trace.order.clear()
 
     # -- hooks ---------------------------------------------------------------------------------
+    def _read_ahead(self, trace: _Trace) -> None:
+        """Ask the source to read ahead what the recorded order needs next (not what is gathered or in flight)."""
+        if self.source is not None:
+            upcoming = trace.upcoming()
+            if upcoming:
+                own = (p for m in upcoming for p in self._own(m))
+                self.source.read_ahead(p for p in own if p not in self.full and p not in self.inflight)
+
     def _pre_forward(self, m: nn.Module, args: Any) -> None:
         self.fetch(m)
         self._prefetch(self.fwd.visit(m))
+        self._read_ahead(self.fwd)
 
     def _post_forward(self, m: nn.Module, args: Any, out: Any) -> None:
         for p in self._own(m):
@@ -183,14 +218,17 @@ class ParamGatherer:
         def hook(grad: torch.Tensor) -> None:
             self.fetch(m)
             self._prefetch(self.bwd.visit(m))
+            self._read_ahead(self.bwd)
 
         return hook
 
     def begin_forward(self) -> None:
         self.fwd.begin()
+        self._read_ahead(self.fwd)
 
     def begin_backward(self) -> None:
         self.bwd.begin()
+        self._read_ahead(self.bwd)
 
     # -- saved tensors -------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:

@@ -152,7 +152,8 @@ def test_engine_config_checks_offload_against_the_run() -> None:
         EngineConfig(model=tiny, zero_stage=1, offload=OffloadConfig(zero_stage=3))
     with pytest.raises(ValueError, match=r"offload_param.device 'cpu' needs ZeRO stage 3"):
         EngineConfig(model=tiny, zero_stage=2, offload={"offload_param": {"device": "cpu"}})
-    with pytest.raises(ValueError, match=r"offload_param.device 'nvme' is not supported yet"):
-        EngineConfig(model=tiny, zero_stage=3, offload=OffloadConfig.from_deepspeed(DS_CONFIG))
+    with pytest.raises(ValueError, match=r"offload_param.device 'nvme' is not supported yet on cuda"):
+        EngineConfig(model=tiny, zero_stage=3, device="cuda", offload=OffloadConfig.from_deepspeed(DS_CONFIG))
+    assert EngineConfig(model=tiny, zero_stage=3, offload=OffloadConfig.from_deepspeed(DS_CONFIG)).zero_stage == 3
     ok = EngineConfig(model=tiny, zero_stage=3, offload={"offload_param": {"device": "cpu"}})
     assert ok.offload.offload_param.device == "cpu"  # a CPU engine's parameters already live in host memory
