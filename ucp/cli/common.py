@@ -176,6 +176,22 @@ def parse_storage_options(text: str | None) -> dict[str, Any] | None:
         raise bad_input(str(exc)) from None
 
 
+def url_storage_options(text: str | None) -> dict[str, Any] | None:
+    """:func:`parse_storage_options`, also made the default of every URL the command opens
+    (``ucp.store.storage.set_default_storage_options``): for commands that open their URLs deep inside."""
+    from ucp.store.storage import set_default_storage_options
+
+    options = parse_storage_options(text)
+    set_default_storage_options(options)  # also None: a command run in-process leaves no options behind
+    return options
+
+
+STORAGE_OPTIONS_HELP = (
+    "Options for URLs as JSON: for s3:// the keys of ucp.store.s3.S3Options (endpoint_url, key, secret, region, "
+    "part_size, concurrency, max_retries ...; the AWS_* environment variables otherwise), for other URLs fsspec's."
+)
+
+
 def unreadable_message(path: str, exc: BaseException) -> str:
     """Why the checkpoint at ``path`` cannot be read, as one line naming it. UCP's errors name the
     manifest already; others (an unknown URL protocol, a missing fsspec backend) get the path."""

@@ -12,11 +12,22 @@ or DST exists (without --overwrite, or is not a UCP checkpoint, or holds SRC).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from ucp.cli.common import EXIT_BAD_INPUT, err, fail, fail_with, out, prefetching, progress_bar, source_reads_start
+from ucp.cli.common import (
+    EXIT_BAD_INPUT,
+    STORAGE_OPTIONS_HELP,
+    err,
+    fail,
+    fail_with,
+    out,
+    prefetching,
+    progress_bar,
+    source_reads_start,
+    url_storage_options,
+)
 from ucp.cli.timings import phase
 
 FORMAT_CHOICES = ("auto", "deepspeed", "deepspeed-universal", "dcp", "hf")
@@ -49,11 +60,13 @@ def convert_cmd(
         bool, typer.Option("--overwrite", "--force", help="Replace a UCP checkpoint already at DST.")
     ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the report) on stdout.")] = False,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
 ) -> None:
     """Convert a foreign checkpoint into a UCP checkpoint (DeepSpeed ZeRO-1/2/3, universal, DCP, Hugging Face).
 
     DeepSpeed checkpoints become the training Engine's structure (weights, fp32 masters, Adam moments, step), loadable at any mesh and ZeRO stage. Pickles are read with an allow-list; see --trust-pickle.
     """
+    url_storage_options(storage_options)  # DST's, where it is a URL
     if source_format not in FORMAT_CHOICES:
         raise fail(
             f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}", EXIT_BAD_INPUT

@@ -18,6 +18,7 @@ import typer
 from aio.sizes import SIZE_HELP, format_size
 from ucp.cli.common import (
     EXIT_BAD_INPUT,
+    STORAGE_OPTIONS_HELP,
     exit_code,
     fail,
     fail_with,
@@ -34,6 +35,7 @@ from ucp.cli.timings import phase
 class ExportFormat(str, enum.Enum):
     hf = "hf"
     zarr = "zarr"
+    ds_universal = "ds-universal"
 
 
 class CompressorName(str, enum.Enum):
@@ -46,7 +48,13 @@ def export_cmd(
     src: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL.")],
     dst: Annotated[str, typer.Argument(help="Output directory (created; a zarr group for --format zarr).")],
     format: Annotated[
-        ExportFormat, typer.Option("--format", "-f", help="hf: safetensors files; zarr: a zarr v3 group.")
+        ExportFormat,
+        typer.Option(
+            "--format",
+            "-f",
+            help="hf: a transformers model folder (safetensors, config.json, tokenizer); zarr: a zarr v3 group; "
+            "ds-universal: DeepSpeed's universal checkpoint (load_universal) of a training-engine checkpoint.",
+        ),
     ] = ExportFormat.hf,
     section: Annotated[
         Optional[str],
@@ -69,6 +77,26 @@ def export_cmd(
             help=f"hf: split into shards of at most this much tensor data (e.g. 2GB, 512MiB; {SIZE_HELP}).",
         ),
     ] = None,
+    config: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            help="hf: the config.json to write (a file, or a folder holding one); default: the one recorded in "
+            "the checkpoint's metadata (hf_config). Checked against the tensor shapes before writing.",
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        Optional[str],
+        typer.Option(
+            "--tokenizer",
+            help="hf: a folder whose tokenizer files (tokenizer.json, tokenizer_config.json, ...) are copied; "
+            "default: those ucp convert recorded.",
+        ),
+    ] = None,
+    tag: Annotated[
+        Optional[str],
+        typer.Option("--tag", help="ds-universal: the checkpoint folder under DST (default global_step<N>)."),
+    ] = None,
     memory_budget: Annotated[
         str,
         typer.Option(
@@ -88,7 +116,7 @@ def export_cmd(
     json_output: Annotated[bool, typer.Option("--json", help="Print the ExportReport as JSON on stdout.")] = False,
     storage_options: Annotated[
         Optional[str],
-        typer.Option("--storage-options", help="fsspec options for SRC as JSON, e.g. '{\"anon\": true}'."),
+        typer.Option("--storage-options", help="For SRC. " + STORAGE_OPTIONS_HELP),
     ] = None,
 ) -> None:
     """Export a checkpoint to Hugging Face safetensors or zarr, streaming within a memory budget.
@@ -143,6 +171,9 @@ def export_cmd(
                     verify=not no_verify,
                     progress=progress,
                     storage_options=options,
+                    config=config,
+                    tokenizer=tokenizer,
+                    tag=tag,
                     **kwargs,
                 )
         except (ucp.CheckpointError, OSError) as exc:
@@ -157,7 +188,7 @@ def export_cmd(
         out.print(
             f"[bold green]exported[/bold green] {what} of {src}: {report.tensors} tensors, "
             f"{format_size(report.bytes)}{cast} -> {report.dst} ({report.format}, {len(report.files)} "
-            f"{'file' if report.format == 'hf' else 'array'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s",
+            f"{'array' if report.format == 'zarr' else 'file'}{'' if len(report.files) == 1 else 's'}) in {report.seconds:.2f} s",
             highlight=False,
         )
 

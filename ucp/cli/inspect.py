@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field
 from rich.markup import escape
 
 from aio.sizes import format_size
+from ucp.cli.common import STORAGE_OPTIONS_HELP, err, fail_with, out, parse_storage_options, unreadable_message
 from ucp.cli.common import bad_input as bad_input  # noqa: F401 - where `ucp infer` imports it from
-from ucp.cli.common import err, fail_with, out, parse_storage_options, unreadable_message
 
 
 class PieceInfo(BaseModel):
@@ -269,9 +269,7 @@ def inspect_cmd(
     max_pieces: Annotated[
         int, typer.Option("--max-pieces", min=1, help="Placements shown per tensor in the table.")
     ] = 4,
-    storage_options: Annotated[
-        Optional[str], typer.Option("--storage-options", help="fsspec options as JSON, e.g. '{\"anon\": true}'.")
-    ] = None,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
 ) -> None:
     """Show what a checkpoint holds: tensors and their placements, files, topology, state, metadata.
 

@@ -5,22 +5,26 @@
 missing, unreadable or names a checkpoint that is not complete, a note says so (``notes`` in
 ``--json``).
 
+ROOT may be an object-store URL (``s3://bucket/run``, with ``--storage-options`` or the AWS
+environment variables): there a step prefix without a manifest is ``incomplete`` (a save in flight or
+an interrupted one; see docs/object-stores.md).
+
 Exit codes: 0 listed (also when some entries are corrupt: their status says so), 2 ROOT is not
-a local directory (it does not exist, is a file or a URL) or is a checkpoint itself rather than a root
-(``ucp inspect`` shows one checkpoint).
+a local directory or object-store prefix (it does not exist, is a file, the store refuses the request)
+or is a checkpoint itself rather than a root (``ucp inspect`` shows one checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.markup import escape
 
 from aio.sizes import format_size
-from ucp.cli.common import bad_input, out
+from ucp.cli.common import STORAGE_OPTIONS_HELP, bad_input, one_line, out, parse_storage_options
 
 if TYPE_CHECKING:
     from ucp.manager import CheckpointInfo
@@ -39,7 +43,7 @@ def resume_latest(
         return choice, None
     if pointer is not None:
         why = f"'latest' names {pointer[1]}, which is not complete"
-    elif os.path.lexists(os.path.join(root, LATEST)):
+    elif "://" not in root and os.path.lexists(os.path.join(root, LATEST)):
         why = "the 'latest' pointer cannot be read"
     else:
         why = "there is no 'latest' pointer"
@@ -51,34 +55,20 @@ def ls_cmd(
     json_output: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")
     ] = False,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
 ) -> None:
     """List the checkpoints under ROOT: step, size, status (complete / saving / temp leftovers ...), latest.
 
     Only [bold]complete[/bold] checkpoints are ever loaded; [bold]temp[/bold] and [bold]old[/bold] entries
-    are leftovers of interrupted saves, removed by the next save. Exit code 2 when ROOT is not a local directory,
-    or is one checkpoint rather than a root (see ucp inspect).
+    are leftovers of interrupted saves, removed by the next save. ROOT may be an s3:// URL. Exit code 2 when
+    ROOT is not a local directory or object-store prefix, or is one checkpoint rather than a root (see ucp inspect).
     """
     from rich.table import Table
 
-    from ucp.format.manifest import MANIFEST_NAME
-    from ucp.manager import list_checkpoints, read_latest
-
     if "://" in root:
-        raise bad_input(f"{root}: ls works on local directories only (a CheckpointManager root), not URLs")
-    if not os.path.exists(root):
-        raise bad_input(f"{root} does not exist")
-    if not os.path.isdir(root):
-        raise bad_input(f"{root} is not a directory")
-    if os.path.isfile(os.path.join(root, MANIFEST_NAME)):
-        raise bad_input(
-            f"{root} is a checkpoint, not a CheckpointManager root (the folder holding step-NNNNNNNN/ checkpoints); "
-            f"'ucp inspect {root}' shows what it holds"
-        )
-    try:
-        infos = list_checkpoints(root)
-    except OSError as exc:  # e.g. no permission to list it
-        raise bad_input(f"{root}: cannot list it: {exc.strerror or exc}") from None
-    pointer = read_latest(root)
+        infos, pointer = _list_url(root, parse_storage_options(storage_options))
+    else:
+        infos, pointer = _list_local(root)
     latest, note = resume_latest(root, infos, pointer)
     if latest is not None and not latest.latest:
         infos = [i.model_copy(update={"latest": True}) if i is latest else i for i in infos]
@@ -121,6 +111,47 @@ def ls_cmd(
     problems = [i for i in infos if i.detail and i.status in ("corrupt", "incomplete")]
     for i in problems:
         out.print(f"[red]{escape(i.name)}[/red]: {escape(i.detail or '')}", highlight=False)
+
+
+def _list_url(root: str, options: dict | None) -> tuple[list[CheckpointInfo], tuple[int, str] | None]:
+    """An object-store root's entries and pointer; exit 2 naming the URL when the store refuses."""
+    from ucp.errors import CheckpointError
+    from ucp.format.manifest import MANIFEST_NAME
+    from ucp.manager_remote import list_checkpoints, open_root, read_latest
+
+    try:
+        with open_root(root, options) as storage:
+            if storage.exists(MANIFEST_NAME):
+                raise bad_input(
+                    f"{root} is a checkpoint, not a CheckpointManager root (the prefix holding step-NNNNNNNN/ "
+                    f"checkpoints); 'ucp inspect {root}' shows what it holds"
+                )
+            try:
+                storage.listdir("")
+            except FileNotFoundError:
+                raise bad_input(f"{root} does not exist (nothing is stored under it)") from None
+            return list_checkpoints(storage), read_latest(storage)
+    except (CheckpointError, OSError) as exc:
+        raise bad_input(f"{root}: cannot list it: {one_line(exc)}") from None
+
+
+def _list_local(root: str) -> tuple[list[CheckpointInfo], tuple[int, str] | None]:
+    from ucp.format.manifest import MANIFEST_NAME
+    from ucp.manager import list_checkpoints, read_latest
+
+    if not os.path.exists(root):
+        raise bad_input(f"{root} does not exist")
+    if not os.path.isdir(root):
+        raise bad_input(f"{root} is not a directory")
+    if os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        raise bad_input(
+            f"{root} is a checkpoint, not a CheckpointManager root (the folder holding step-NNNNNNNN/ checkpoints); "
+            f"'ucp inspect {root}' shows what it holds"
+        )
+    try:
+        return list_checkpoints(root), read_latest(root)
+    except OSError as exc:  # e.g. no permission to list it
+        raise bad_input(f"{root}: cannot list it: {exc.strerror or exc}") from None
 
 
 def register(app: typer.Typer) -> None:

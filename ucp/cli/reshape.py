@@ -27,6 +27,7 @@ from aio import memstat
 from aio.sizes import SIZE_HELP, parse_size
 from ucp.cli.common import (
     EXIT_FAILED,
+    STORAGE_OPTIONS_HELP,
     bad_input,
     command_line,
     fail_with,
@@ -35,6 +36,7 @@ from ucp.cli.common import (
     prefetching,
     progress_bar,
     source_reads_start,
+    url_storage_options,
 )
 from ucp.cli.timings import phase
 
@@ -79,8 +81,10 @@ def reshape_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it is a checkpoint.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Read DST back and check every CRC.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
 ) -> None:
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
+    url_storage_options(storage_options)  # SRC's and DST's, where they are URLs
     # The source's reads start before the imports (~0.5 s with the disk idle otherwise).
     with prefetching(src):
         with phase("imports"):

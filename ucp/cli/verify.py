@@ -25,6 +25,7 @@ from ucp.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
+    STORAGE_OPTIONS_HELP,
     err,
     exit_code,
     load_storage_options,
@@ -200,9 +201,7 @@ def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:
 def verify_cmd(
     path: Annotated[str, typer.Argument(help="Checkpoint directory or fsspec URL.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
-    storage_options: Annotated[
-        Optional[str], typer.Option("--storage-options", help="fsspec options as JSON, e.g. '{\"anon\": true}'.")
-    ] = None,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
 ) -> None:
     """Check every piece's CRC-32C, every data file's size and header, and the manifest.
 

@@ -379,8 +379,9 @@ class S3Storage(Storage):
             pool.shutdown(wait=True)
 
 
-def _short(text: str, limit: int = 400) -> str:
-    text = " ".join(text.split())
+def _short(text: str, limit: int = 300) -> str:
+    """One line of a client error: without the client's debug dump, at most ``limit`` characters."""
+    text = " ".join(text.split("Debug source:", 1)[0].split())
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -409,11 +409,27 @@ def as_aio_config(aio_config: AioConfig | dict[str, Any] | None) -> AioConfig | 
     return AioConfig.from_deepspeed(aio_config)
 
 
+_default_url_options: dict[str, Any] | None = None
+
+
+def set_default_storage_options(options: dict[str, Any] | None) -> None:
+    """Options for every URL that :func:`open_storage` opens without its own (None: none). The command
+    line's ``--storage-options`` of commands that open URLs deep inside (``reshape``, ``convert``, ``ls``):
+    one process, one command, so a process-wide default. Local paths never take them."""
+    global _default_url_options
+    _default_url_options = options
+
+
 def open_storage(
     path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, aio_config: AioConfig | None = None
 ) -> tuple[Storage, str]:
-    """The storage holding checkpoint ``path``, and the checkpoint's name inside it."""
+    """The storage holding checkpoint ``path``, and the checkpoint's name inside it.
+
+    ``s3://`` URLs get :class:`ucp.store.s3.S3Storage` (options: :class:`ucp.store.s3.S3Options`), other
+    URLs fsspec, local paths :class:`LocalStorage`."""
     text = os.fspath(path)
+    if storage_options is None and "://" in text:
+        storage_options = _default_url_options
     if text.startswith("s3://"):
         from ucp.store.s3 import open_s3
 
