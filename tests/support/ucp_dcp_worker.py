@@ -2,8 +2,9 @@
 
 usage: python ucp_dcp_worker.py RANK WORLD INIT_FILE OUT_DIR
 
-1. ``dcp.save`` of DTensors of every dtype (row- and column-sharded, unevenly; replicated), a plain
-   tensor and plain values through ``ucp.dcp.Writer`` into OUT_DIR/dcp;
+1. ``dcp.save`` of DTensors of every dtype (row- and column-sharded, unevenly; replicated), a torch
+   ShardedTensor with two row blocks per rank, a plain tensor and plain values through ``ucp.dcp.Writer``
+   into OUT_DIR/dcp;
 2. ``dcp.load`` of it through ``ucp.dcp.Reader`` into DTensors placed differently (rows <-> columns,
    sharded <-> replicated): every rank checks its local shards bit-exactly;
 3. ``ucp.save`` of the same tensors as ShardedTensor rows and FlatShard ranges into OUT_DIR/ucp,
@@ -25,6 +26,7 @@ from ucp.format.dtypes import DTYPE_NAMES, torch_dtype
 
 SHAPE = (5, 3)  # 5 rows, 3 columns: uneven over 2 ranks both ways
 DTYPES = sorted(DTYPE_NAMES)
+BLOCKS = torch.arange(8 * 3, dtype=torch.float64).reshape(8, 3)  # 4 row blocks: 0 and 2 on rank 0, 1 and 3 on 1
 VALUES = {"step": 3, "lr": 0.5, "betas": (0.9, 0.95), "names": ["a", "b"]}
 
 
@@ -74,6 +76,19 @@ def check_dtensors(state: dict[str, Any], full: dict[str, torch.Tensor], mesh: A
         assert same_bytes(t.to_local(), full[name][index].contiguous()), f"{what}: {name} differs"
 
 
+def interleaved(full: torch.Tensor, rank: int, world: int) -> Any:
+    """A torch ShardedTensor holding row blocks ``rank`` and ``rank + world`` of ``full`` (two chunks of one
+    tensor on each rank: the writer stores them as two pieces of one file)."""
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rows = full.shape[0] // (2 * world)
+    shards = [
+        Shard.from_tensor_and_offsets(full[b * rows : (b + 1) * rows].clone(), [b * rows, 0], rank)
+        for b in (rank, rank + world)
+    ]
+    return init_from_local_shards(shards, list(full.shape))
+
+
 def main(rank: int, world: int, init: str, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -90,6 +105,7 @@ def main(rank: int, world: int, init: str, out: str) -> None:
         state = {
             "model": {n: dtensor(t, mesh, placement(i, False)) for i, (n, t) in enumerate(full.items())},
             "plain": full["F32"].clone(),
+            "blocks": interleaved(BLOCKS, rank, world),
             **VALUES,
         }
         dcp.save(state, storage_writer=ucp.dcp.Writer(f"{out}/dcp", step=3))
@@ -99,9 +115,11 @@ def main(rank: int, world: int, init: str, out: str) -> None:
                 n: dtensor(torch.zeros_like(t), mesh, placement(i, True)) for i, (n, t) in enumerate(full.items())
             },
             "plain": torch.zeros(SHAPE),
+            "blocks": dtensor(torch.zeros_like(BLOCKS), mesh, placement(2, False)),  # replicated: all of it
             **{k: None for k in VALUES},
         }
         dcp.load(fresh, storage_reader=ucp.dcp.Reader(f"{out}/dcp"))
+        assert same_bytes(fresh["blocks"].to_local(), BLOCKS)
         check_dtensors(fresh["model"], full, mesh, "dcp.save -> dcp.load")
         assert same_bytes(fresh["plain"], full["F32"])
         assert {k: fresh[k] for k in VALUES} == VALUES, {k: fresh[k] for k in VALUES}

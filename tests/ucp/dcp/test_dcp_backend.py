@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
-from ucp_dcp_worker import DTYPES, SHAPE, VALUES, full_state
+from ucp_dcp_worker import BLOCKS, DTYPES, SHAPE, VALUES, full_state
 from ucp_helpers import assert_same_state, random_tensor, same_bytes
 from world import run_world
 
@@ -98,6 +98,14 @@ def test_two_ranks_save_and_reshard_dtensors_and_read_ucp_save_checkpoints(tmp_p
     for name, t in full.items():
         assert same_bytes(loaded["model"][name], t), name
     assert same_bytes(loaded["plain"], full["F32"]) and {k: loaded[k] for k in VALUES} == VALUES
+    assert same_bytes(loaded["blocks"], BLOCKS)
+    blocks = manifest.tensors["blocks"].pieces  # two chunks per rank: two pieces in each rank's file
+    assert sorted((p.file, p.box.offsets[0], p.entry) for p in blocks if p.box) == [
+        ("rank-00000.safetensors", 0, None),
+        ("rank-00000.safetensors", 4, "blocks#1"),
+        ("rank-00001.safetensors", 2, None),
+        ("rank-00001.safetensors", 6, "blocks#1"),
+    ]
     assert ucp.verify(path).ok and ucp.verify(tmp_path / "ucp").ok
     ucp.reshape(path, tmp_path / "one", verify=True)  # consolidated: one piece per tensor
     assert all(len(t.pieces) == 1 for t in ucp.read_manifest(tmp_path / "one").tensors.values())
