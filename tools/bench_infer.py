@@ -13,11 +13,17 @@ otherwise the files are evicted) and each method runs in a fresh process:
 * ``mmap``: the same model code with every weight a view of a memory-mapped safetensors file (what
   ``safe_open``/``from_pretrained`` give): the page cache does the streaming;
 * ``accelerate``: transformers' ``from_pretrained(device_map=..., offload_folder=...)`` disk offload,
-  when ``accelerate`` is installed (it is not a dependency; the row says so when absent).
+  when ``accelerate`` is installed (it is not a dependency; the row says so when absent). Its row
+  reports the weight bytes it kept resident (``max_memory``'s share, the rest on disk);
+* ``ucp-acc``: ucp with the same resident weight bytes as the last ``accelerate`` run of that dtype, plus
+  its two-buffer ring (budget = accelerate's resident bytes + ucp's ring): whole layers pinned.
 
-Every method runs under the same cgroup (v1 or v2) memory limit, ``--budget`` + ``--overhead`` (the
-interpreter, torch and the KV cache), when the benchmark runs as root and cgroups are writable; the
-report says what was enforced. Greedy tokens of every method are compared with ``ucp``'s.
+``--dtypes fp32,bf16`` runs ucp, mmap, accelerate and ucp-acc on the weights in each dtype (bf16: the
+same model cast and saved again, computed in bf16). Each run is in a fresh memory cgroup (v1 or v2)
+limited to its budget + ``--overhead`` (the interpreter, torch and the KV cache), when the benchmark
+runs as root and cgroups are writable; the report says what was enforced and each row's peak cgroup
+memory (resident set *and* page cache). Greedy tokens of every method are compared with ``ucp``'s of
+the same dtype. The physical limit of each row is fio's GB/s / the bytes it streams per token.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -50,24 +57,25 @@ if a.get("cgroup_procs"):
 import torch
 torch.set_num_threads(a["threads"])
 prompts = [[(7 * i + j) % 1000 + 1 for j in range(a["prompt_len"])] for i in range(a["batch"])]
-if method in ("ucp", "ucp-ckpt"):
-    from aio.sizes import parse_size
+dtype = torch.bfloat16 if a["dtype"] == "bf16" else torch.float32
+if method in ("ucp", "ucp-ckpt", "ucp-acc"):
     from training.inference.api import infer
-    r = infer(path, prompts, max_new_tokens=a["new_tokens"], memory_budget=parse_size(a["budget"]))
+    r = infer(path, prompts, max_new_tokens=a["new_tokens"], memory_budget=a["budget_bytes"], dtype=dtype)
     print(json.dumps({"tokens": r.tokens, **r.metrics.model_dump()}))
 elif method == "mmap":
     sys.path.insert(0, a["root"])
     from tools.bench_infer import run_mmap
-    print(json.dumps(run_mmap(path, prompts, a["new_tokens"])))
+    print(json.dumps(run_mmap(path, prompts, a["new_tokens"], dtype)))
 elif method == "accelerate":
     sys.path.insert(0, a["root"])
     from tools.bench_infer import run_accelerate
-    print(json.dumps(run_accelerate(path, prompts, a["new_tokens"], a["budget"], a["offload"])))
+    print(json.dumps(run_accelerate(path, prompts, a["new_tokens"], a["budget_bytes"], a["offload"], dtype)))
 """
 
 
 def make_model(out: Path, gib: float, hidden: int, vocab: int) -> dict[str, object]:
-    """A random Llama of about ``gib`` GiB of fp32 weights, saved with save_pretrained and as a UCP checkpoint."""
+    """A random Llama of about ``gib`` GiB of fp32 weights, saved with save_pretrained (fp32 in ``hf``,
+    cast to bf16 in ``hf-bf16``) and as a UCP checkpoint (fp32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -87,10 +95,11 @@ def make_model(out: Path, gib: float, hidden: int, vocab: int) -> dict[str, obje
         {k: v.detach() for k, v in model.state_dict().items()}, out / "ckpt", metadata={"hf_config": cfg.to_dict()}
     )
     nbytes = sum(p.numel() * 4 for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(out / "hf-bf16", safe_serialization=True)
     return {"layers": layers, "hidden": hidden, "intermediate": ff, "vocab": vocab, "bytes": nbytes}
 
 
-def run_mmap(path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, object]:
+def run_mmap(path: str, prompts: list[list[int]], new_tokens: int, dtype: Any) -> dict[str, object]:
     """Generation with every weight a view of a memory-mapped safetensors file (the page cache streams)."""
     import mmap
 
@@ -116,14 +125,14 @@ def run_mmap(path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, 
         ).view(t.shape)
 
     class MmapRun:
-        dtype = torch.float32
+        pass
 
         def __init__(self) -> None:
-            self.model = model
+            self.model, self.dtype = model, dtype
 
         @torch.inference_mode()
         def forward(self, step: Step) -> torch.Tensor:
-            h = model.embed(weights, step)
+            h = model.embed(weights, step).to(dtype)
             for i in range(model.n_layers):
                 h = model.layer(i, weights, h, step)
             return model.head(weights, h)
@@ -142,22 +151,19 @@ def run_mmap(path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, 
 
 
 def run_accelerate(
-    path: str, prompts: list[list[int]], new_tokens: int, budget: str, offload: str
+    path: str, prompts: list[list[int]], new_tokens: int, budget: int, offload: str, dtype: Any
 ) -> dict[str, object]:
     """transformers + accelerate disk offload: weights beyond ``max_memory`` go to ``offload_folder``."""
 
     import torch
     from transformers import LlamaForCausalLM
 
-    from aio.sizes import parse_size
-
     model = LlamaForCausalLM.from_pretrained(
-        path,
-        device_map="auto",
-        max_memory={"cpu": parse_size(budget)},
-        offload_folder=offload,
-        torch_dtype=torch.float32,
+        path, device_map="auto", max_memory={"cpu": budget}, offload_folder=offload, torch_dtype=dtype
     )
+    # offloaded parameters sit on the meta device until their module runs: the others stay resident
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    streamed = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "meta")
     ids = torch.tensor(prompts)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -176,12 +182,18 @@ def run_accelerate(
         "time_to_first_token_s": t1 - t0,
         "decode_tokens_per_s": (new_tokens - 1) * len(prompts) / decode,
         "peak_rss_bytes": peak_rss(),
+        "resident_bytes": resident,
+        "streamed_bytes_per_pass": streamed,
     }
 
 
-def memory_cgroup(limit: int) -> tuple[str | None, str]:
-    """A fresh memory cgroup limited to ``limit`` bytes: (its cgroup.procs, what was enforced)."""
-    name = f"ucp-bench-infer-{os.getpid()}"
+PEAK_KNOBS = ("memory.peak", "memory.max_usage_in_bytes")  # v2, v1: the cgroup's peak (RSS + page cache)
+
+
+def memory_cgroup(limit: int, tag: str) -> tuple[str | None, str]:
+    """A fresh memory cgroup limited to ``limit`` bytes: (its directory, what was enforced)."""
+    name = f"ucp-bench-infer-{os.getpid()}-{tag}"
+    why = "no memory limit (no writable memory cgroup)"
     for base, knob in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
         if not os.path.exists(os.path.join(base, knob if base.endswith("memory") else "cgroup.controllers")):
             continue
@@ -190,22 +202,41 @@ def memory_cgroup(limit: int) -> tuple[str | None, str]:
             os.makedirs(path, exist_ok=True)
             with open(os.path.join(path, knob), "w") as fh:
                 fh.write(str(limit))
-            return os.path.join(path, "cgroup.procs"), f"cgroup {path} {knob}={limit}"
+            return path, f"cgroup {base} {knob}"
         except OSError as exc:
             why = f"no memory limit ({base}: {exc.strerror})"
-            continue
-    return None, locals().get("why", "no memory limit (no writable memory cgroup)")
+    return None, why
 
 
-def child(method: str, path: Path, args: dict[str, object]) -> dict[str, object]:
+def child(method: str, path: Path, args: dict[str, object], limit: int) -> dict[str, object]:
+    """Run one measurement in a fresh process inside a fresh cgroup limited to ``limit`` bytes."""
+    group, enforced = memory_cgroup(limit, f"{method}-{args['dtype']}-b{args['batch']}")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args["threads"])}
+    full = {**args, "cgroup_procs": os.path.join(group, "cgroup.procs") if group else None}
     res = subprocess.run(
-        [sys.executable, "-c", CHILD, method, str(path), json.dumps(args)], capture_output=True, text=True, env=env
+        [sys.executable, "-c", CHILD, method, str(path), json.dumps(full)], capture_output=True, text=True, env=env
     )
+    peak = None
+    if group:
+        for knob in PEAK_KNOBS:
+            try:
+                with open(os.path.join(group, knob)) as fh:
+                    peak = int(fh.read().strip())
+                break
+            except OSError:
+                continue
+        try:
+            os.rmdir(group)
+        except OSError:
+            pass
     lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
     if res.returncode != 0 or not lines:
-        return {"error": (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1][:300]}
-    return json.loads(lines[-1])
+        return {"error": (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1][:300], "limit": limit}
+    out: dict[str, object] = json.loads(lines[-1])
+    out.update({"limit": limit, "enforced": enforced if group else enforced})
+    if peak is not None:
+        out["cgroup_peak_bytes"] = peak
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--batches", default="1", help="comma-separated batch sizes for ucp (the sweep)")
+    ap.add_argument("--batches", default="1", help="comma-separated batch sizes for ucp fp32 (the sweep)")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--methods", default="fio,ucp,ucp-ckpt,mmap,accelerate")
+    ap.add_argument("--methods", default="fio,ucp,ucp-ckpt,mmap,accelerate,ucp-acc")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="weights dtypes: fp32, bf16 (ucp-ckpt and fio: fp32 only)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -233,50 +265,54 @@ def main(argv: list[str] | None = None) -> int:
 
     work = args.dir or Path(tempfile.mkdtemp(prefix="ucp-bench-infer-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
-    if not (work / "hf" / "config.json").exists():
+    if not (work / "hf-bf16" / "config.json").exists():
         info = make_model(work, args.gib, args.hidden, args.vocab)
     else:
         info = {"reused": str(work)}
-    limit = parse_size(args.budget) + parse_size(args.overhead)
-    procs, enforced = memory_cgroup(limit)
-    methods = args.methods.split(",")
+    budget, overhead = parse_size(args.budget), parse_size(args.overhead)
+    methods, dtypes = args.methods.split(","), args.dtypes.split(",")
     weights_file = work / "hf" / "model.safetensors"
     if not weights_file.exists():
         weights_file = sorted((work / "hf").glob("*.safetensors"))[0]
     runs: dict[str, list[dict[str, object]]] = {}
-    base = {
-        "budget": args.budget,
-        "new_tokens": args.new_tokens,
-        "prompt_len": args.prompt_len,
-        "threads": args.threads,
-    }
-    base.update({"cgroup_procs": procs, "root": str(ROOT), "offload": str(work / "offload")})
+    base = {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "threads": args.threads}
+    base.update({"root": str(ROOT), "offload": str(work / "offload")})
     for _ in range(args.rounds):
-        for method in methods:
-            for batch in [int(b) for b in args.batches.split(",")] if method == "ucp" else [1]:
-                key = f"{method} b{batch}"
-                cold = drop([work])
-                if method == "fio":  # the faster of two request shapes (the device's limit), each cold
-                    best = weights_file.stat().st_size / run_fio(weights_file, "8M", 8) / 1e9
-                    drop([work])
-                    best = max(best, weights_file.stat().st_size / run_fio(weights_file, "1M", 32) / 1e9)
-                    runs.setdefault(key, []).append({"gbps": best})
+        for dtype in dtypes:
+            for method in methods:
+                if dtype != "fp32" and method in ("fio", "ucp-ckpt"):
                     continue
-                if method == "accelerate":
-                    try:
-                        import accelerate  # noqa: F401
-                    except ImportError:
-                        runs.setdefault(key, []).append({"error": "accelerate is not installed"})
+                sweep = method == "ucp" and dtype == "fp32"
+                for batch in [int(b) for b in args.batches.split(",")] if sweep else [1]:
+                    key = f"{method} {dtype} b{batch}"
+                    cold = drop([work])
+                    if method == "fio":  # the faster of two request shapes (the device's limit), each cold
+                        best = weights_file.stat().st_size / run_fio(weights_file, "8M", 8) / 1e9
+                        drop([work])
+                        best = max(best, weights_file.stat().st_size / run_fio(weights_file, "1M", 32) / 1e9)
+                        runs.setdefault(key, []).append({"gbps": best})
                         continue
-                path = work / ("ckpt" if method == "ucp-ckpt" else "hf")
-                r = child(method, path, {**base, "batch": batch})
-                r["cold"] = cold
-                runs.setdefault(key, []).append(r)
-    fio = statistics.median(float(r["gbps"]) for r in runs.get("fio b1", [{"gbps": 0.0}]))  # type: ignore[arg-type]
-    ref = runs.get("ucp b1", [{}])[0].get("tokens")
-    # batch-1 decode streams every streamed group once per token: the physical limit is fio / that
-    per_token = runs.get("ucp b1", [{}])[0].get("streamed_bytes_per_pass", 0)
-    limit_tps = fio * 1e9 / float(per_token) if per_token else 0.0  # type: ignore[arg-type]
+                    if method.startswith("accelerate"):
+                        try:
+                            import accelerate  # noqa: F401
+                        except ImportError:
+                            runs.setdefault(key, []).append({"error": "accelerate is not installed"})
+                            continue
+                    run_budget = budget
+                    if method == "ucp-acc":  # accelerate's resident weights + ucp's own ring
+                        acc = runs.get(f"accelerate {dtype} b1", [{}])[-1]
+                        own = runs.get(f"ucp {dtype} b1", [{}])[-1]
+                        if "resident_bytes" not in acc or "ring_bytes" not in own:
+                            runs.setdefault(key, []).append({"error": "needs accelerate and ucp runs first"})
+                            continue
+                        run_budget = int(acc["resident_bytes"]) + int(own["ring_bytes"])  # type: ignore[call-overload]
+                    folder = "ckpt" if method == "ucp-ckpt" else ("hf" if dtype == "fp32" else f"hf-{dtype}")
+                    args_ = {**base, "batch": batch, "dtype": dtype, "budget_bytes": run_budget}
+                    r = child(method.split("-")[0] if method == "ucp-acc" else method, work / folder, args_,
+                              run_budget + overhead)  # fmt: skip
+                    r["cold"], r["budget_bytes"] = cold, run_budget
+                    runs.setdefault(key, []).append(r)
+    fio = statistics.median(float(r["gbps"]) for r in runs.get("fio fp32 b1", [{"gbps": 0.0}]))  # type: ignore[arg-type]
     rows = []
     for key, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
@@ -290,49 +326,64 @@ def main(argv: list[str] | None = None) -> int:
             "read_gb_per_s",
             "read_hidden_fraction",
             "peak_rss_bytes",
+            "cgroup_peak_bytes",
             "gbps",
+            "budget_bytes",
+            "resident_bytes",
+            "streamed_bytes_per_pass",
+            "pinned_layers",
+            "limit",
         ):
             vals = [float(r[field]) for r in ok if field in r]  # type: ignore[arg-type]
             if vals:
                 row[field] = statistics.median(vals)
-        if "tokens" in ok[0] and ref is not None and key.endswith("b1"):
+        _, kind, bsize = key.split()
+        ref = runs.get(f"ucp {kind} b1", [{}])[0].get("tokens")
+        if "tokens" in ok[0] and ref is not None and bsize == "b1":
             row["same_tokens_as_ucp"] = ok[0]["tokens"] == ref
-        if "decode_tokens_per_s" in row and limit_tps:
+        # batch-1 decode streams every streamed group once per token: the physical limit is fio / that
+        per_token = float(row.get("streamed_bytes_per_pass", 0.0))  # type: ignore[arg-type]
+        if "decode_tokens_per_s" in row and per_token and fio and bsize == "b1":
+            limit_tps = fio * 1e9 / per_token
+            row["physical_limit_tokens_per_s"] = limit_tps
             row["vs_physical_limit"] = float(row["decode_tokens_per_s"]) / limit_tps  # type: ignore[arg-type]
         rows.append(row)
     report = {
-        "model": info, "budget": args.budget, "memory_limit": enforced, "fio_gbps": fio,
-        "streamed_bytes_per_token_b1": per_token, "physical_limit_tokens_per_s": limit_tps, "rows": rows,
+        "model": info, "budget": args.budget, "overhead": args.overhead, "fio_gbps": fio, "rows": rows,
+        "memory_limit": next((r.get("enforced") for rs in runs.values() for r in rs if r.get("enforced")), "none"),
         "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "uptime": open("/proc/loadavg").read().split()[:3],
     }  # fmt: skip
-    if procs:
-        try:
-            os.rmdir(os.path.dirname(procs))
-        except OSError:
-            pass
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}))
-    print("| method | decode tok/s | vs limit | TTFT s | read GB/s | hidden | peak RSS | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| method | dtype | batch | budget | resident | streamed/token | decode tok/s | x limit | TTFT s | read GB/s "
+        "| hidden | peak RSS | cgroup peak | same tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def size(r: dict[str, object], k: str) -> str:
+        return format_size(int(r[k])) if k in r else ""  # type: ignore[call-overload]
+
     for r in rows:
+        name, kind, bsize = str(r["method"]).split()
         if "error" in r:
-            print(f"| {r['method']} | {r['error']} |")
+            print(f"| {name} | {kind} | {bsize[1:]} | {r['error']} |")
             continue
         if "gbps" in r:
-            print(f"| {r['method']} | fio {float(r['gbps']):.2f} GB/s | | | | | | |")  # type: ignore[arg-type]
+            print(f"| fio | | | | | | {float(r['gbps']):.2f} GB/s | | | | | | | |")  # type: ignore[arg-type]
             continue
 
         def f(k: str, fmt: str, r: dict[str, object] = r) -> str:
             return format(r[k], fmt) if k in r else ""
 
-        rss = format_size(int(r["peak_rss_bytes"])) if "peak_rss_bytes" in r else ""  # type: ignore[call-overload]
         print(
-            f"| {r['method']} | {f('decode_tokens_per_s', '.2f')} | {f('vs_physical_limit', '.2f')} | "
-            f"{f('time_to_first_token_s', '.2f')} | {f('read_gb_per_s', '.2f')} | {f('read_hidden_fraction', '.2f')} | {rss} | "
-            f"{r.get('same_tokens_as_ucp', '')} |"
+            f"| {name} | {kind} | {bsize[1:]} | {size(r, 'budget_bytes')} | {size(r, 'resident_bytes')} | "
+            f"{size(r, 'streamed_bytes_per_pass')} | {f('decode_tokens_per_s', '.2f')} | {f('vs_physical_limit', '.2f')} | "
+            f"{f('time_to_first_token_s', '.2f')} | {f('read_gb_per_s', '.2f')} | {f('read_hidden_fraction', '.2f')} | "
+            f"{size(r, 'peak_rss_bytes')} | {size(r, 'cgroup_peak_bytes')} | {r.get('same_tokens_as_ucp', '')} |"
         )
     return 0
 
