@@ -4,7 +4,10 @@ PATH is a Hugging Face ``save_pretrained`` directory (safetensors, single or sha
 or a UCP checkpoint (its metadata or a config.json saying which model). Prompts are text when the
 weights come with a tokenizer.json, else token ids ("1 2 3"). ``--json`` prints the tokens and the
 run's metrics (time to first token, decode tokens/s, bytes read per token, read GB/s, the share of
-read time hidden behind compute, peak RSS, resident bytes against the budget).
+read time hidden behind compute, peak RSS, resident bytes against the budget). Whole layers are pinned
+in what the budget holds beyond a two-buffer ring (``--no-pin-layers``: none). ``--kv-budget`` caps
+the KV cache's memory: a batch's cache beyond it lives in a file under ``--kv-dir``, its layer blocks
+read ahead and written back through O_DIRECT (the same tokens as in memory).
 
 Exit codes: 0 done, 2 bad input (a missing file, a lying header, a config that does not fit the
 weights, a budget below the largest layer, a bad prompt), 1 an I/O failure.
