@@ -116,6 +116,11 @@ class StreamedShard:
     asked for: the writer writes and checksums each part before that. The piece it becomes is an
     ordinary one (the manifest cannot tell). Only a synchronous save writes one (``ucp.save``, a
     ``CheckpointManager`` without ``async_save``); it is never a load target.
+
+    ``phase``: where the first part's bytes sit within a 4 KiB page (its address mod 4096), when every
+    later part starts where the previous one ends modulo 4096 (page-aligned buffers cut at page
+    multiples): the save then places the piece so that the writer DMAs the parts from the producer's
+    memory instead of copying them into its staging.
     """
 
     dtype: torch.dtype
@@ -123,6 +128,7 @@ class StreamedShard:
     region: Box | FlatRange
     parts: Callable[[], Iterable[memoryview]]
     replica_id: int = 0
+    phase: int | None = None
 
     def __post_init__(self) -> None:
         self.global_shape = _ints(self.global_shape, "global_shape")

@@ -34,7 +34,7 @@ from ucp.errors import CheckpointError, LayoutMismatchError
 from ucp.format.dtypes import itemsize, torch_dtype
 from ucp.format.manifest import Manifest, TensorEntry, parse_manifest
 from ucp.format.regions import copy_region
-from ucp.format.sharding import FlatShard, ShardedTensor, is_tensor_like, parts_of
+from ucp.format.sharding import FlatShard, ShardedTensor, StreamedShard, is_tensor_like, parts_of
 from ucp.format.tree import decode_state, dict_items, node_kind, path_str, plain_key, tensor_refs
 from ucp.loading.dtensor import as_target
 from ucp.loading.partial import Target, read_targets
@@ -501,6 +501,10 @@ def _target(m: Manifest, name: str, obj: Any, path: tuple[Any, ...]) -> Target:
         buffer, gshape, region = obj.local, obj.global_shape, obj.box
     elif isinstance(obj, FlatShard):
         buffer, gshape, region = obj.local, obj.global_shape, obj.range
+    elif isinstance(obj, StreamedShard):
+        raise LayoutMismatchError(
+            f"{path_str(path)} (tensor {name!r}): a StreamedShard is written by a save, it cannot be filled by a load"
+        )
     else:
         buffer, gshape, region = obj, tuple(obj.shape), Box.full(tuple(obj.shape))
     if tuple(gshape) != shape:

@@ -125,9 +125,11 @@ def leaf_layouts(leaf: Leaf) -> list[LeafLayout]:
 def leaf_layout(leaf: Leaf, value: Any = None) -> LeafLayout:
     """Describe a leaf's (or one part's) placement; raises UnsupportedStateError for tensors the format cannot hold."""
     value = leaf.value if value is None else value
-    if isinstance(value, StreamedShard):  # bytes produced at write time: no memory, so no phase
+    if isinstance(value, StreamedShard):  # bytes produced at write time: the phase of the producer's buffers
         dtype = dtype_name(value.dtype, tensor=leaf.name)
-        return LeafLayout(leaf.name, dtype, value.global_shape, value.region, value.replica_id, False, None)
+        large = value.region.numel * itemsize(dtype) >= DIRECT_MIN_BYTES
+        phase = value.phase % DATA_ALIGNMENT if value.phase is not None and large else None
+        return LeafLayout(leaf.name, dtype, value.global_shape, value.region, value.replica_id, False, phase)
     local = value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
     where = f"{path_str(leaf.path)} (tensor {leaf.name!r})"
     import torch  # a leaf holds torch tensors, so torch is loaded already

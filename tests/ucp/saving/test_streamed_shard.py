@@ -12,7 +12,7 @@ import torch
 
 import ucp
 from reshard.box import Box, FlatRange
-from ucp.errors import UnsupportedStateError
+from ucp.errors import LayoutMismatchError, UnsupportedStateError
 from ucp.format.sharding import FlatShard, ShardedTensor, Shards, StreamedShard
 from ucp.saving.snapshot import tensor_bytes
 
@@ -77,3 +77,20 @@ def test_an_async_save_refuses_a_streamed_shard(tmp_path: Path) -> None:
     shard = StreamedShard(torch.float32, (8,), FlatRange(0, 8), lambda: reused(torch.ones(8)))
     with ucp.AsyncSaver() as saver, pytest.raises(UnsupportedStateError, match="tensor 'w' is a StreamedShard"):
         saver.save({"w": shard}, tmp_path / "async").result()
+
+
+def test_a_load_into_a_streamed_shard_names_the_tensor(tmp_path: Path) -> None:
+    t = torch.ones(8)
+    ucp.save({"w": t}, tmp_path / "c")
+    shard = StreamedShard(torch.float32, (8,), FlatRange(0, 8), lambda: reused(t))
+    with pytest.raises(LayoutMismatchError, match=r"\['w'\] \(tensor 'w'\): a StreamedShard is written by a save"):
+        ucp.load(tmp_path / "c", into={"w": shard})
+
+
+def test_a_phase_puts_a_large_streamed_piece_in_phase_with_its_parts(tmp_path: Path) -> None:
+    big = torch.arange(200_000, dtype=torch.float32)
+    shard = StreamedShard(torch.float32, (200_000,), FlatRange(0, 200_000), lambda: reused(big), phase=1000)
+    ucp.save({"a": torch.ones(3), "w": shard}, tmp_path / "c")
+    (piece,) = ucp.read_manifest(tmp_path / "c").tensors["w"].pieces
+    assert piece.offset % 4096 == 1000
+    assert torch.equal(ucp.load(tmp_path / "c")["w"], big)
