@@ -179,6 +179,14 @@ def test_not_a_checkpoint_and_corrupt_pieces_name_the_file(tmp_path: Path) -> No
     error = _failure(exc)
     assert isinstance(error, ucp.CorruptCheckpointError)
     assert "rank-00000.safetensors" in str(error) and "'w'" in str(error) and "CRC-32C mismatch" in str(error)
+    twice = tmp_path / "twice"  # two entries DCP would give one key
+    ucp.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, twice)
+    with pytest.raises(CheckpointException) as exc:
+        dcp.load({"a.b": torch.zeros(1)}, storage_reader=ucp.dcp.Reader(twice))
+    assert f"{twice}/manifest.json: state entries state['a.b'] and state['a']['b'] both have the DCP key 'a.b'" in str(
+        _failure(exc)
+    )
+
     unchecked = {"w": torch.zeros(64, 64)}
     dcp.load(unchecked, storage_reader=ucp.dcp.Reader(path, verify=False))  # the caller's choice: bytes as stored
     assert int((unchecked["w"].view(torch.uint8) != w.view(torch.uint8)).sum()) == 1
