@@ -18,10 +18,10 @@ hands each rank the chunks it writes. This writer turns them into what ``ucp.sav
   manifest.json and swaps the directory in atomically.
 
 So the result is a UCP checkpoint like any other (``ucp.load``, ``ucp verify``, ``ucp reshape``,
-``ucp export``), and :class:`ucp.dcp.Reader` (or ``ucp.load``) reads it back. A save that fails
-after planning on several ranks leaves its ``.<name>.tmp-*`` directory behind, as an interrupted
-``ucp.save`` does (DCP tells the writer nothing of failures; a one-rank save removes it at once);
-``CheckpointManager`` cleans such leftovers.
+``ucp export``), and :class:`ucp.dcp.Reader` (or ``ucp.load``) reads it back. DCP tells a writer
+nothing of a failed save: the ``.<name>.tmp-*`` directory of one is removed when the coordinator's
+writer starts its next save or is released (a one-rank save's at once, when its own write fails);
+a process killed mid-save leaves it behind, as ``ucp.save`` does, for ``CheckpointManager`` to clean.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -50,6 +51,8 @@ from ucp.saving.snapshot import snapshot
 from ucp.store import commit as _commit
 from ucp.store.storage import Storage, as_aio_config, open_storage
 from ucp.store.writer import write_rank_file
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class Writer(StorageWriter):
         self.storage_options = storage_options
         self.is_coordinator = False
         self.manifest: Manifest | None = None  # the committed manifest (coordinator, after finish)
-        self._temp: str | None = None
+        self._temp: str | None = None  # the temporary directory of the save in progress (coordinator)
+        self._temp_path = self.path  # ... of the checkpoint at this path
         self._names: dict[str, str] = {}
         self._lock_fd: int | None = None
 
@@ -116,10 +120,10 @@ class Writer(StorageWriter):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._abandon()
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._release()
-        self._temp, self._names, self.manifest = None, {}, None
+        self._names, self.manifest = {}, None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False and _world_size() > 1:
@@ -145,13 +149,13 @@ class Writer(StorageWriter):
             )
         fqns = dict.fromkeys(i.index.fqn for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO)
         names = tensor_names(list(fqns))
+        self._abandon()
         with self._storage() as (storage, name):
             if storage.exists(name):
                 _commit.check_replaceable(storage, name)  # fail now, not after writing everything
-            self._release()
             temp = _commit.make_temp_dir(storage, name)
             self._lock_fd = _commit.lock_temp(storage, temp)
-        self._temp, self._names = temp, names
+        self._temp, self._temp_path, self._names = temp, self.path, names
         out = []
         for rank, p in enumerate(plans):
             mine = {i.index.fqn: names[i.index.fqn] for i in p.items if i.type != WriteItemType.BYTE_IO}
@@ -167,10 +171,7 @@ class Writer(StorageWriter):
             results = self._write(info, plan, planner)
         except BaseException:
             if info.world_size == 1:  # no other rank writes into the temporary directory: remove it now
-                with self._storage() as (storage, _):
-                    _commit.abort(storage, info.temp)
-                self._release()
-                self._temp = None
+                self._abandon()
             raise
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -223,7 +224,7 @@ class Writer(StorageWriter):
                     raise
         finally:
             self._release()
-            self._temp = None
+            self._temp = None  # committed, or removed by abort
         self.manifest = manifest
 
     def _reports(self, metadata: Metadata, results: list[list[WriteResult]]) -> list[_commit.RankReport]:
@@ -280,8 +281,27 @@ class Writer(StorageWriter):
         _commit.close_fd(self._lock_fd)
         self._lock_fd = None
 
-    def __del__(self) -> None:  # a save DCP gave up on: let cleaners take its temporary directory
+    def _abandon(self) -> None:
+        """Remove the temporary directory of a save that never reached :meth:`finish` and drop its lock.
+
+        DCP calls ``finish`` only when every rank's ``write_data`` succeeded, and tells the writer nothing
+        otherwise; by the time it raises, every rank's ``write_data`` has returned (the coordinator gathered
+        their results), so nothing writes into the directory any more. Called when the writer starts
+        another save or is released; best effort, as ``ucp.save``'s abort is.
+        """
+        temp, self._temp = self._temp, None
         self._release()
+        if temp is None:
+            return
+        try:
+            storage, _ = open_storage(self._temp_path, storage_options=self.storage_options)
+            with storage:
+                _commit.abort(storage, temp)
+        except Exception as exc:  # pragma: no cover - e.g. at interpreter exit; CheckpointManager cleans leftovers
+            log.warning("could not remove %s of an unfinished save: %s", temp, exc)
+
+    def __del__(self) -> None:  # the writer of a save DCP gave up on
+        self._abandon()
 
 
 def _leaf(name: str, fqn: str, items: list[WriteItem], planner: SavePlanner) -> Leaf:

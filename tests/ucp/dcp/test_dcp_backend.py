@@ -8,8 +8,10 @@ with errors naming the file, tensor or key.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 from ucp_dcp_worker import BLOCKS, DTYPES, SHAPE, VALUES, full_state
 from ucp_helpers import assert_same_state, random_tensor, same_bytes
 from world import run_world
@@ -192,7 +196,7 @@ def test_not_a_checkpoint_and_corrupt_pieces_name_the_file(tmp_path: Path) -> No
     assert int((unchecked["w"].view(torch.uint8) != w.view(torch.uint8)).sum()) == 1
 
 
-def test_values_that_would_need_pickle_are_refused_and_nothing_is_left(tmp_path: Path) -> None:
+def test_refused_or_failed_saves_leave_nothing(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     with pytest.raises(CheckpointException) as exc:
         dcp.save({"w": torch.ones(3), "extra": {"blob": io.BytesIO(b"x")}}, storage_writer=ucp.dcp.Writer(path))
@@ -200,6 +204,24 @@ def test_values_that_would_need_pickle_are_refused_and_nothing_is_left(tmp_path:
     assert isinstance(error, ucp.UnsupportedStateError)
     assert "'extra.blob'" in str(error) and "BytesIO" in str(error) and "never as pickles" in str(error)
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no temporary directory
+
+    class Failing(DefaultSavePlanner):  # DCP gives up after the writer made its temporary directory
+        def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+            raise RuntimeError("planner failed")
+
+    writer = ucp.dcp.Writer(path)
+    with pytest.raises(CheckpointException):
+        dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Failing())
+    assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == [".ckpt.tmp"]  # DCP told the writer nothing
+    dcp.save({"w": torch.ones(3)}, storage_writer=writer)  # its next save removes it
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    with pytest.raises(CheckpointException):
+        dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Failing())
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == [".ckpt.tmp", "ckpt"]
+    del writer
+    gc.collect()  # ... and so does releasing the writer; the committed checkpoint stays
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and ucp.verify(path).ok
+    shutil.rmtree(path)
 
     taken = tmp_path / "taken"
     taken.mkdir()
