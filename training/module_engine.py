@@ -223,6 +223,7 @@ class ModuleEngine:
             "dtype": self.config.dtype,
             "world_size": self.dp.size,
             **layout_metadata(self.optimizer.layout, self.shapes),
+            **hf_metadata(self.module),
         }
         try:
             return ucp.save(
@@ -336,6 +337,26 @@ class ModuleEngine:
     def _barrier(self) -> None:
         if self.dp.active:
             self.dp.all_reduce(torch.zeros(1, device=self.device))
+
+
+def hf_metadata(module: nn.Module) -> dict[str, Any]:
+    """``{"hf_config": config.json's content}`` for a ``transformers`` model (one with a ``config`` that
+    serialises as ``save_pretrained`` writes it), so ``ucp export --format hf`` of the checkpoint writes a
+    folder ``from_pretrained`` loads; ``{}`` for any other module."""
+    import json
+
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        return {}
+    try:
+        doc = json.loads(to_json(use_diff=False))
+    except (TypeError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        return {}
+    doc["architectures"] = [type(module).__name__]  # as save_pretrained records it
+    return {"hf_config": doc}
 
 
 def _load_into(path: str | os.PathLike[str], into: dict[str, Any], *, partial: bool) -> None:

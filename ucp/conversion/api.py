@@ -158,10 +158,14 @@ def export(
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    config: str | os.PathLike[str] | dict[str, Any] | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    tag: str | None = None,
     **zarr_options: Any,
 ) -> ExportReport:
-    """``ucp export SRC DST [--format hf|zarr] [--section] [--dtype] [--max-shard-size] [--memory-budget] ...``
-    (see :func:`ucp.conversion.exporters.export`; ``zarr_options``: ``compressor``, ``level``, ``chunk_bytes``).
+    """``ucp export SRC DST [--format hf|zarr|ds-universal] [--section] [--dtype] [--max-shard-size] [--config]
+    [--tokenizer] [--tag] [--memory-budget] ...`` (see :func:`ucp.conversion.exporters.export`; ``zarr_options``:
+    ``compressor``, ``level``, ``chunk_bytes``).
     The destination is checked against the source before anything is read, as the command does."""
     from ucp.conversion.exporters import export as _export
     from ucp.conversion.exporters.output import check_destination
@@ -179,5 +183,8 @@ def export(
         verify=verify,
         progress=progress,
         storage_options=storage_options,
+        config=config,
+        tokenizer=tokenizer,
+        tag=tag,
         **zarr_options,
     )

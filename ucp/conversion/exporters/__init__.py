@@ -1,10 +1,11 @@
-"""Exporters: a UCP checkpoint out to other formats (Hugging Face safetensors, zarr v3).
+"""Exporters: a UCP checkpoint out to other formats (Hugging Face model folders, zarr v3, DeepSpeed universal).
 
 ::
 
     from ucp.conversion.exporters import export
-    export("ckpt/step-100", "out/hf", format="hf", dtype="bf16", max_shard_size="5GB")
+    export("ckpt/step-100", "out/hf", format="hf", dtype="bf16", max_shard_size="5GB", tokenizer="tok/")
     export("ckpt/step-100", "out/model.zarr", format="zarr", compressor="zstd")
+    export("ckpt/step-100", "out/ds", format="ds-universal")   # engine.load_checkpoint("out/ds"), load_universal
 
 Both stream: tensors are read in batches bounded by ``memory_budget`` (sharded
 tensors assembled from their pieces on the way) and written as they arrive, into
@@ -26,7 +27,8 @@ from ucp.conversion.exporters.output import check_destination, staged_dir
 from ucp.conversion.exporters.selection import Selection, select_tensors
 from ucp.conversion.exporters.stream import DEFAULT_MEMORY_BUDGET, plan_batches
 
-Format = Literal["hf", "zarr"]
+Format = Literal["hf", "zarr", "ds-universal"]
+FORMATS = ("hf", "zarr", "ds-universal")
 ZARR_OPTIONS = frozenset({"compressor", "level", "chunk_bytes"})
 
 
@@ -35,12 +37,15 @@ class ExportReport(BaseModel):
 
     format: Format
     dst: str
-    files: list[str] = Field(description="hf: file names in dst; zarr: array names in the group")
+    files: list[str] = Field(
+        description="hf: file names in dst; zarr: array names in the group; ds-universal: files under dst"
+    )
     tensors: int
     bytes: int = Field(description="bytes of tensor data written (before zarr compression)")
     seconds: float
     section: str = Field(description="the state subtree exported; '' for every tensor")
     dtype: str | None = Field(None, description="the dtype floating tensors were cast to, if any")
+    config: str | None = Field(None, description="hf: where config.json came from (None: none written)")
 
 
 def export(
@@ -56,6 +61,9 @@ def export(
     verify: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    config: str | os.PathLike[str] | dict[str, Any] | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    tag: str | None = None,
     **zarr_options: Any,
 ) -> ExportReport:
     """Export checkpoint ``src`` to ``dst`` (a local directory, created; replaced only with ``overwrite``).
@@ -67,19 +75,32 @@ def export(
     (``zstd``/``blosc``/``none``), ``level``, ``chunk_bytes``. ``progress(done_bytes,
     total_bytes, tensor_name)`` is called after each tensor. Raises ExportError
     (bad option, unknown section, non-empty ``dst``) or ucp's CheckpointError.
+
+    hf only: ``config`` (a config.json file, a folder holding one, or a dict; default: the checkpoint's
+    ``metadata.hf_config``) is written as ``config.json`` after a check that it builds a model of the
+    exported tensors' shapes (:mod:`.hf_model`); ``tokenizer``: a folder whose tokenizer files are
+    copied (default: those recorded by ``ucp convert``). ds-universal only: ``tag``, the folder under
+    ``dst`` (default ``global_step<N>``); see :mod:`.ds_universal`.
     """
     from ucp.store.reader import check_data_files, read_manifest
     from ucp.store.storage import open_storage
 
-    if format not in ("hf", "zarr"):
-        raise ExportError(f"format: unknown format {format!r} (choose hf or zarr)")
+    if format not in FORMATS:
+        raise ExportError(f"format: unknown format {format!r} (choose {', '.join(FORMATS)})")
     unknown = set(zarr_options) - ZARR_OPTIONS
     if unknown:
         raise ExportError(f"unknown options {sorted(unknown)} (zarr takes {sorted(ZARR_OPTIONS)})")
-    if format == "hf" and zarr_options:
-        raise ExportError(f"options {sorted(zarr_options)} apply to format 'zarr' only")
-    if format == "zarr" and max_shard_size is not None:
+    if format != "hf" and max_shard_size is not None:
         raise ExportError("max_shard_size applies to format 'hf' only")
+    if format != "zarr" and zarr_options:
+        raise ExportError(f"options {sorted(zarr_options)} apply to format 'zarr' only")
+    given = [k for k, v in (("config", config), ("tokenizer", tokenizer)) if v is not None]
+    if format != "hf" and given:
+        raise ExportError(f"options {given} apply to format 'hf' only")
+    if format != "ds-universal" and tag is not None:
+        raise ExportError("tag applies to format 'ds-universal' only")
+    if format == "ds-universal" and (section is not None or dtype is not None):
+        raise ExportError("format 'ds-universal' exports the whole training state: no section or dtype")
     cast = parse_dtype(dtype)
     budget = size_option(memory_budget, option="memory_budget")
     shard = None if max_shard_size is None else size_option(max_shard_size, option="max_shard_size")
@@ -95,7 +116,39 @@ def export(
     with storage:
         manifest = read_manifest(storage, name)
         check_data_files(storage, name, manifest)  # before buffers or output files are sized from its claims
+        if format == "ds-universal":
+            from ucp.conversion.exporters.ds_universal import export_ds_universal
+
+            with staged_dir(Path(dst), overwrite=overwrite) as out_dir:
+                files, count, nbytes = export_ds_universal(
+                    storage,
+                    name,
+                    manifest,
+                    out_dir,
+                    src=_describe(src),
+                    tag=tag,
+                    budget=budget,
+                    verify=verify,
+                    progress=progress,
+                )
+            return ExportReport(
+                format=format,
+                dst=str(Path(dst).absolute()),
+                files=files,
+                tensors=count,
+                bytes=nbytes,
+                seconds=round(time.perf_counter() - t0, 3),
+                section="",
+            )
         selection = select_tensors(manifest, section, dtype=cast)
+        model_files = None
+        if format == "hf":
+            from ucp.conversion.exporters import hf_model
+
+            model_files = hf_model.resolve(manifest, config=config, tokenizer=tokenizer, src=_describe(src))
+            if model_files.config is not None:  # before anything is written
+                shapes = {t.out_name: t.shape for t in selection.tensors}
+                hf_model.check_shapes(model_files.config, shapes, where=str(model_files.config_source))
         with staged_dir(Path(dst), overwrite=overwrite) as out_dir:
             if format == "hf":
                 from ucp.conversion.exporters.hf import export_hf
@@ -111,6 +164,8 @@ def export(
                     verify=verify,
                     progress=progress,
                 )
+                assert model_files is not None
+                files += hf_model.write(out_dir, model_files)
             else:
                 from ucp.conversion.exporters.zarr_export import export_zarr
 
@@ -136,6 +191,7 @@ def export(
         seconds=round(time.perf_counter() - t0, 3),
         section=selection.section,
         dtype=str(cast).removeprefix("torch.") if cast is not None else None,
+        config=model_files.config_source if model_files is not None and model_files.config is not None else None,
     )
 
 
@@ -148,6 +204,7 @@ def _describe(src: str | os.PathLike[str]) -> str:
 __all__ = [
     "ExportError",
     "ExportReport",
+    "FORMATS",
     "Selection",
     "export",
     "parse_dtype",

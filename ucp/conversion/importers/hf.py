@@ -1,7 +1,10 @@
 """Import Hugging Face safetensors weights: one ``model.safetensors``, or a sharded set with its index.
 
-Result: ``{"model": {name: tensor}}`` in the stored dtypes. Each file is opened with
-``safetensors.safe_open`` (which validates its header) and memory-mapped; the tensors are views of
+Result: ``{"model": {name: tensor}}`` in the stored dtypes; the metadata records the folder's
+``config.json`` as ``hf_config`` (and ``generation_config.json``, and where its tokenizer files are:
+:func:`ucp.conversion.hf_meta.source_files`), so the export back is a loadable model folder.
+
+Each file is opened with ``safetensors.safe_open`` (which validates its header) and memory-mapped; the tensors are views of
 the mapping, so a model larger than RAM converts without being read into memory first.
 
 For ``convert`` (``on_disk``) the tensors are byte ranges of the files instead (:mod:`.stored`), copied
@@ -172,8 +175,13 @@ def _read(path: str | os.PathLike[str], files: list[Path], tensors: Any, progres
                 f"missing: {missing[:5]}, present but unlisted: {extra[:5]})",
                 file=str(index),
             )
+    from ucp.conversion.hf_meta import source_files
+
+    # a save_pretrained folder's config.json (and generation config, tokenizer location): what
+    # ``ucp export --format hf`` writes back so that from_pretrained loads the export
+    meta = source_files(root if root.is_dir() else root.parent)
     return Imported(
         state={"model": model},
         step=None,
-        metadata={"source": {"format": "hf", "path": str(root.resolve()), "files": [f.name for f in files]}},
+        metadata={"source": {"format": "hf", "path": str(root.resolve()), "files": [f.name for f in files]}, **meta},
     )
