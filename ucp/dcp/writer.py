@@ -207,9 +207,9 @@ class Writer(StorageWriter):
         if temp is None:
             raise CheckpointError("ucp.dcp.Writer.finish: no save in progress (prepare_global_plan was not run)")
         try:
-            reports = self._reports(metadata, results)
             with self._storage() as (storage, name):
                 try:
+                    reports = self._reports(metadata, results)
                     manifest = _commit.build_manifest(
                         reports,
                         world_size=len(results),
