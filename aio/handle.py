@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import errno
 import operator
 import os
@@ -77,9 +78,17 @@ def _tensor_bytes(t: Any) -> Any:  # a numpy array
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
-    """memcpy that releases the GIL for large sizes (numpy does)."""
+    """memcpy that releases the GIL for large sizes: ``ctypes.memmove`` (a foreign call, made without the GIL)
+    from a writable source, numpy's copy from a read-only one (ctypes takes no address of that; numpy's import
+    costs a one-shot command ~0.1 s, so it is made only then)."""
     if src.nbytes < 65536:
         dst[:] = src
+    elif dst.nbytes != src.nbytes or dst.readonly:
+        raise ValueError(
+            f"copying {src.nbytes} bytes into a {'read-only ' if dst.readonly else ''}{dst.nbytes}-byte buffer"
+        )
+    elif not src.readonly:
+        ctypes.memmove(address_of(dst), address_of(src), src.nbytes)
     else:
         import numpy as np
 

@@ -32,7 +32,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import numpy as np
 from pydantic import BaseModel
 
 from reshard import Box, FlatRange, Layout
@@ -41,7 +40,7 @@ from ucp.conversion.placement import Placement, SectionKind, layout_metadata, pa
 from ucp.errors import DestinationError
 from ucp.format.dtypes import itemsize
 from ucp.format.manifest import Manifest, now_utc
-from ucp.format.regions import same_elements
+from ucp.format.regions import RawArray, same_elements
 from ucp.loading.partial import READ_AHEAD as STAGED_READ_AHEAD
 from ucp.loading.partial import SourceIndex, Target, read_targets
 from ucp.saving.plan import DIRECT_MIN_BYTES, LeafLayout, PlannedPiece, SavePlan, make_plan
@@ -424,11 +423,10 @@ def _fill(batch: list[_Chunk], source: Source, arenas: MemoryPool, staging_bytes
     arena = arenas.buffer(sum(c.slot for c in batch))
     targets, views, pos = [], [], 0
     for c in batch:
-        item = np.dtype(f"V{itemsize(c.piece.dtype)}")  # elements as opaque items: no torch, no casts
+        size = itemsize(c.piece.dtype)  # elements as opaque items: no torch, no casts
         view = arena.view(c.length, pos + c.phase)
-        flat = np.frombuffer(view, dtype=item) if c.length else np.empty(0, dtype=item)
-        buf = flat.reshape(tuple(c.region.shape)) if isinstance(c.region, Box) else flat
-        targets.append(Target(c.piece.name, buf, c.region))
+        shape = tuple(c.region.shape) if isinstance(c.region, Box) else (c.length // size,)
+        targets.append(Target(c.piece.name, RawArray(view, shape, size), c.region))
         views.append(view)
         pos += c.slot
     read_targets(

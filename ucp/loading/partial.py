@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import crc32c as _crc32c
-import numpy as np
 
 from reshard.box import Box, FlatRange, element_span, split_region, transfers
 from ucp.errors import CheckpointError
 from ucp.format.dtypes import itemsize, torch_dtype
 from ucp.format.manifest import Manifest
-from ucp.format.regions import Buffer, as_flat_range, copy_region, same_elements
+from ucp.format.regions import Buffer, RawArray, as_flat_range, copy_region, is_numpy, same_elements
 from ucp.store.reader import (
     FileBuffer,
     FilePiece,
@@ -55,8 +54,9 @@ ALIGN = 4096
 class Target:
     """A tensor (or part of one) to fill: ``buffer`` holds ``region`` of tensor ``name``.
 
-    ``buffer`` is a torch tensor (of any dtype: elements are cast), or a numpy array of the stored
-    dtype's item size (``numpy.dtype("V<n>")``: bytes moved as they are, no torch needed).
+    ``buffer`` is a torch tensor (of any dtype: elements are cast), or a :class:`~ucp.format.regions.RawArray`
+    (or numpy array of ``numpy.dtype("V<n>")``) of the stored dtype's item size: bytes moved as they are,
+    no torch needed.
     """
 
     name: str
@@ -95,7 +95,9 @@ class _Batch:
 def _takes_stored_bytes(t: Target, fp: FilePiece) -> bool:
     """Whether the piece's bytes can land in ``t.buffer``'s memory as they are (same dtype, contiguous host memory)."""
     b = t.buffer
-    if isinstance(b, np.ndarray):
+    if isinstance(b, RawArray):
+        return b.itemsize == itemsize(fp.dtype) and not b.readonly
+    if is_numpy(b):
         return b.itemsize == itemsize(fp.dtype) and b.flags.c_contiguous and b.flags.writeable
     return not (
         b.device.type != "cpu"
@@ -258,10 +260,12 @@ def read_targets(
     for t in targets:
         by_tensor[t.name].append(t)
         entry = manifest.tensors.get(t.name)
-        if isinstance(t.buffer, np.ndarray) and entry is not None and t.buffer.itemsize != itemsize(entry.dtype):
+        raw = isinstance(t.buffer, RawArray) or is_numpy(t.buffer)
+        if raw and entry is not None and t.buffer.itemsize != itemsize(entry.dtype):
+            kind = "numpy" if is_numpy(t.buffer) else "raw"
             raise CheckpointError(
-                f"tensor {t.name!r}: a numpy target of {t.buffer.itemsize}-byte items cannot hold "
-                f"{entry.dtype} elements ({itemsize(entry.dtype)} bytes; numpy targets are not cast)"
+                f"tensor {t.name!r}: a {kind} target of {t.buffer.itemsize}-byte items cannot hold "
+                f"{entry.dtype} elements ({itemsize(entry.dtype)} bytes; {kind} targets are not cast)"
             )
     needs: dict[str, list[_Need]] = defaultdict(list)
     for tensor, wanted in by_tensor.items():
@@ -456,8 +460,12 @@ def _direct_length(nd: _Need) -> int:
 
 
 def buffer_bytes(buf: Buffer) -> memoryview:
-    """The bytes of a contiguous host buffer (torch tensor or numpy array), no copy."""
-    if isinstance(buf, np.ndarray):
+    """The bytes of a contiguous host buffer (torch tensor, raw or numpy array), no copy."""
+    if isinstance(buf, RawArray):
+        return buf.data
+    if is_numpy(buf):
+        import numpy as np
+
         return buf.reshape(-1).view(np.uint8).data  # memoryview(buf) without numpy's pre-3.12 Buffer typing gap
     from ucp.saving.snapshot import tensor_bytes
 
@@ -483,7 +491,11 @@ def _finish_staged(nd: _Need, file: str, buf: FileBuffer, slot: int, index: Sour
 
 def _staged_source(buf: FileBuffer, offset: int, count: int, dtype: str, like: Buffer) -> Buffer:
     """``count`` stored elements at ``offset`` of a staging buffer, as the same kind of buffer as ``like``."""
-    if isinstance(like, np.ndarray):
+    if isinstance(like, RawArray):
+        return RawArray(buf.view(count * like.itemsize, offset), (count,), like.itemsize)
+    if is_numpy(like):
+        import numpy as np
+
         return np.frombuffer(buf.view(count * like.itemsize, offset), dtype=like.dtype) if count else like[:0]
     import torch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,65 @@ def test_corrupt_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     with pytest.raises(ForeignCheckpointError, match="model.safetensors"):
         convert(tmp_path / "model.safetensors", tmp_path / "out")
+
+
+def _with_header(header: dict, data: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "reason"),
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "starts at data byte 4, not 0"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "span 8 bytes, its F32 shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 9, "end at byte"),
+        ({"a": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, b"\0" * 8, "needs a dtype, a shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "needs a dtype, a shape"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "needs a dtype, a shape"),
+        ({"a": [1, 2]}, b"", "needs a dtype, a shape"),
+        ({"__metadata__": {"k": 1}}, b"", "must map strings to strings"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "starts at data byte 4, not 8",
+        ),
+    ],
+    ids=["gap", "size", "trailing", "shape-type", "offsets-order", "negative", "entry-type", "metadata", "overlap"],
+)
+def test_the_byte_copy_path_refuses_what_safetensors_refuses(
+    tmp_path: Path, header: dict, data: bytes, reason: str
+) -> None:
+    """``ucp convert`` checks a safetensors header itself (safe_open's check imports numpy): it refuses each
+    file safetensors refuses, naming the file and why, and writes nothing."""
+    from safetensors import safe_open
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_with_header(header, data))
+    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error types
+        with safe_open(str(path), framework="numpy"):
+            pass
+    with pytest.raises(
+        ForeignCheckpointError, match=f"model.safetensors' is not a readable safetensors file: .*{reason}"
+    ):
+        convert(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_byte_copy_path_lists_tensors_as_safetensors_does(tmp_path: Path) -> None:
+    """Out-of-order offsets, a metadata block and every dtype: the same names (sorted), values bit-exact."""
+    from safetensors import safe_open
+
+    from ucp.conversion.importers.hf import _laid_out_header
+
+    weights = _weights()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    keys, start, header = _laid_out_header(tmp_path / "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+        assert keys == list(f.keys())
+    assert start == 8 + struct.unpack("<Q", (tmp_path / "model.safetensors").read_bytes()[:8])[0]
+    convert(tmp_path / "model.safetensors", tmp_path / "out")
+    _check(tmp_path / "out", weights)

@@ -22,13 +22,12 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from aio import AioConfig, shared_handle
 from ucp.conversion.exporters.options import ExportError
 from ucp.conversion.exporters.selection import ExportTensor, Selection
 from ucp.conversion.exporters.stream import one_by_one, read_batches
 from ucp.format.manifest import Manifest
+from ucp.format.regions import RawArray
 from ucp.store.storage import Storage
 
 CONSOLIDATED = "model.safetensors"
@@ -130,10 +129,10 @@ def export_hf(
     return names
 
 
-def _bytes(value: Any) -> np.ndarray:
-    """A value from ``read_batches`` as flat bytes: a numpy array of stored bytes, or a (cast) torch tensor."""
-    if isinstance(value, np.ndarray):
-        return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+def _bytes(value: Any) -> Any:  # a buffer: memoryview or numpy.ndarray
+    """A value from ``read_batches`` as flat bytes: a raw array of stored bytes, or a (cast) torch tensor."""
+    if isinstance(value, RawArray):
+        return value.data
     import torch
 
     return value.contiguous().reshape(-1).view(torch.uint8).numpy()

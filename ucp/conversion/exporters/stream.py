@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
 from reshard.box import Box
 from ucp.conversion.exporters.selection import ExportTensor
 from ucp.format.dtypes import itemsize
 from ucp.format.manifest import Manifest
+from ucp.format.regions import RawArray
 from ucp.loading.partial import SourceIndex, Target, read_targets
 from ucp.store.storage import Storage
 
@@ -57,8 +56,9 @@ def read_batches(
 ) -> Iterator[list[tuple[ExportTensor, Any]]]:
     """Yield the tensors, in the given order, as batches of (tensor, full contiguous value in its output dtype).
 
-    ``raw``: a tensor that is not cast comes as a numpy array of its stored bytes (``numpy.dtype("V<n>")``
-    items, the stored shape) rather than a torch tensor, so an export without a cast never imports torch.
+    ``raw``: a tensor that is not cast comes as a :class:`~ucp.format.regions.RawArray` of its stored bytes
+    (the stored shape and item size) rather than a torch tensor, so an export without a cast imports
+    neither torch nor numpy.
 
     A cast value is a view of a buffer reused by the next batch (:class:`CastArena`): it is valid until
     the next batch is asked for, so a consumer writes it before taking the value after the batch's last.
@@ -139,7 +139,7 @@ class CastArena:
 def _buffer(t: ExportTensor, raw: bool) -> Any:
     """Where ``t`` is read to: its stored bytes (``raw`` and no cast), else a torch tensor of its stored dtype."""
     if raw and not t.cast:
-        return np.empty(t.shape, dtype=np.dtype(f"V{itemsize(t.entry.dtype)}"))
+        return RawArray.empty(t.shape, itemsize(t.entry.dtype))
     import torch
 
     return torch.empty(t.shape, dtype=t.dtype)

@@ -14,6 +14,7 @@ without torch: its import takes longer than converting a small model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ucp.conversion.importers.common import Imported, Progress, inside
 from ucp.conversion.importers.errors import ForeignCheckpointError, UnknownFormatError
 from ucp.conversion.importers.stored import NeedsTorch, StoredTensor
-from ucp.format.dtypes import DTYPE_NAMES, torch_dtype
+from ucp.format.dtypes import DTYPE_NAMES, itemsize, torch_dtype
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the on-disk path never needs it
     import torch
@@ -89,10 +90,82 @@ def _checked_header(file: Path) -> tuple[list[str], int, dict[str, Any]]:
     return keys, data_start, header
 
 
+# safetensors refuses headers larger than this (its HeaderTooLarge)
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _laid_out_header(file: Path) -> tuple[list[str], int, dict[str, Any]]:
+    """:func:`_checked_header` for the byte-copy path, without ``safe_open`` (whose ``framework="numpy"``
+    imports numpy, ~0.1 s of a one-shot ``ucp convert``): the same checks on what the copy relies on — the
+    header a JSON object within the file, every tensor a dtype, a shape and ``data_offsets`` whose length is
+    the shape's elements times the dtype's size, the tensors back to back from the data start to the file's
+    end. A dtype this version does not name is left to the torch path (``NeedsTorch``), where ``safe_open``
+    checks it. Names sorted, as ``safe_open`` lists them."""
+    where = f"file {str(file)!r}"
+
+    def bad(reason: str) -> ForeignCheckpointError:
+        return ForeignCheckpointError(f"{where} is not a readable safetensors file: {reason}", file=str(file))
+
+    try:
+        with open(file, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < 8:
+                raise bad(f"{size} bytes, too short for a header")
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise bad(f"header length {n} runs past the file's {size} bytes or the {MAX_HEADER_BYTES}-byte limit")
+            header = json.loads(fh.read(n))
+    except FileNotFoundError:
+        raise ForeignCheckpointError(f"{where} is missing", file=str(file)) from None
+    except (ValueError, RecursionError) as exc:  # JSON (UnicodeDecodeError is a ValueError)
+        raise bad(f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad("'__metadata__' must map strings to strings")
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        fields: dict[str, Any] = entry if isinstance(entry, dict) else {}
+        dtype: Any = fields.get("dtype")
+        shape: Any = fields.get("shape")
+        offsets: Any = fields.get("data_offsets")
+        if not (
+            isinstance(dtype, str)
+            and _naturals(shape)
+            and _naturals(offsets)
+            and len(offsets) == 2
+            and offsets[0] <= offsets[1]
+        ):
+            raise bad(f"tensor {key!r} needs a dtype, a shape and data_offsets [begin, end], got {str(entry)[:200]}")
+        begin, end = offsets
+        if dtype in DTYPE_NAMES and end - begin != math.prod(shape) * itemsize(dtype):
+            raise bad(
+                f"tensor {key!r}: data_offsets span {end - begin} bytes, its {dtype} shape {shape} needs "
+                f"{math.prod(shape) * itemsize(dtype)}"
+            )
+        spans.append((begin, end, key))
+    pos = 0
+    for begin, end, key in sorted(spans):
+        if begin != pos:
+            raise bad(f"tensor {key!r} starts at data byte {begin}, not {pos} (tensors lie back to back)")
+        pos = end
+    if 8 + n + pos != size:
+        raise bad(f"the tensors end at byte {8 + n + pos}, the file at {size}")
+    return sorted(k for k in header if k != "__metadata__"), 8 + n, header
+
+
+def _naturals(value: Any) -> bool:
+    """Whether ``value`` is a JSON list of non-negative integers."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
 def _stored(file: Path) -> dict[str, StoredTensor]:
     """All tensors of one file as byte ranges of it; NeedsTorch for what a byte copy should not take
     (a dtype this version does not name, an empty tensor)."""
-    keys, data_start, header = _checked_header(file)
+    keys, data_start, header = _laid_out_header(file)
     out: dict[str, StoredTensor] = {}
     for key in keys:
         entry = header[key]

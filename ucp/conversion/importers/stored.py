@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ucp.errors import CheckpointError
 from ucp.format.dtypes import itemsize
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # ucp dtype name -> the numpy dtype of a small tensor read as values (bf16 is widened to float32 exactly)
 _NUMPY = {
@@ -103,7 +104,10 @@ class StoredTensor:
         return StoredTensor(self.file, self.offset + start * itemsize(self.dtype), self.dtype, (stop - start,))
 
     def numpy(self) -> np.ndarray:
-        """The values (bf16 widened to float32), for small tensors in metadata (a step count, a scale)."""
+        """The values (bf16 widened to float32), for small tensors in metadata (a step count, a scale).
+        Imports numpy only when called: a conversion that copies bytes needs none."""
+        import numpy as np
+
         if self.dtype not in _NUMPY:
             raise NeedsTorch(f"values of a {self.dtype} tensor")
         if self.nbytes > MAX_VALUE_BYTES:
