@@ -8,26 +8,33 @@ when ``moto[server]`` or ``obstore`` (the ``test`` / ``s3`` extras) is not insta
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 _ids = itertools.count()
 
 
+_server: Any = None
+
+
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[Any]:
+def s3_server() -> Any:
+    """The process's one server: started on first use, stopped at exit. (Test modules import this
+    fixture, and pytest counts each import as a fixture of its own, so a session scope alone would
+    start one per module; moto's auth switch allows one.)"""
+    global _server
     pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
     pytest.importorskip("obstore", reason="obstore (the s3 extra) is not installed")
-    from tools.s3_server import start_server
+    if _server is None:
+        from tools.s3_server import start_server
 
-    server = start_server()
-    try:
-        yield server
-    finally:
-        server.stop()
+        _server = start_server()
+        atexit.register(_server.stop)
+    return _server
 
 
 @pytest.fixture()

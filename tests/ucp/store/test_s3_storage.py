@@ -54,19 +54,23 @@ def test_load_into_reads_only_the_ranges_it_needs(s3_bucket, monkeypatch):  # no
     ucp.save(sd, url)
     manifest = ucp.load(url, into={"ids": torch.empty(1000, dtype=torch.int64)}, strict=False)
     read: list[tuple[int, int]] = []
-    real = S3Storage._get_into
+    real = S3Storage._get_into_async
 
-    def spy(self, rel, offset, dest):
-        read.append((offset, dest.nbytes))
-        return real(self, rel, offset, dest)
+    async def spy(self, rel, parts, limit):
+        read.append((parts[0][0], parts[-1][0] + parts[-1][1].nbytes - parts[0][0]))
+        return await real(self, rel, parts, limit)
 
-    monkeypatch.setattr(S3Storage, "_get_into", spy)
+    monkeypatch.setattr(S3Storage, "_get_into_async", spy)
     target = {"ids": torch.empty(1000, dtype=torch.int64)}
     ucp.load(url, into=target, strict=False)
     assert torch.equal(target["ids"], sd["ids"])
     # the data file's 4 KiB header, then the 8000 bytes of "ids": not the 8 MiB of "model.w" beside them
     assert sorted(n for _, n in read) == [4096, 8000], read
     del manifest
+    # a whole load: neighbouring tensors share requests (3 tensors, 8.4 MB, part size 16 MiB)
+    read.clear()
+    assert_same(ucp.load(url), sd)
+    assert len(read) <= 3 and sum(n for _, n in read) < 8_500_000, read
 
 
 def test_a_prefix_without_a_manifest_is_not_a_checkpoint(s3_server, s3_bucket):  # noqa: F811
@@ -100,13 +104,13 @@ def test_wrong_credentials_and_a_missing_bucket_name_the_url(s3_bucket, monkeypa
 def test_an_object_deleted_mid_load_is_a_clear_error(s3_server, s3_bucket, monkeypatch):  # noqa: F811
     url = f"s3://{s3_bucket}/ck"
     ucp.save(state(), url)
-    real = S3Storage._get_into
+    real = S3Storage._get_into_async
     client = s3_server.client()
 
-    def delete_first(self, rel, offset, dest):
+    async def delete_first(self, rel, parts, limit):
         client.delete_object(Bucket=s3_bucket, Key="ck/rank-00000.safetensors")
-        return real(self, rel, offset, dest)
+        return await real(self, rel, parts, limit)
 
-    monkeypatch.setattr(S3Storage, "_get_into", delete_first)
+    monkeypatch.setattr(S3Storage, "_get_into_async", delete_first)
     with pytest.raises(FileNotFoundError, match=rf"s3://{s3_bucket}/ck/rank-00000.safetensors: no such object"):
         ucp.load(url)
