@@ -8,7 +8,8 @@ usage: python ucp_dcp_worker.py RANK WORLD INIT_FILE OUT_DIR
 2. ``dcp.load`` of it through ``ucp.dcp.Reader`` into DTensors placed differently (rows <-> columns,
    sharded <-> replicated): every rank checks its local shards bit-exactly;
 3. ``ucp.save`` of the same tensors as ShardedTensor rows and FlatShard ranges into OUT_DIR/ucp,
-   then ``dcp.load`` of that through ``ucp.dcp.Reader`` into row-sharded DTensors, checked the same way.
+   then ``dcp.load`` of that through ``ucp.dcp.Reader`` into row-sharded DTensors, checked the same way;
+4. ``ucp.save`` of the DTensors of step 1, then ``dcp.load`` of them into the placements of step 2.
 """
 
 from __future__ import annotations
@@ -143,6 +144,11 @@ def main(rank: int, world: int, init: str, out: str) -> None:
         dcp.load(into, storage_reader=ucp.dcp.Reader(f"{out}/ucp"))
         check_dtensors(into["model"], full, mesh, "ucp.save -> dcp.load")
         assert {k: into[k] for k in VALUES} == VALUES
+
+        ucp.save({"model": state["model"]}, f"{out}/ucp-dtensors")  # ucp.save's own DTensor path
+        flipped = {n: dtensor(torch.zeros_like(t), mesh, placement(i, True)) for i, (n, t) in enumerate(full.items())}
+        dcp.load({"model": flipped}, storage_reader=ucp.dcp.Reader(f"{out}/ucp-dtensors"))
+        check_dtensors(flipped, full, mesh, "ucp.save(DTensors) -> dcp.load")
     finally:
         dist.destroy_process_group()
     print(f"rank {rank}: OK", flush=True)

@@ -87,8 +87,8 @@ def test_every_dtype_round_trips_through_dcp_and_is_an_ordinary_checkpoint(tmp_p
 
 def test_two_ranks_save_and_reshard_dtensors_and_read_ucp_save_checkpoints(tmp_path: Path) -> None:
     """DTensors of every dtype, row/column-sharded unevenly and replicated, saved by 2 ranks and loaded
-    into other placements; a 2-rank ucp.save of ShardedTensor rows and FlatShard ranges loaded through
-    DCP (checked in the worker); here: the DCP-written checkpoint through ucp.load, ucp.verify, ucp.reshape,
+    into other placements; 2-rank ucp.saves (ShardedTensor rows and FlatShard ranges; the DTensors) loaded
+    through DCP (checked in the worker); here: the DCP-written checkpoint through ucp.load, ucp.verify, ucp.reshape,
     ucp.export and a one-process dcp.load of both ranks' chunks."""
     outs = run_world(SUPPORT / "ucp_dcp_worker.py", lambda r: [r, 2, tmp_path / "init", tmp_path], 2, timeout=150)
     assert [o.strip().splitlines()[-1] for o in outs] == ["rank 0: OK", "rank 1: OK"]
@@ -110,7 +110,7 @@ def test_two_ranks_save_and_reshard_dtensors_and_read_ucp_save_checkpoints(tmp_p
         ("rank-00001.safetensors", 2, None),
         ("rank-00001.safetensors", 6, "blocks#1"),
     ]
-    assert ucp.verify(path).ok and ucp.verify(tmp_path / "ucp").ok
+    assert ucp.verify(path).ok and ucp.verify(tmp_path / "ucp").ok and ucp.verify(tmp_path / "ucp-dtensors").ok
     ucp.reshape(path, tmp_path / "one", verify=True)  # consolidated: one piece per tensor
     assert all(len(t.pieces) == 1 for t in ucp.read_manifest(tmp_path / "one").tensors.values())
     ucp.export(path, tmp_path / "hf", section="model")
