@@ -7,7 +7,9 @@ against DeepSpeed ZeRO with the same offload configuration, and fio on the same 
         --swap-budget 512MiB --sub-group-size 10000000 --rounds 3
 
 Methods: ``memory`` (no offload), ``cpu`` (offload_optimizer cpu), ``nvme`` (offload_optimizer nvme,
-pipelined), ``nvme-serial`` (pipeline_read and pipeline_write off) and ``deepspeed-nvme`` (DeepSpeed's
+pipelined), ``nvme-serial`` (pipeline_read and pipeline_write off), ``nvme-param`` (``nvme`` and, at ZeRO-3,
+offload_param nvme: the parameters on NVMe too, ``--param-buffer-count`` × ``--param-buffer-size`` elements of
+pool, ``--max-in-cpu``), ``deepspeed-nvme`` and ``deepspeed-nvme-param`` (DeepSpeed's
 engine, CPU accelerator, the same ZeRO stage, model, seed, data and ``zero_optimization`` offload keys;
 ``tools/peers/deepspeed_offload.py``). Each method runs in its own process (so its peak RSS, VmHWM, is its
 own), built one after the other, then the methods take turns (interleaved, in a rotating order). A turn is
@@ -49,8 +51,8 @@ if str(REPO) not in sys.path:
 from aio.sizes import SIZE_HELP, format_size, parse_size  # noqa: E402
 from ucp.bench.report import cpu_model, source_commit  # noqa: E402
 
-OURS = ("memory", "cpu", "nvme", "nvme-serial")
-METHODS = (*OURS, "deepspeed-nvme")
+OURS = ("memory", "cpu", "nvme", "nvme-serial", "nvme-param")
+METHODS = (*OURS, "deepspeed-nvme", "deepspeed-nvme-param")
 PEER = REPO / "tools" / "peers" / "deepspeed_offload.py"
 # The run both engines train (tests/training/test_deepspeed_parity.py): DeepSpeed's AdamW over one group.
 SEED, LR, BETAS, EPS, WEIGHT_DECAY = 1234, 1e-3, (0.9, 0.95), 1e-8, 0.01
@@ -144,6 +146,15 @@ def ds_offload(method: str, args: argparse.Namespace, nvme_path: str) -> dict[st
         optimizer |= {"device": "nvme", "nvme_path": nvme_path, "buffer_count": args.buffer_count}
         serial = method == "nvme-serial"
         optimizer |= {"pipeline_read": not serial, "pipeline_write": not serial}
+    if method == "nvme-param":  # the parameters on NVMe too (ZeRO-3), DeepSpeed's offload_param keys
+        zero["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "pin_memory": True,
+            "buffer_count": args.param_buffer_count,
+            "buffer_size": args.param_buffer_size,
+            "max_in_cpu": args.max_in_cpu,
+        }
     return zero | {"offload_optimizer": optimizer}
 
 
@@ -190,8 +201,23 @@ def run_worker(method: str, args: argparse.Namespace) -> int:
     def parts() -> dict[str, float] | None:
         return dict(off.last) if off is not None else None
 
+    params = engine.optimizer.param_tier
+    if params is not None:  # the parameter tier's figures per step (of the turn's steps: lead-in and timed)
+        seen: dict[str, float] = {}
+        per_turn = args.lead_in + 1
+        optimizer_parts = parts
+
+        def parts() -> dict[str, float] | None:
+            assert params is not None
+            now = params.offload.stats()
+            delta = {f"param_{k}": (v - seen.get(k, 0.0)) / per_turn for k, v in now.items()}
+            seen.update(now)
+            return (optimizer_parts() or {}) | delta
+
     state = 12 * sum(pl.size for pl in engine.optimizer.plans)
     tier = off.describe() if off is not None else {}
+    if params is not None:
+        tier = tier | {"params": params.offload.describe()}
     try:
         serve(engine.train_step, drain, parts, {"state_bytes": state, "tier": tier}, out=out)
     finally:
@@ -284,6 +310,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-group-size", type=int, default=10_000_000, help="elements per sub-group")
     p.add_argument("--buffer-count", type=int, default=16, help="offload_optimizer.buffer_count (both engines)")
     p.add_argument("--swap-budget", default="512MiB", help=f"our NVMe tier's pool budget ({SIZE_HELP})")
+    p.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count (both engines)")
+    p.add_argument("--param-buffer-size", type=int, default=10_000_000, help="offload_param.buffer_size (both)")
+    p.add_argument("--max-in-cpu", type=int, default=0, help="offload_param.max_in_cpu (both engines)")
     p.add_argument("--fio-size", default="1G", help="fio's file size")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--worker", choices=OURS, help=argparse.SUPPRESS)
@@ -434,7 +463,49 @@ def report(
             f"| {format_size(rss[m])} | {format_size(locked[m])} |"
         )
     lines += ["", *targets(step, parts, moved, rss, locked, fio_r, fio_w)]
+    lines += param_lines(args, methods, step, parts, moved, rss, locked)
     return "\n".join(lines)
+
+
+def param_lines(
+    args: argparse.Namespace,
+    methods: list[str],
+    step: dict[str, float],
+    parts: dict[str, dict[str, float]],
+    moved: dict[str, tuple[float, float]],
+    rss: dict[str, int],
+    locked: dict[str, int],
+) -> list[str]:
+    """The parameters-on-NVMe methods (ZeRO-3 offload_param nvme): their tier's figures and the comparison with
+    DeepSpeed on the same offload_param keys."""
+    if "nvme-param" not in methods:
+        return []
+    f = parts.get("nvme-param", {})
+    out = [
+        "",
+        f"Parameters on NVMe (offload_param nvme, buffer_count {args.param_buffer_count}, buffer_size "
+        f"{args.param_buffer_size}, max_in_cpu {args.max_in_cpu}; both engines):",
+        "",
+    ]
+    if "param_bytes_read" in f:
+        loads, hits = f["param_loads"], f["param_hits"]
+        out.append(
+            f"* nvme-param's parameter tier per step: read {f['param_bytes_read'] / 1e6:.0f} MB, written "
+            f"{f['param_bytes_written'] / 1e6:.0f} MB, I/O threads busy {f['param_io_read'] + f['param_io_write']:.3f} s, "
+            f"gathers waited {f['param_read_wait']:.3f} s for reads; {hits:.0f} of {loads:.0f} partition loads read "
+            "ahead in full"
+        )
+    ds = "deepspeed-nvme-param"
+    if ds in step:
+        r, w = moved["nvme-param"]
+        dr, dw = moved[ds]
+        out.append(
+            f"* nvme-param {step['nvme-param']:.3f} s/step against DeepSpeed's {step[ds]:.3f} s "
+            f"({step[ds] / step['nvme-param']:.2f}× faster); read/written per step {r / 1e6:.0f}/{w / 1e6:.0f} MB "
+            f"against {dr / 1e6:.0f}/{dw / 1e6:.0f} MB; peak RSS {format_size(rss['nvme-param'])} against "
+            f"{format_size(rss[ds])}; locked {format_size(locked['nvme-param'])} against {format_size(locked[ds])}"
+        )
+    return out
 
 
 def targets(

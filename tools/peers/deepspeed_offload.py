@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
     skip_shm_op()
     zero = json.loads(args.zero_config)
-    swap_dir = None
-    opt = zero.get("offload_optimizer", {})
-    if opt.get("device") == "nvme":  # a fresh directory of this run's own, removed at exit
-        swap_dir = Path(tempfile.mkdtemp(prefix="ucp-bench-deepspeed-swap-", dir=opt["nvme_path"]))
-        opt["nvme_path"] = str(swap_dir)
+    swap_dirs: list[Path] = []
+    for section in ("offload_optimizer", "offload_param"):
+        tier = zero.get(section, {})
+        if tier.get("device") == "nvme":  # a fresh directory of this run's own, removed at exit
+            swap_dirs.append(Path(tempfile.mkdtemp(prefix="ucp-bench-deepspeed-swap-", dir=tier["nvme_path"])))
+            tier["nvme_path"] = str(swap_dirs[-1])
     try:
         torch.manual_seed(args.seed)
         deepspeed.init_distributed(dist_backend="gloo")
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         serve(step, lambda: None, lambda: None, ready, out=out)
     finally:
-        if swap_dir is not None:
+        for swap_dir in swap_dirs:
             shutil.rmtree(swap_dir, ignore_errors=True)
     return 0
 

@@ -67,6 +67,19 @@ def test_both_engines_get_the_same_deepspeed_keys_and_ours_parse_them() -> None:
     assert OffloadConfig.from_deepspeed(ds_offload("cpu", args, "/tmp")).offload_optimizer.device == "cpu"
 
 
+def test_the_parameter_method_gives_both_engines_the_same_offload_param_keys() -> None:
+    args = parse(["--nvme-path", "/tmp", "--param-buffer-count", "7", "--param-buffer-size", "4096"])
+    zero = ds_offload("nvme-param", args, "/tmp")
+    want = {"device": "nvme", "nvme_path": "/tmp", "pin_memory": True, "buffer_count": 7, "buffer_size": 4096}
+    assert zero["offload_param"] == want | {"max_in_cpu": 0}  # on NVMe in both engines, not kept in host memory
+    ours = OffloadConfig.from_deepspeed(zero).offload_param
+    assert (ours.device, ours.buffer_count, ours.buffer_size, ours.max_in_cpu) == ("nvme", 7, 4096, 0)
+    assert zero["offload_optimizer"]["device"] == "nvme" and "offload_param" not in ds_offload("nvme", args, "/x")
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    theirs = config.DeepSpeedZeroConfig(**zero).offload_param
+    assert (theirs.buffer_count, theirs.buffer_size, theirs.max_in_cpu) == (7, 4096, 0)
+
+
 def test_hidden_is_the_share_of_io_time_nobody_waited_for() -> None:
     assert hidden({"io_read": 1.0, "io_write": 1.0, "read_wait": 0.5, "write_wait": 0.0}) == 0.75
     assert hidden({"io_read": 0.0, "io_write": 0.0}) is None
