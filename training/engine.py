@@ -20,6 +20,7 @@ scalars and re-derives the compute weights. :meth:`Engine.save` / :meth:`Engine.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable, Literal
 
@@ -40,9 +41,13 @@ from .layout import gpt_layout, gpt_shapes
 from .mesh import ParallelMesh, build_mesh
 from .models.gpt import PRESETS, GPTConfig, batch_for_step
 from .offload import OffloadConfig
+from .offload.checkpoint import Span, TierReader, load_tier, streamed_sections
+from .offload.checkpoint import layout as offloaded_layout
 from .parallel.gpt import build_stage
 from .parallel.pipeline import SCHEDULES
 from .zero import DynamicLossScaler, LossScaleConfig, ZeroOptimizer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -183,6 +188,9 @@ class Engine:
         self.step = 0  # optimizer steps completed (the next train_step's step number)
         self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
         self.last_stats: dict[str, Any] = {}
+        self.last_checkpoint_io: dict[str, int] = {}  # offload on: what the last streamed save read from the tier
+        self._spans: dict[str, list[Span]] = {}  # offload on, during a load: the optimizer states' pieces
+        self._loaded_casts: list[torch.Tensor | None] | None = None  # ... and the masters' casts it made
 
     def close(self) -> None:
         """Release what outlives a step: the optimizer's offload tier (its swap directory is removed).
@@ -263,15 +271,22 @@ class Engine:
         ``fp32_master`` / ``exp_avg`` / ``exp_avg_sq``; views of live storage."""
         return build_targets(self.optimizer.buffers(), self.shapes)
 
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+    def state_dict_for_checkpoint(self, streamed: TierReader | None = None) -> dict[str, Any]:
         """The nested dict to save with ucp (and to fill with ``ucp.load(path, into=...)``).
 
         ``{"model": {name: piece}, "optimizer": {"fp32_master"|"exp_avg"|"exp_avg_sq": {name: piece},
         "adam_step", "loss_scale", "hparams"}, "step", "scheduler", "rng"}``; a name maps to a
         ``ucp.Shards`` where this rank holds several regions of the tensor (tp > 1), and is absent where it
         holds none (another pipeline stage, or a ZeRO partition that misses it).
+
+        ``streamed`` (offload on, a synchronous save): the optimizer states' pieces are StreamedShards
+        whose bytes it reads from the tier while the save writes them (training.offload.checkpoint).
         """
-        nested = self.checkpoint_targets().nested()
+        if streamed is None:
+            nested = self.checkpoint_targets().nested()
+        else:
+            nested, found = offloaded_layout(self.optimizer, self.shapes)
+            nested |= streamed_sections(found, streamed)
         c = self.cfg
         optim: dict[str, Any] = {k: nested.get(k, {}) for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
         optim |= self.optimizer.scalars()
@@ -309,13 +324,16 @@ class Engine:
         optim = {} if adam_step is None else {"adam_step": adam_step, "loss_scale": None}
         self.finish_load({"step": step, "optimizer": optim}, from_masters=from_masters)
 
-    def finish_load(self, state: dict[str, Any], *, from_masters: bool = True) -> None:
+    def finish_load(
+        self, state: dict[str, Any], *, from_masters: bool = True, casts: list[torch.Tensor | None] | None = None
+    ) -> None:
         """After the pieces of ``state`` (from :meth:`state_dict_for_checkpoint`) were filled: restore the
         step counters and loss scale, and make the compute weights consistent.
 
         ``from_masters``: weights are re-derived from the loaded fp32 masters (cast, all-gathered);
         otherwise the masters are taken from the loaded weights (a weights-only checkpoint; Adam's
-        moments are whatever was loaded, zeros for a fresh engine).
+        moments are whatever was loaded, zeros for a fresh engine). ``casts``: the masters' casts, already
+        made (a load that streamed the masters into the offload tier), for :meth:`ZeroOptimizer.publish`.
         """
         self.optimizer.reset()  # whatever a step in progress left must not reach the loaded state
         self.step = int(state["step"])
@@ -323,7 +341,7 @@ class Engine:
         if "adam_step" in optim:
             self.optimizer.load_scalars(optim)
         if from_masters:
-            self.optimizer.publish()
+            self.optimizer.publish(casts)
         else:
             self.optimizer.masters_from_weights()
 
@@ -345,13 +363,24 @@ class Engine:
             **layout_metadata(self.layout, self.shapes),
         }
         self.wait_snapshot()
+        offload = self.optimizer.offload
         try:
-            result = manager.save(
-                self.state_dict_for_checkpoint(),
-                self.step if step is None else step,
-                metadata=metadata,
-                mesh=self.mesh.as_dict(),
-            )
+            if offload is not None and manager.saver is None:  # streamed from the tier, never all in memory
+                with TierReader(offload) as reader:
+                    result = manager.save(
+                        self.state_dict_for_checkpoint(reader),
+                        self.step if step is None else step,
+                        metadata=metadata,
+                        mesh=self.mesh.as_dict(),
+                    )
+                self.last_checkpoint_io = {"bytes_read": reader.bytes_read, "buffer_bytes": reader.buffer_bytes}
+            else:  # an asynchronous save copies the whole state into its staging anyway: staged from the tier
+                result = manager.save(
+                    self.state_dict_for_checkpoint(),
+                    self.step if step is None else step,
+                    metadata=metadata,
+                    mesh=self.mesh.as_dict(),
+                )
         finally:
             self.optimizer.drop_staged()  # offloaded state staged for the save (the save holds what it needs)
         if isinstance(result, ucp.SaveHandle):
@@ -405,16 +434,38 @@ class Engine:
             raise ucp.CheckpointError(
                 f"another rank could not load its part of {_describe(source)} (see that rank's error); no rank resumed"
             )
-        self.finish_load(into, from_masters=True)
+        if self.optimizer.offload is None:
+            self.finish_load(into, from_masters=True)
+        else:  # the masters went to the tier, their casts to these: the weights come from them
+            casts, self._loaded_casts = self._loaded_casts, None
+            self.finish_load(into, from_masters=True, casts=casts)
         return self.step
 
     def _load_targets(self) -> dict[str, Any]:
         """What a resume fills: this rank's pieces and the scalars. Hparams and the scheduler
-        description stay this engine's own; plain values (None) are replaced by the saved ones."""
+        description stay this engine's own; plain values (None) are replaced by the saved ones.
+        Offloaded optimizer states are not among them: :meth:`_fill_tier` streams them into the tier."""
+        if self.optimizer.offload is not None:
+            nested, self._spans = offloaded_layout(self.optimizer, self.shapes)
+            return {
+                "model": nested.get("model", {}),
+                "step": None,
+                "optimizer": {"adam_step": None, "loss_scale": None},
+            }
         self.optimizer.prepare_load()
         sd = self.state_dict_for_checkpoint()
         optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
         return {"model": sd["model"], "step": None, "optimizer": {**optim, "adam_step": None, "loss_scale": None}}
+
+    def _fill_tier(self, path: str, aio_config: Any = None) -> None:
+        """Offload on: stream the checkpoint's masters and moments at ``path`` into the tier, sub-group by
+        sub-group (training.offload.checkpoint.fill_tier), their casts into the compute weights' targets."""
+        offload = self.optimizer.offload
+        if offload is None:
+            return
+        casts = self.optimizer.cast_targets()
+        load_tier(offload, self._spans, path, casts=casts, aio_config=aio_config)
+        self._loaded_casts = casts
 
     def _read_checkpoint(
         self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None, into: dict[str, Any]
@@ -426,6 +477,7 @@ class Engine:
             if not isinstance(source, ucp.CheckpointManager):
                 self._check_fits(os.fspath(source))
                 _no_missing_keys(ucp.load(source, into=into, strict=False))
+                self._fill_tier(os.fspath(source))
                 return int(into["step"]), None
             chosen = source.latest() if step is None else step
             if chosen is not None:
@@ -435,6 +487,14 @@ class Engine:
             assert loaded is not None
             if loaded != chosen:  # the manager fell back to an older checkpoint: checked only once read
                 self._check_fits(source.path(loaded))
+            try:
+                self._fill_tier(source.path(loaded), source.aio_config)
+            except (ucp.CheckpointError, OSError) as exc:
+                older = [i.step for i in source.list() if i.status == "complete" and i.step < loaded]
+                if step is not None or not older:
+                    raise
+                log.warning("cannot load %s (%s); trying an older checkpoint", source.path(loaded), exc)
+                return self._read_checkpoint(source, max(older), into)  # as the manager falls back
             return loaded, None
         except Exception as exc:  # noqa: BLE001 - raised by load() after the ranks compared notes
             return FAILED, exc

@@ -20,6 +20,7 @@ stage and offload setting. docs/deepspeed-config.md maps DeepSpeed's names to th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -31,10 +32,13 @@ from torch import nn
 
 import ucp
 from ucp.conversion.placement import layout_metadata
+from ucp.format.tree import path_str
 
 from .checkpoint import build_targets
 from .comm import Comm
 from .ds_config import DeepSpeedConfig
+from .offload.checkpoint import Span, TierReader, load_tier, streamed_sections
+from .offload.checkpoint import layout as offloaded_layout
 from .zero import DynamicLossScaler, ZeroOptimizer
 from .zero.optimizer import STATE_KEYS
 
@@ -188,11 +192,16 @@ class ModuleEngine:
             if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in params
         }
 
-    def state_dict_for_checkpoint(self, client_state: Any = None) -> dict[str, Any]:
+    def state_dict_for_checkpoint(self, client_state: Any = None, streamed: TierReader | None = None) -> dict[str, Any]:
         """``{"model": {name: piece}, "optimizer": {fp32_master, exp_avg, exp_avg_sq: {name: piece}, adam_step,
         loss_scale, hparams}, "global_steps", "skipped_steps", "micro_steps", "client_state"}``; pieces view live
-        storage (offloaded state is staged from its tier)."""
-        nested = build_targets(self.optimizer.buffers(), self.shapes).nested()
+        storage (offloaded state is staged from its tier, or with ``streamed`` read from it by that reader while
+        the save writes it: training.offload.checkpoint)."""
+        if streamed is None:
+            nested = build_targets(self.optimizer.buffers(), self.shapes).nested()
+        else:
+            nested, found = offloaded_layout(self.optimizer, self.shapes)
+            nested |= streamed_sections(found, streamed)
         optim: dict[str, Any] = {k: nested.get(k, {}) for k in STATE_KEYS}
         optim |= self.optimizer.scalars()
         a = self.config.adam
@@ -225,16 +234,15 @@ class ModuleEngine:
             **layout_metadata(self.optimizer.layout, self.shapes),
             **hf_metadata(self.module),
         }
-        try:
-            return ucp.save(
-                self.state_dict_for_checkpoint(client_state),
+        offload = self.optimizer.offload
+        with TierReader(offload) if offload is not None else contextlib.nullcontext() as reader:
+            return ucp.save(  # offloaded state streamed from its tier (never all in memory)
+                self.state_dict_for_checkpoint(client_state, reader),
                 path,
                 step=self.global_steps,
                 metadata=metadata,
                 mesh={"dp": self.dp.size},
             )
-        finally:
-            self.optimizer.drop_staged()
 
     def load(self, path: str | os.PathLike[str], *, load_module_only: bool = False) -> Any:
         """Resume from the checkpoint directory at ``path``, whatever world size, ZeRO stage or offload
@@ -245,16 +253,22 @@ class ModuleEngine:
         failing rank's error on that rank), so none is left waiting in a collective.
         """
         self.optimizer.reset()
+        offload = self.optimizer.offload
+        found: dict[str, list[Span]] = {}
+        if offload is not None:  # the optimizer states are streamed into the tier after the rest
+            nested, found = offloaded_layout(self.optimizer, self.shapes)
+            sd = {"model": {**nested.get("model", {}), **self._buffers()}, "optimizer": {}}
         if load_module_only:
-            into: dict[str, Any] = {"model": self.state_dict_for_checkpoint()["model"]}
+            into: dict[str, Any] = {"model": (sd if offload is not None else self.state_dict_for_checkpoint())["model"]}
         else:
-            self.optimizer.prepare_load()
-            sd = self.state_dict_for_checkpoint()
+            if offload is None:
+                self.optimizer.prepare_load()
+                sd = self.state_dict_for_checkpoint()
             # every key the checkpoint holds: the pieces to fill, None for the values to take as saved
             into = {
                 "model": sd["model"],
                 "optimizer": {
-                    **{k: sd["optimizer"][k] for k in STATE_KEYS},
+                    **{k: sd["optimizer"][k] for k in STATE_KEYS if k in sd["optimizer"]},
                     "adam_step": None,
                     "loss_scale": None,
                     "hparams": None,
@@ -265,8 +279,16 @@ class ModuleEngine:
                 "client_state": None,
             }
         error: Exception | None = None
+        casts: list[torch.Tensor | None] | None = None
         try:
-            _load_into(path, into, partial=load_module_only)
+            if offload is None or load_module_only:
+                _load_into(path, into, partial=load_module_only)
+            else:  # all but the optimizer states (a subtree: not strict, but nothing of it may be missing)
+                missing = ucp.load(path, into=into, strict=False).missing
+                if missing:
+                    raise ucp.LayoutMismatchError(f"{os.fspath(path)} lacks {', '.join(map(path_str, missing[:12]))}")
+                casts = self.optimizer.cast_targets()
+                load_tier(offload, found, path, casts=casts)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
             error = exc
         failed = torch.tensor([1.0 if error is not None else 0.0], device=self.device)
@@ -284,7 +306,7 @@ class ModuleEngine:
             self.optimizer.masters_from_weights()
             return None
         self.optimizer.load_scalars(into["optimizer"])
-        self.optimizer.publish()  # compute weights from the loaded masters (and the staged state to the tier)
+        self.optimizer.publish(casts)  # compute weights from the loaded masters (or their casts, offloaded)
         self.global_steps = int(into["global_steps"])
         self.skipped_steps = int(into["skipped_steps"])
         return into["client_state"]

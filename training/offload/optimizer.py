@@ -144,6 +144,34 @@ class OptimizerOffload:
         self._walk(self.of_group(g), copy, read=True, write=False, record=False)
         return out[0], out[1], out[2]
 
+    # Used by training.offload.checkpoint (a save streams the tier's parts, a load rewrites every record).
+    def quiesce(self) -> None:
+        """Before a checkpoint reads the swap files: no I/O of the tier runs and every slot is free (the
+        write-backs the last step left running are waited for, reads ahead dropped); OffloadError if a step
+        failed half way (the state is partly updated)."""
+        self._settle_behind()
+        self._drop_ahead()
+        if self._broken is not None:
+            raise OffloadError(
+                f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
+                "updated and cannot be read as a whole: load a checkpoint to go on"
+            )
+
+    @torch.no_grad()
+    def rewrite(self, work: Callable[[SubGroup, Record], None]) -> None:
+        """Rewrite every sub-group's record (a load): ``work(sg, rec)`` fills the whole record, which goes
+        back to the tier behind the next one's ``work``. Afterwards the tier is consistent, even after a
+        failed step; if ``work`` or a write-back fails, it is partly rewritten (:attr:`broken`)."""
+        try:
+            self._walk(self.subgroups, work, read=False, record=False)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            self._stale = {g for g, n in enumerate(self.sizes) if n}
+            raise
+        self._initialised.update(range(len(self.sizes)))
+        self._stale.clear()
+        self._broken = None
+
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(

@@ -37,6 +37,7 @@ from .errors import OffloadError
 from .swapdir import SwapDir
 
 FP32 = 4
+PARTS = ("master", "exp_avg", "exp_avg_sq")  # a record's tensors, in file order
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class NvmeStore:
         self._free: list[AlignedBuffer] = []
         self._created = 0
         self._cond = threading.Condition()
-        self._crc: list[int | None] = [None] * len(self.subgroups)
+        self._crc: list[tuple[int, ...] | None] = [None] * len(self.subgroups)  # one per part (PARTS)
         # Files are opened per transfer, not held: a large model has more sub-groups than a process has descriptors.
         self._paths = [swap_dir.file(f"subgroup-{sg.index:05d}-g{sg.group}.swp") for sg in self.subgroups]
         self.bytes_read = self.bytes_written = 0
@@ -214,14 +215,12 @@ class NvmeStore:
         """Write ``rec`` as ``sg``'s swap file (CRC-32C noted for the next read)."""
         t0 = time.perf_counter()
         view = rec.buf.view(rec.nbytes)
-        self._crc[sg.index] = crc32c.crc32c(view)
+        stride = rec.nbytes // len(PARTS)  # each part checksummed alone: a checkpoint reads one (read_part)
+        self._crc[sg.index] = tuple(crc32c.crc32c(view[k * stride : (k + 1) * stride]) for k in range(len(PARTS)))
         try:
-            with open_file(self._paths[sg.index], "r+", direct=self.aio.use_direct) as f:
-                futures = [
-                    (off, self._engine.submit_write(f, off, view[off : off + self.block]))
-                    for off in range(0, rec.nbytes, self.block)
-                ]
-                error = _wait(futures)
+            error = transfer(
+                self._engine, self._paths[sg.index], view, write=True, block=self.block, direct=self.aio.use_direct
+            )[0]
         except AioError as exc:  # opening it (the file was removed under the run)
             error = exc
         if error is not None:
@@ -233,37 +232,51 @@ class NvmeStore:
 
     def read(self, sg: SubGroup, rec: Record) -> None:
         """Fill ``rec`` from ``sg``'s swap file and check it is whole and unchanged."""
+        self._read(sg, rec.buf.view(rec.nbytes), 0, len(PARTS))
+
+    def read_part(self, sg: SubGroup, part: int, into: memoryview) -> None:
+        """Fill ``into`` (aligned, at least :meth:`stride` bytes) with part ``part`` of ``sg``'s record (an index
+        of :data:`PARTS`, padded to the stride), checked like :meth:`read`: a checkpoint reads only the part
+        it writes (training.offload.checkpoint)."""
+        self._read(sg, into[: self.stride(sg)], part, part + 1)
+
+    def _read(self, sg: SubGroup, view: memoryview, first: int, stop: int) -> None:
+        """Read parts ``[first, stop)`` of ``sg``'s record into ``view``; check it came back whole and each
+        part's CRC-32C."""
         t0 = time.perf_counter()
         expected = self._crc[sg.index]
         if expected is None:
             raise OffloadError(f"{sg.describe()} has no record in {self.path(sg)}: it was never written whole")
-        view = rec.buf.view(rec.nbytes)
+        stride = self.stride(sg)
         path = self._paths[sg.index]
         try:
-            with open_file(path, "r", direct=self.aio.use_direct) as f:
-                futures = [
-                    (off, self._engine.submit_read(f, off, view[off : off + self.block]))
-                    for off in range(0, rec.nbytes, self.block)
-                ]
-                error = _wait(futures)
-                size = os.fstat(f.fd).st_size
+            error, whole, size = transfer(
+                self._engine,
+                path,
+                view,
+                write=False,
+                block=self.block,
+                direct=self.aio.use_direct,
+                offset=first * stride,
+            )
         except AioError as exc:  # opening it (the file was removed under the run)
             raise self._io_error("reading", sg, exc) from exc
         if error is not None:
             raise self._io_error("reading", sg, error) from error
-        if any(fut.result() != min(self.block, rec.nbytes - off) for off, fut in futures):
+        if not whole:
             raise OffloadError(
                 f"swap file {path} of {sg.describe()} is truncated: {size} bytes, its record needs "
-                f"{rec.nbytes} (changed under the run; the optimizer state is lost)"
+                f"{self.record_bytes(sg)} (changed under the run; the optimizer state is lost)"
             )
-        got = crc32c.crc32c(view)
-        if got != expected:
-            raise OffloadError(
-                f"swap file {path} of {sg.describe()} is corrupt: CRC-32C {got:#010x}, written as "
-                f"{expected:#010x} (changed under the run; the optimizer state is lost)"
-            )
+        for k in range(first, stop):
+            got = crc32c.crc32c(view[(k - first) * stride : (k - first + 1) * stride])
+            if got != expected[k]:
+                raise OffloadError(
+                    f"swap file {path} of {sg.describe()} is corrupt: CRC-32C {got:#010x} of its {PARTS[k]}, "
+                    f"written as {expected[k]:#010x} (changed under the run; the optimizer state is lost)"
+                )
         with self._count:
-            self.bytes_read += rec.nbytes
+            self.bytes_read += view.nbytes
             self.read_seconds += time.perf_counter() - t0
 
     def _io_error(self, doing: str, sg: SubGroup, exc: BaseException) -> OffloadError:

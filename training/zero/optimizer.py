@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -483,6 +483,11 @@ class ZeroOptimizer:
         self.world.all_reduce(total)
         return math.sqrt(float(total.item()))
 
+    def cast_targets(self) -> list[torch.Tensor | None]:
+        """For an update that writes the compute-dtype weights itself (an offloaded step, or a load that
+        streams the masters into the tier): :meth:`_cast_target` of every group, for :meth:`publish`."""
+        return [self._cast_target(g) for g in range(len(self.plans))]
+
     def _cast_target(self, g: int) -> torch.Tensor | None:
         """Where the update writes group ``g``'s compute-dtype weights in its own pass (the copy-back):
         the weights themselves (stages 0/3) or this rank's slot, to be all-gathered (stages 1/2)."""
@@ -569,7 +574,9 @@ class ZeroOptimizer:
             self.gatherer.reset()
 
     # -- the checkpoint seam -------------------------------------------------------------------
-    def buffers(self) -> list[tuple[str, LocalBuffer, torch.Tensor]]:
+    def buffers(
+        self, states: Mapping[str, Sequence[torch.Tensor]] | None = None
+    ) -> list[tuple[str, LocalBuffer, torch.Tensor]]:
         """``(section, layout buffer, tensor holding it)`` for every buffer of this rank.
 
         Sections: ``"model"`` (compute-dtype weights; stage 3: the partitions) and each of
@@ -579,6 +586,8 @@ class ZeroOptimizer:
         With offload, the optimizer states are *staged*: read from the tier into tensors of their own
         (this rank's whole optimizer state in memory, for the save or load), which :meth:`publish`
         (after a load) writes back to the tier and :meth:`drop_staged` (after a save) lets go.
+        ``states`` (key -> one whole-partition tensor per group) replaces the optimizer states instead:
+        meta tensors give the layout of offloaded state without reading it (training.offload.checkpoint).
         """
         out: list[tuple[str, LocalBuffer, torch.Tensor]] = []
         parts = self.param_tier.stage() if self.param_tier is not None else self.param_part  # staged from NVMe
@@ -592,11 +601,12 @@ class ZeroOptimizer:
             else:
                 off = plan.offsets[i]
                 out.append(("model", buf, self.flat_param[g][off : off + plan.numels[i]].view(plan.shapes[i])))
-        states = (
-            self._stage()
-            if self.offload is not None
-            else {"fp32_master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        )
+        if states is None:
+            states = (
+                self._stage()
+                if self.offload is not None
+                else {"fp32_master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+            )
         for key, tensors in states.items():
             bufs = self.view.optimizer_state(key, lambda p, k: p)
             if self.stage == 0:

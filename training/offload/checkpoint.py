@@ -1,0 +1,310 @@
+"""Offloaded optimizer state as checkpoint state, streamed: never this rank's whole state in memory.
+
+A save hands ``ucp.save`` one :class:`ucp.format.sharding.StreamedShard` per piece of the fp32 masters
+and Adam moments, in place of tensors: the writer asks for each piece's bytes as it writes it, and
+:class:`TierReader` reads them from the swap files, part by part (a record's master, ``exp_avg`` or
+``exp_avg_sq``, checked against its CRC-32C), into a bounded set of reused aligned buffers: the swap
+pool's own slots. The pieces are the ones an in-memory run writes (the same regions of the same global
+tensors, from :meth:`training.zero.ZeroOptimizer.buffers` on meta tensors), so the checkpoint is an
+ordinary one, checksummed like everything else.
+
+A load fills the tier sub-group by sub-group (:func:`fill_tier`): each record, in a slot, is filled from
+the stored pieces that intersect it by ``ucp.loading.partial.read_targets`` (so any world size, ZeRO stage
+or offload setting that wrote the checkpoint), its masters cast into the compute weights on the way, then
+written back to the tier while the next one is filled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+import torch
+
+from aio.config import AioConfig
+from reshard.box import Box, FlatRange, flat_range_to_boxes
+from ucp.errors import LayoutMismatchError
+from ucp.format.manifest import Manifest
+from ucp.format.sharding import FlatShard, Shards, StreamedShard
+from ucp.format.tree import dict_items, node_kind, path_str
+from ucp.loading.partial import SourceIndex, Target, read_targets
+from ucp.saving.snapshot import tensor_bytes
+from ucp.store.reader import read_manifest
+from ucp.store.storage import Storage, as_aio_config, open_storage
+
+from .store import FP32, PARTS, NvmeStore, Record, SubGroup
+from .swapdir import MIN_ALIGNMENT
+
+if TYPE_CHECKING:
+    from training.checkpoint import CheckpointTargets
+    from training.zero.optimizer import ZeroOptimizer
+
+    from .optimizer import OptimizerOffload
+
+log = logging.getLogger(__name__)
+
+STATE_KEYS = ("fp32_master", "exp_avg", "exp_avg_sq")  # checkpoint sections, in the order of a record's parts
+LOAD_STAGING = 4 << 20  # the loader's staging per batch (it holds a few): small, the records are the big buffers
+
+
+@dataclass(frozen=True)
+class Span:
+    """One piece of an offloaded state: elements ``[lo, lo + count)`` of group ``group``'s partition hold
+    ``region`` of global tensor ``name`` (in the region's row-major order)."""
+
+    name: str
+    group: int
+    lo: int
+    count: int
+    region: Box | FlatRange
+    global_shape: tuple[int, ...]
+    replica_id: int
+
+
+def meta_states(optimizer: ZeroOptimizer) -> dict[str, list[torch.Tensor]]:
+    """Meta tensors standing for the offloaded states' partitions: ``optimizer.buffers(meta_states(...))``
+    gives the layout of the pieces, and where each lies in its partition, without reading the tier."""
+    return {key: [torch.empty(plan.size, device="meta") for plan in optimizer.plans] for key in STATE_KEYS}
+
+
+def layout(
+    optimizer: ZeroOptimizer, shapes: Mapping[str, Sequence[int]]
+) -> tuple[dict[str, Any], dict[str, list[Span]]]:
+    """This rank's checkpoint pieces without reading the tier: ``({section: {name: piece}}`` with the model's
+    pieces (live views) and the optimizer states' on meta tensors (to be replaced: :func:`streamed_sections`),
+    and the optimizer states' spans)."""
+    from training.checkpoint import build_targets
+
+    metas = meta_states(optimizer)
+    targets = build_targets(optimizer.buffers(metas), shapes)
+    return targets.nested(), spans(targets, metas)
+
+
+def spans(targets: CheckpointTargets, metas: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[Span]]:
+    """The pieces of each optimizer state in ``targets`` (built on ``metas``), as spans of the partitions."""
+    out: dict[str, list[Span]] = {}
+    for key in STATE_KEYS:
+        groups = {id(t): g for g, t in enumerate(metas[key])}
+        found: list[Span] = []
+        for name, pieces in targets.sections.get(key, {}).items():
+            for p in pieces:
+                local = p.local
+                g = groups.get(id(local._base if local._base is not None else local))
+                if g is None or not local.is_contiguous():
+                    raise RuntimeError(f"{key} {name!r}: a piece that is not a contiguous run of a partition")
+                region = p.range if isinstance(p, FlatShard) else p.box
+                found.append(
+                    Span(name, g, int(local.storage_offset()), local.numel(), region, p.global_shape, p.replica_id)
+                )
+        out[key] = found
+    return out
+
+
+def streamed_sections(spans_by_key: Mapping[str, list[Span]], reader: TierReader) -> dict[str, dict[str, Any]]:
+    """``{section: {name: StreamedShard | Shards}}``: the optimizer sections of a state dict to save,
+    their bytes read from the tier by ``reader`` as the writer asks for them."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, found in spans_by_key.items():
+        part = STATE_KEYS.index(key)
+        by_name: dict[str, list[StreamedShard]] = {}
+        for s in found:
+            parts = partial(reader.parts, part, s.group, s.lo, s.lo + s.count)
+            phase = s.lo * FP32 % MIN_ALIGNMENT  # sub-groups start at page multiples: the parts line up with the file
+            shard = StreamedShard(torch.float32, s.global_shape, s.region, parts, s.replica_id, phase)
+            by_name.setdefault(s.name, []).append(shard)
+        out[key] = {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in by_name.items()}
+    return out
+
+
+class TierReader:
+    """Reads runs of the offloaded partitions from the tier for a save, part by part.
+
+    NVMe: each (sub-group, part) is read whole, once, into a buffer carved from the swap pool's slots
+    (held for the reader's life; the pool's memory, so a save costs no more than the steps do) and
+    checked; an LRU keeps the most recent ones, since the writer asks for the pieces of one part in name
+    order, not partition order. CPU tier: views of the resident records, no copy. Use as a context
+    manager (the slots go back to the pool at exit).
+    """
+
+    def __init__(self, offload: OptimizerOffload) -> None:
+        offload.quiesce()  # no write-back still running, no read ahead holding a slot; not broken
+        self.offload = offload
+        self.store = offload.store
+        self._groups = {g: offload.of_group(g) for g in range(len(offload.sizes))}
+        self._records: list[Record] = []  # slots taken from the pool
+        self._free: list[memoryview] = []  # one part's worth each, carved from those slots
+        self._cache: OrderedDict[tuple[int, int], memoryview] = OrderedDict()
+        self.bytes_read = 0
+        self.reads = 0
+        self.buffer_bytes = 0  # bytes of the pool's slots it took (its buffers)
+
+    def __enter__(self) -> TierReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def parts(self, part: int, group: int, lo: int, hi: int) -> Iterator[memoryview]:
+        """The bytes of elements ``[lo, hi)`` of part ``part`` (0 master, 1 exp_avg, 2 exp_avg_sq) of group
+        ``group``'s partition, as consecutive views; each view is valid until the next one is asked for."""
+        for sg in self._groups[group]:
+            a, b = max(lo, sg.lo), min(hi, sg.hi)
+            if a >= b:
+                continue
+            if isinstance(self.store, NvmeStore):
+                view = self._part(sg, part)
+            else:
+                rec = self.store.acquire(sg)
+                assert rec is not None
+                view = tensor_bytes((rec.master, rec.exp_avg, rec.exp_avg_sq)[part])
+            yield view[(a - sg.lo) * FP32 : (b - sg.lo) * FP32]
+
+    def _part(self, sg: SubGroup, part: int) -> memoryview:
+        assert isinstance(self.store, NvmeStore)
+        key = (sg.index, part)
+        view = self._cache.get(key)
+        if view is not None:
+            self._cache.move_to_end(key)
+            return view
+        if not self._free and len(self._records) < self.store.slots:
+            rec = self.store.acquire(sg, block=True)  # every slot is free after settle()
+            assert rec is not None
+            self._records.append(rec)
+            self.buffer_bytes += rec.buf.nbytes
+            stride = self.store.slot_bytes // len(PARTS)
+            self._free += [rec.buf.view(stride, k * stride) for k in range(len(PARTS))]
+        view = self._free.pop() if self._free else self._cache.popitem(last=False)[1]
+        self.store.read_part(sg, part, view)
+        self.bytes_read += self.store.stride(sg)
+        self.reads += 1
+        self._cache[key] = view
+        return view
+
+    def close(self) -> None:
+        """Give the slots back to the pool."""
+        self._cache.clear()
+        self._free.clear()
+        records, self._records = self._records, []
+        for rec in records:
+            self.store.release(rec)
+
+
+def stored_names(manifest: Manifest, where: str, spans_by_key: Mapping[str, list[Span]]) -> dict[str, dict[str, str]]:
+    """The checkpoint's tensor name of each span's ``state_dict["optimizer"][key][name]`` (from the manifest's
+    state tree, as a load into tensors finds it). A tensor the checkpoint lacks, or holds in another shape, is a
+    LayoutMismatchError naming it, as a load into tensors makes it, before the tier is touched."""
+    out: dict[str, dict[str, str]] = {}
+    for key, found in spans_by_key.items():
+        node = _child(_child(manifest.state, "optimizer"), key)
+        names = {} if node is None else {k: _child(node, k) for k, _ in dict_items(node)}
+        mine = out.setdefault(key, {})
+        for s in found:
+            leaf = names.get(s.name)
+            path = path_str(("optimizer", key, s.name))
+            if not (isinstance(leaf, dict) and node_kind(leaf) == "tensor"):
+                raise LayoutMismatchError(f"{where}: the checkpoint lacks {path}")
+            entry = manifest.tensors[leaf["tensor"]]
+            if tuple(entry.shape) != tuple(s.global_shape):
+                raise LayoutMismatchError(
+                    f"{where}: {path} (tensor {leaf['tensor']!r}): the checkpoint's shape is {list(entry.shape)}, "
+                    f"the engine's {list(s.global_shape)}"
+                )
+            mine[s.name] = leaf["tensor"]
+    return out
+
+
+def _child(node: Any, key: str) -> Any:
+    """The child ``key`` of a dict node of a state tree, else None."""
+    if not (isinstance(node, dict) and node_kind(node) in ("dict", "items")):
+        return None
+    return next((v for k, v in dict_items(node) if k == key), None)
+
+
+def load_tier(
+    offload: OptimizerOffload,
+    spans_by_key: Mapping[str, list[Span]],
+    path: str | os.PathLike[str],
+    *,
+    casts: Sequence[torch.Tensor | None],
+    aio_config: AioConfig | dict[str, Any] | None = None,
+) -> int:
+    """:func:`fill_tier` from the checkpoint directory at ``path`` (read through ``aio_config``: the
+    loader's staging and requests; the default is aio's, 8 MiB x 32)."""
+    storage, name = open_storage(path, aio_config=as_aio_config(aio_config))
+    with storage:
+        return fill_tier(offload, spans_by_key, storage, name, read_manifest(storage, name), casts=casts)
+
+
+def fill_tier(
+    offload: OptimizerOffload,
+    spans_by_key: Mapping[str, list[Span]],
+    storage: Storage,
+    name: str,
+    manifest: Manifest,
+    *,
+    casts: Sequence[torch.Tensor | None],
+    verify: bool = True,
+    staging_bytes: int = LOAD_STAGING,
+) -> int:
+    """Fill every sub-group of the tier from the checkpoint ``name`` of ``storage``: a record at a time, in
+    a slot, from the stored pieces that intersect it; ``casts[g]`` (the compute-dtype weights of group
+    ``g``'s partition, :meth:`~training.zero.ZeroOptimizer.cast_targets`) gets the loaded masters on the
+    way. Elements no piece covers (partition padding) are zero. Returns the bytes filled."""
+    names = stored_names(manifest, storage.describe(name), spans_by_key)
+    index = SourceIndex.of(manifest)
+    by_group: dict[int, list[tuple[int, Span]]] = {}
+    for k, key in enumerate(STATE_KEYS):
+        for s in spans_by_key.get(key, ()):
+            by_group.setdefault(s.group, []).append((k, s))
+    filled = 0
+
+    def work(sg: SubGroup, rec: Record) -> None:
+        nonlocal filled
+        parts = (rec.master, rec.exp_avg, rec.exp_avg_sq)
+        for t in parts:
+            t.zero_()
+        targets: list[Target] = []
+        for k, s in by_group.get(sg.group, ()):
+            a, b = max(s.lo, sg.lo), min(s.lo + s.count, sg.hi)
+            if a < b:
+                stored = names[STATE_KEYS[k]][s.name]
+                targets += _targets(stored, s, parts[k][a - sg.lo : b - sg.lo], a - s.lo, b - s.lo)
+        read_targets(storage, name, manifest, targets, verify=verify, index=index, staging_bytes=staging_bytes)
+        cast = casts[sg.group]
+        if cast is not None:
+            cast[sg.lo : sg.hi].copy_(rec.master)
+        filled += 3 * sg.numel * FP32
+
+    offload.rewrite(work)
+    index.finish(storage, name, staging_bytes)
+    return filled
+
+
+def _targets(stored: str, s: Span, buf: torch.Tensor, first: int, stop: int) -> list[Target]:
+    """Load targets (of stored tensor ``stored``) for elements ``[first, stop)`` of span ``s`` (in its region's
+    row-major order), held by ``buf``."""
+    if isinstance(s.region, FlatRange):
+        return [Target(stored, buf, FlatRange(s.region.start + first, s.region.start + stop))]
+    out = []
+    for at, box in flat_range_to_boxes(first, stop, s.region.shape):
+        offsets = tuple(o + b for o, b in zip(s.region.offsets, box.offsets))
+        out.append(Target(stored, buf[at - first : at - first + box.numel].view(box.shape), Box(offsets, box.shape)))
+    return out
+
+
+__all__ = [
+    "STATE_KEYS",
+    "Span",
+    "TierReader",
+    "stored_names",
+    "fill_tier",
+    "layout",
+    "load_tier",
+    "meta_states",
+    "spans",
+    "streamed_sections",
+]
