@@ -148,6 +148,8 @@ class ZeroOptimizer:
         params_on_nvme = offload is not None and offload.offload_param.device == "nvme"
         if params_on_nvme and self.stage != 3:
             raise ValueError(f"offload_param.device 'nvme' needs ZeRO stage 3 (the stage is {self.stage})")
+        if params_on_nvme and self.device.type != "cpu":
+            raise ValueError(f"offload_param.device 'nvme' is not supported yet on {self.device} (a CPU engine only)")
         if offload is not None and offload.enabled:
             self.offload = OptimizerOffload(offload, [plan.size for plan in self.plans], rank=rank)
         try:

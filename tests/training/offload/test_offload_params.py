@@ -25,6 +25,7 @@ import ucp
 from training import Engine, run
 from training.models.gpt import GPTConfig
 from training.offload import OffloadConfig, OffloadError
+from training.zero import ZeroOptimizer
 
 WORKER = Path(__file__).resolve().parents[2] / "support" / "offload_worker.py"
 MODEL = {"vocab_size": 512, "n_layer": 2, "n_head": 4, "d_model": 64, "d_ff": 256, "max_seq": 32}
@@ -208,6 +209,15 @@ def test_missing_or_read_only_nvme_path_is_named(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "ro", "1m", "ro") as ro:
         with pytest.raises(OffloadError, match=rf"offload_param.nvme_path '{ro}': cannot create the run's swap dir"):
             engine(nvme(ro, optimizer=False))
+
+
+def test_params_on_nvme_are_refused_off_zero_3_and_off_a_cpu_engine(tmp_path: Path) -> None:
+    config = OffloadConfig.model_validate(nvme(tmp_path, optimizer=False))
+    with pytest.raises(ValueError, match=r"offload_param.device 'nvme' needs ZeRO stage 3 \(the stage is 2\)"):
+        ZeroOptimizer.for_module(torch.nn.Linear(64, 64), stage=2, offload=config)
+    with pytest.raises(ValueError, match=r"offload_param.device 'nvme' is not supported yet on meta"):
+        ZeroOptimizer.for_module(torch.nn.Linear(64, 64, device="meta"), stage=3, offload=config)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
