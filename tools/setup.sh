@@ -45,3 +45,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   fi
   touch "$stamp"
 fi
+# Byte-compile the project, as a (non-editable) pip install does: the editable install never writes its
+# .pyc files when PYTHONDONTWRITEBYTECODE is set (as on our machines), and every `ucp` command would then
+# compile its modules from source on each start (0.1-0.2 s of a one-shot command; docs/benchmarks.md).
+# Incremental: only files changed since the last run are compiled again.
+"$VENV/bin/python" -m compileall -q -j 0 aio gds reshard ucp training kernels >/dev/null \
+  || echo "setup: some modules did not byte-compile; they are compiled from source when imported"
