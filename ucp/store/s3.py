@@ -113,7 +113,12 @@ def _client_options(opts: S3Options, endpoint: str | None) -> dict[str, Any]:
 
 def make_store(bucket: str, opts: S3Options) -> Any:
     """An ``obstore`` S3Store for ``bucket`` from ``opts`` and the AWS environment variables."""
-    from obstore.store import S3Store
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        raise StorageError(
+            f"s3://{bucket}: s3:// URLs need obstore, which is not installed (pip install 'ucp[s3]')"
+        ) from None
 
     endpoint = opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     config: dict[str, Any] = {"virtual_hosted_style_request": opts.virtual_hosted_style}
