@@ -107,6 +107,11 @@ class BytePool:
             self._cond.notify_all()
 
     @property
+    def lent(self) -> int:
+        """Bytes lent out now (0 when every buffer is back)."""
+        return self._lent
+
+    @property
     def held(self) -> int:
         """Bytes held now (lent and kept for reuse)."""
         return self._lent + self._free_bytes
@@ -353,6 +358,7 @@ class ParamOffload:
         self._ahead = {k: futures, **self._ahead}  # this one first: it is never the one dropped for room
         out = torch.empty(self.partitions[k].numel, dtype=self.dtype, device=self.device)
         raw = out.view(torch.uint8)
+        c = 0
         try:
             for c in range(n):
                 if len(futures) <= c:
@@ -364,7 +370,8 @@ class ParamOffload:
                 raw[off : off + data].copy_(buf.tensor(data))
                 self.pool.release(buf)
         except BaseException:
-            self._drop(k)
+            self._ahead.pop(k, None)
+            _release(self.pool, futures[c:])  # the chunks not consumed (those before went back already)
             raise
         self._ahead.pop(k, None)
         self.read_wait += time.perf_counter() - t0
@@ -384,13 +391,7 @@ class ParamOffload:
 
     def _drop(self, k: int) -> None:
         """Forget what was read ahead of partition ``k`` (waiting for its reads, its buffers back to the pool)."""
-        for fut in self._ahead.pop(k, []):
-            try:
-                exc = fut.exception()
-            except BaseException:  # noqa: BLE001 - cancelled
-                continue
-            if exc is None:
-                self.pool.release(fut.result())
+        _release(self.pool, self._ahead.pop(k, []))
 
     def drop_ahead(self) -> None:
         """Forget every read ahead (an aborted pass, a checkpoint, close)."""
@@ -447,6 +448,17 @@ class ParamOffload:
             self._writer.shutdown(wait=True)
             self._engine.close()
         self.dir.remove()
+
+
+def _release(pool: BytePool, reads: Sequence[Future[AlignedBuffer]]) -> None:
+    """Wait for ``reads`` and give their buffers back (a read that failed gave its own back)."""
+    for fut in reads:
+        try:
+            exc = fut.exception()
+        except BaseException:  # noqa: BLE001 - cancelled
+            continue
+        if exc is None:
+            pool.release(fut.result())
 
 
 class OffloadedPartitions:

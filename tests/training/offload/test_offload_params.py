@@ -243,6 +243,7 @@ def test_a_swap_file_changed_under_the_run_names_file_and_partition(tmp_path: Pa
             OffloadError, match=rf"swap file {victim} of parameter '{name}' \(partition 0 of 1: .*\) {what}"
         ):
             e.train_step(1)
+        assert off.pool.lent == 0  # every buffer back in the pool, none given back twice
     finally:
         e.close()
     assert list(tmp_path.iterdir()) == []
