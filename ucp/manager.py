@@ -50,6 +50,7 @@ from ucp.store.storage import remove_path
 
 if TYPE_CHECKING:  # saving and loading import torch: only CheckpointManager's methods need them, so that
     # listing checkpoints (``ucp ls``, resolving ``latest``) starts without torch
+    from ucp.replicate import Replicator
     from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot
 
 log = logging.getLogger(__name__)
@@ -421,6 +422,9 @@ class CheckpointManager:
         commit_timeout: float | None = None,
         snapshot: Snapshot | None = None,
         storage_options: dict[str, Any] | None = None,
+        remote: str | None = None,
+        remote_keep_last: int | None = None,
+        remote_storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (or None to keep everything), got {keep_last}")
@@ -439,6 +443,33 @@ class CheckpointManager:
         self.saver = saver
         self._handles: list[SaveHandle] = []
         self.loaded_step: int | None = None  # the step the last load() actually read
+        self.loaded_from: str | None = None  # the root it was read from (the local or the remote tier)
+        self.replicator: Replicator | None = None
+        if remote is not None:
+            if self.remote:
+                raise ValueError("a tiered manager's root is its local tier: a directory, not a URL")
+            if remote_keep_last is not None and remote_keep_last < 1:
+                raise ValueError(f"remote_keep_last must be >= 1 (or None), got {remote_keep_last}")
+            from ucp.replicate import Replicator
+
+            self.replicator = Replicator(
+                self.root,
+                remote.rstrip("/"),
+                remote_keep_last=remote_keep_last,
+                storage_options=remote_storage_options,
+                after_local=self._retire_local,
+            )
+
+    def _retire_local(self, replicated: str, pending: set[str]) -> None:
+        """A tiered manager's local retention, once ``replicated`` is safe remotely: never a step still
+        waiting for its replication."""
+        if self.keep_last is not None:
+            apply_retention(self.root, self.keep_last, protect={replicated} | pending)
+
+    @property
+    def _local_keep_last(self) -> int | None:
+        """Retention right after a local commit: none while a remote tier waits for the checkpoint."""
+        return None if self.replicator is not None else self.keep_last
 
     def path(self, step: int) -> str:
         if self.remote:
@@ -504,7 +535,9 @@ class CheckpointManager:
                 storage_options=self.storage_options,
             )
             if group.rank == 0:
-                after_commit(self.root, step, name, self.keep_last, self.storage_options)
+                after_commit(self.root, step, name, self._local_keep_last, self.storage_options)
+                if self.replicator is not None:
+                    self.replicator.submit(step, name)
             return manifest
         from ucp.saving.background.job import PostCommit
 
@@ -514,7 +547,7 @@ class CheckpointManager:
                 "root": self.root,
                 "step": step,
                 "name": name,
-                "keep_last": self.keep_last,
+                "keep_last": self._local_keep_last,
                 "storage_options": self.storage_options,
             },
         )
@@ -530,6 +563,9 @@ class CheckpointManager:
             check_replicas=check_replicas,
             storage_options=self.storage_options,
         )
+        if self.replicator is not None and group.rank == 0:
+            replicator = self.replicator
+            handle.add_done_callback(lambda h: None if _failed(h) else replicator.submit(step, name))
         # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
         self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
         return handle
@@ -540,6 +576,8 @@ class CheckpointManager:
 
         handles, self._handles = self._handles, []
         wait_all(handles)
+        if self.replicator is not None:
+            self.replicator.wait()
 
     def list(self) -> list[CheckpointInfo]:
         if self.remote:
@@ -571,6 +609,11 @@ class CheckpointManager:
         ``into``/``strict`` as for :func:`ucp.load` (the state dict, or with ``strict=False`` a LoadReport).
         :attr:`loaded_step` tells which step was read.
         """
+        if self.replicator is not None:
+            state = self._load_tiered(step, into=into, strict=strict, verify=verify)
+            if state is not _NONE:
+                return state
+        self.loaded_from = self.root
         if step is not None:
             candidates = [step]
         else:
@@ -606,20 +649,68 @@ class CheckpointManager:
             return state
         raise NotACheckpointError(f"no loadable checkpoint under {self.root}: " + "; ".join(problems))
 
+    def remote_manager(self) -> "CheckpointManager":
+        """The remote tier as a manager of its own (listing, loading); ValueError when there is none."""
+        if self.replicator is None:
+            raise ValueError("this manager has no remote tier")
+        return CheckpointManager(
+            self.replicator.remote_root,
+            storage_options=self.replicator.storage_options,
+            process_group=self.process_group,
+            aio_config=self.aio_config,
+        )
+
+    def _load_tiered(self, step: int | None, **kw: Any) -> Any:
+        """Local copy when it is complete and loads (CRCs checked), else the remote one: the newest step either
+        tier holds. ``_NONE`` when neither has it (the caller then tries older local checkpoints)."""
+        remote = self.remote_manager()
+        local_step = self.latest() if step is None else step
+        remote_step = remote.latest() if step is None else step
+        want = max(s for s in (local_step, remote_step, -1) if s is not None)
+        if want < 0:
+            return _NONE
+        if local_step == want and os.path.isdir(self.path(want)):
+            try:
+                state = self._load_one(want, self.root, **kw)
+                return state
+            except (CheckpointError, OSError) as exc:
+                log.warning("cannot load %s (%s); trying the remote copy", self.path(want), exc)
+        try:
+            state = remote.load(want, **kw)
+        except (CheckpointError, OSError) as exc:
+            if step is not None:
+                raise
+            log.warning("cannot load %s (%s); trying older local checkpoints", remote.path(want), exc)
+            return _NONE
+        self.loaded_step, self.loaded_from = want, remote.root
+        return state
+
+    def _load_one(self, step: int, root: str, **kw: Any) -> Any:
+        from ucp.loading.loader import load as _load
+
+        state = _load(self.path(step), process_group=self.process_group, aio_config=self.aio_config, **kw)
+        self.loaded_step, self.loaded_from = step, root
+        return state
+
     def close(self) -> None:
-        """Wait for saves in flight (errors are logged) and stop the background writer."""
+        """Wait for saves in flight and replications (errors are logged) and stop the background writers."""
         try:
             self.wait()
         except BaseException as exc:  # noqa: BLE001 - closing must not lose the others
             log.error("a checkpoint save failed: %s", exc)
         if self.saver is not None and self._own_saver:
             self.saver.close()
+        if self.replicator is not None:
+            self.replicator.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_NONE = object()  # _load_tiered: no tier had the step
 
 
 def _failed(handle: SaveHandle) -> bool:

@@ -1,0 +1,158 @@
+"""Tiered checkpoints: copy each committed local checkpoint to an object store in the background.
+
+``CheckpointManager(local_root, remote="s3://bucket/run", ...)`` commits to local disk at disk
+speed (what training waits for); a :class:`Replicator` thread then uploads each committed
+checkpoint to ``<remote>/step-NNNNNNNN`` with the object-store commit (data files, manifest last:
+``ucp.store.commit``), moves the remote ``latest`` and applies the remote retention
+(``ucp.manager_remote``). Local retention runs only after a checkpoint is replicated, so a step is
+never deleted locally before its remote copy is complete. A node that dies loses nothing that had
+been replicated; a replication that fails is logged and raised by :meth:`Replicator.wait` (the local
+checkpoint stays, and later steps replicate as usual).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from ucp.errors import CheckpointError
+from ucp.format.manifest import MANIFEST_NAME
+from ucp.store import commit as _commit
+
+log = logging.getLogger(__name__)
+
+CHUNK = 16 << 20  # bytes read from a local data file per write to the upload
+
+
+def replicate(local_dir: str, remote_root: str, name: str, storage_options: dict[str, Any] | None = None) -> int:
+    """Upload the committed checkpoint at ``local_dir`` as ``<remote_root>/<name>`` (manifest last); its bytes.
+
+    The local manifest is read first and only the files it lists are sent, so a checkpoint replaced
+    locally meanwhile fails the copy (a missing or resized file) instead of mixing two saves."""
+    from ucp.format.manifest import parse_manifest
+    from ucp.manager_remote import open_root
+
+    manifest_path = os.path.join(local_dir, MANIFEST_NAME)
+    with open(manifest_path, "rb") as f:
+        manifest_bytes = f.read()
+    manifest = parse_manifest(manifest_bytes, source=manifest_path)
+    total = 0
+    with open_root(remote_root, storage_options) as storage:
+        temp = _commit.make_temp_dir(storage, name)  # an object store: the final prefix, marked in progress
+        try:
+            for file, info in manifest.files.items():
+                path = os.path.join(local_dir, file)
+                writer = storage.open_writer(f"{temp}/{file}", info.size)
+                try:
+                    with open(path, "rb", buffering=0) as src:
+                        buf = bytearray(min(CHUNK, max(info.size, 1)))
+                        view = memoryview(buf)
+                        sent = 0
+                        while True:
+                            n = src.readinto(buf)
+                            if not n:
+                                break
+                            writer.write(view[:n])  # not borrowed: copied before the buffer is refilled
+                            sent += n
+                    if sent != info.size:
+                        raise CheckpointError(
+                            f"{path} has {sent} bytes, its manifest says {info.size}: changed while replicating",
+                            file=file,
+                        )
+                    writer.close()
+                except BaseException:
+                    writer.abort()
+                    raise
+                total += info.size
+            if temp == name:
+                storage.write_small(f"{name}/{MANIFEST_NAME}", manifest_bytes)
+                try:
+                    storage.remove_file(f"{name}/{_commit.SAVING_MARKER}")
+                except (OSError, CheckpointError):
+                    pass
+            else:  # a storage that renames (a mounted remote directory): the usual commit
+                storage.write_small(f"{temp}/{MANIFEST_NAME}", manifest_bytes)
+                storage.rename(temp, name)
+        except BaseException:
+            _commit.abort(storage, temp)
+            raise
+    return total + len(manifest_bytes)
+
+
+class Replicator:
+    """One background thread replicating committed steps in the order they were committed."""
+
+    def __init__(
+        self,
+        local_root: str,
+        remote_root: str,
+        *,
+        remote_keep_last: int | None,
+        storage_options: dict[str, Any] | None,
+        after_local: Callable[[str, set[str]], None] | None = None,
+    ) -> None:
+        self.local_root, self.remote_root = local_root, remote_root
+        self.remote_keep_last = remote_keep_last
+        self.storage_options = storage_options
+        self.after_local = after_local  # local retention, run once a step is safe remotely
+        self._queue: queue.Queue[tuple[int, str] | None] = queue.Queue()
+        self._waiting: list[str] = []  # names submitted and not yet replicated, oldest first
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._errors: list[BaseException] = []
+        self.replicated: dict[str, float] = {}  # name -> seconds its replication took
+        self._thread = threading.Thread(target=self._run, name="ucp-replicate", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, name: str) -> None:
+        with self._lock:
+            self._pending += 1
+            self._waiting.append(name)
+        self._queue.put((step, name))
+
+    def _run(self) -> None:
+        from ucp.manager_remote import after_commit as remote_after_commit
+
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, name = item
+            t0 = time.perf_counter()
+            try:
+                replicate(os.path.join(self.local_root, name), self.remote_root, name, self.storage_options)
+                remote_after_commit(self.remote_root, step, name, self.remote_keep_last, self.storage_options)
+                self.replicated[name] = time.perf_counter() - t0
+                with self._lock:
+                    self._waiting.remove(name)
+                    waiting = set(self._waiting)
+                if self.after_local is not None:
+                    self.after_local(name, waiting)
+            except BaseException as exc:  # noqa: BLE001 - kept for wait(); the local checkpoint stays
+                log.error("replicating %s to %s failed: %s", name, self.remote_root, exc)
+                with self._lock:
+                    self._errors.append(exc)
+            finally:
+                with self._lock:
+                    if name in self._waiting and name not in self.replicated:
+                        self._waiting.remove(name)
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def wait(self) -> None:
+        """Wait until every submitted step is replicated; raise the first failure since the last wait."""
+        with self._lock:
+            while self._pending:
+                self._idle.wait()
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
