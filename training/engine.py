@@ -224,9 +224,14 @@ class Engine:
         batches = [self.batch(step, m) for m in range(self.cfg.grad_accum)]
         try:
             if self.cfg.mesh.pp == 1:
-                for tokens, targets in batches:
+                for m, (tokens, targets) in enumerate(batches):
                     with self.optimizer.forward_context():
                         loss = self.model(tokens, targets)
+                    if m == len(batches) - 1 and self.optimizer.can_update_early():
+                        # The offloaded update runs during this backward, as it makes each sub-group's
+                        # gradients (ZeroOptimizer.prepare_step): the weights change from here on.
+                        self.wait_snapshot()
+                        self.optimizer.prepare_step(lr=self.lr_at(step))
                     self.optimizer.backward(loss)
                     losses.append(loss.detach())
             else:
@@ -364,6 +369,7 @@ class Engine:
         }
         self.wait_snapshot()
         offload = self.optimizer.offload
+        self.last_checkpoint_io = {}
         try:
             if offload is not None and manager.saver is None:  # streamed from the tier, never all in memory
                 with TierReader(offload) as reader:

@@ -1,22 +1,30 @@
-"""The offloaded Adam step: sub-groups streamed through a swap tier, pipelined.
+"""The offloaded Adam step: sub-groups streamed through a swap tier, pipelined, overlapped with backward.
 
 :class:`OptimizerOffload` owns this rank's fp32 masters and Adam moments once ZeRO has built them:
-they leave memory for the tier (:mod:`training.offload.store`) at start-up, and each step walks the
-sub-groups in order::
+they leave memory for the tier (:mod:`training.offload.store`) at start-up, and each step is a *pass*
+over the sub-groups::
 
     read sub-group i+1   ∥   Adam on sub-group i   ∥   write-back of sub-group i-1
 
 Reads run on one I/O thread, write-backs on another, Adam on the calling thread (the kernel's own
-threads); the swap pool's slots bound what is in flight. ``pipeline_read`` off: a sub-group is read
-only when it is needed; ``pipeline_write`` off: each write-back is waited for before the next
-sub-group. Adam is elementwise and sub-groups are cut at multiples of the I/O alignment, so the
-update is bit-identical to the in-memory one over the whole partition.
+threads); the swap pool's slots bound what is in flight. A pass's reads are issued in the order its
+sub-groups will be needed, at most a pool's worth ahead of the updates, and the first of them as soon
+as the previous step ends, so they run behind the next forward. When the caller *arms* the pass
+(:meth:`begin_step`, before the step's last backward) and hands over sub-groups as backward finishes
+their gradients (:meth:`ready`: the gradients leave for the tier during backward), each is updated
+and written back as soon as its record is in, still inside backward; :meth:`step` then only finishes
+what is left. The order of a pass's reads is the order the last armed pass's sub-groups became ready.
+Write-backs still running at the end of a step finish behind the next forward (``pipeline_write``).
+
+``pipeline_read`` off: a sub-group is read only when it is needed; ``pipeline_write`` off: each
+write-back is waited for before the next sub-group. Adam is elementwise and sub-groups are cut at
+multiples of the I/O alignment, so the update is bit-identical to the in-memory one over the whole
+partition, whatever order the sub-groups are updated in.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -33,6 +41,30 @@ from .swapdir import MIN_ALIGNMENT, SwapDir
 log = logging.getLogger(__name__)
 
 Store = HostStore | NvmeStore
+Update = Callable[[SubGroup, Record], None]
+
+
+class _Pass:
+    """One step's walk over the sub-groups (see the module docstring)."""
+
+    def __init__(self, order: Sequence[SubGroup]) -> None:
+        self.order = list(order)  # the order reads are issued in
+        self.reads: dict[int, Future[Record | None]] = {}  # position in ``order`` -> its read (NVMe)
+        self.issued = 0  # positions whose read was issued (always a prefix of ``order``)
+        self.done: set[int] = set()  # positions updated (their record handed to a write-back)
+        self.ready: set[int] = set()  # sub-group indices whose gradients are complete
+        self.ready_order: list[int] = []  # the same, in the order they became ready (an armed pass)
+        self.update: Update | None = None  # the armed update (begin_step), else set by step
+        self.step: int | None = None  # the Adam step it was armed for
+        self.writes: list[tuple[int, Future[None]]] = []  # (sub-group index, write-back)
+        self.cancelled = False
+        self.moved = {"bytes_read": 0.0, "bytes_written": 0.0}
+        self.waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0, "early_compute": 0.0}
+        self.early = 0  # sub-groups updated before step() (during backward)
+
+    @property
+    def armed(self) -> bool:
+        return self.step is not None
 
 
 class OptimizerOffload:
@@ -40,7 +72,8 @@ class OptimizerOffload:
 
     ``sizes[g]``: elements of ZeRO group ``g``'s partition on this rank; ``rank`` names the swap directory.
     Fill it with :meth:`init_group` (once per group, the initial masters; moments start at zero), then
-    call :meth:`step` per optimizer step; :meth:`close` removes the swap directory.
+    call :meth:`step` per optimizer step (optionally armed before the last backward with :meth:`begin_step`
+    and fed with :meth:`ready`); :meth:`close` removes the swap directory.
     """
 
     def __init__(self, config: OffloadConfig, sizes: Sequence[int], *, rank: int) -> None:
@@ -68,13 +101,14 @@ class OptimizerOffload:
         else:
             self.subgroups = split(self.sizes, config.sub_group_size, MIN_ALIGNMENT // FP32)
             self.store = HostStore(self.subgroups, pin=pin)
+        self._swapped = isinstance(self.store, NvmeStore)  # records that really move (the CPU tier's stay put)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-read")
-        self._ahead: dict[int, Future[Record]] = {}  # the next step's first reads, issued at the end of a step
-        self._ahead_taken: list[threading.Event] = []  # set once each of those has its slot
-        self._behind: list[tuple[int, Future[None]]] = []  # write-backs left running by the last step
-        self._write_mark: float | None = None  # the store's write_seconds when it ended
-        self._read_mark = 0.0  # the store's read_seconds when they were issued (they count towards the next step)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
+        self._pass: _Pass | None = None  # the next (or current) step's pass, its reads perhaps running
+        self._order = list(self.subgroups)  # the order the next pass reads in (learnt from armed passes)
+        self._behind: dict[int, Future[None]] = {}  # write-backs the last step left running, by sub-group
+        self._read_mark = 0.0  # the store's read_seconds when the pending pass began reading
+        self._write_mark = 0.0  # its write_seconds when the last step ended
         self._initialised: set[int] = set()
         self._broken: str | None = None  # why a step failed half way (the tier is then partly updated)
         self._stale: set[int] = set()  # groups to rewrite (init_group) before the tier is consistent again
@@ -89,10 +123,22 @@ class OptimizerOffload:
         """Why an earlier step failed half way (the tier is partly updated until a load rewrites it), or None."""
         return self._broken
 
+    @property
+    def can_update_early(self) -> bool:
+        """Whether :meth:`begin_step` / :meth:`ready` may update sub-groups during backward: the CPU tier, or the
+        NVMe tier with ``pipeline_read`` (unpipelined, every read would stall backward)."""
+        return not self._swapped or self.pipeline_read
+
+    @property
+    def order(self) -> list[int]:
+        """The sub-groups (by index) in the order the next step reads them: the order backward handed them over
+        in the last armed step (:meth:`ready`), index order before one."""
+        return [sg.index for sg in self._order]
+
     def of_group(self, g: int) -> list[SubGroup]:
         return [sg for sg in self.subgroups if sg.group == g]
 
-    # -- start-up --------------------------------------------------------------------------------
+    # -- start-up and checkpoints ----------------------------------------------------------------
     @torch.no_grad()
     def init_group(
         self,
@@ -116,7 +162,7 @@ class OptimizerOffload:
                 else:
                     dst.copy_(src[sg.lo : sg.hi])
 
-        self._walk(self.of_group(g), fill, read=False, record=False)
+        self._walk(self.of_group(g), fill, read=False)
         self._initialised.add(g)
         self._stale.discard(g)
         if not self._stale:
@@ -128,7 +174,7 @@ class OptimizerOffload:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``g``'s fp32 master, exp_avg and exp_avg_sq as new whole-partition tensors on ``device``
         (read from the tier, checked; the tier is left as it was)."""
-        self._settle_behind()
+        self._quiesce()
         if self._broken is not None:
             raise OffloadError(
                 f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
@@ -140,17 +186,14 @@ class OptimizerOffload:
             for dst, src in zip(out, (rec.master, rec.exp_avg, rec.exp_avg_sq)):
                 dst[sg.lo : sg.hi].copy_(src)
 
-        self._drop_ahead()
-        self._walk(self.of_group(g), copy, read=True, write=False, record=False)
+        self._walk(self.of_group(g), copy, read=True, write=False)
         return out[0], out[1], out[2]
 
     # Used by training.offload.checkpoint (a save streams the tier's parts, a load rewrites every record).
     def quiesce(self) -> None:
-        """Before a checkpoint reads the swap files: no I/O of the tier runs and every slot is free (the
-        write-backs the last step left running are waited for, reads ahead dropped); OffloadError if a step
-        failed half way (the state is partly updated)."""
-        self._settle_behind()
-        self._drop_ahead()
+        """Before a checkpoint reads the swap files: no I/O of the tier runs and every slot is free
+        (:meth:`_quiesce`); OffloadError if a step failed half way (the state is partly updated)."""
+        self._quiesce()
         if self._broken is not None:
             raise OffloadError(
                 f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
@@ -158,12 +201,12 @@ class OptimizerOffload:
             )
 
     @torch.no_grad()
-    def rewrite(self, work: Callable[[SubGroup, Record], None]) -> None:
+    def rewrite(self, work: Update) -> None:
         """Rewrite every sub-group's record (a load): ``work(sg, rec)`` fills the whole record, which goes
         back to the tier behind the next one's ``work``. Afterwards the tier is consistent, even after a
         failed step; if ``work`` or a write-back fails, it is partly rewritten (:attr:`broken`)."""
         try:
-            self._walk(self.subgroups, work, read=False, record=False)
+            self._walk(self.subgroups, work, read=False)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             self._stale = {g for g, n in enumerate(self.sizes) if n}
@@ -172,9 +215,81 @@ class OptimizerOffload:
         self._stale.clear()
         self._broken = None
 
+    def _quiesce(self) -> None:
+        """Drop the reads started for the next step and wait for the write-backs the last step left running:
+        afterwards the swap files hold the state and no I/O of the tier runs. A failed write-back leaves
+        :attr:`broken` set (the callers check)."""
+        self._drop_ahead()
+        self._settle_behind()
+
+    def wait_io(self) -> None:
+        """Wait, leaving everything in place, for the write-backs the last step left running and the reads it
+        started for the next step (benchmarks: no I/O of this tier runs while another method is timed)."""
+        p = self._pass
+        _settle([*self._behind.values(), *(p.reads.values() if p is not None else ())])
+
+    def _walk(
+        self, order: Sequence[SubGroup], work: Update, *, read: bool, write: bool = True, record: bool = False
+    ) -> None:
+        """Run ``work`` on each sub-group of ``order`` in turn with its record in a slot, outside a step
+        (start-up, checkpoints): reads ahead on the read thread while slots are free, write-backs behind
+        (``record``: accepted for callers; figures are only recorded by a step)."""
+        self._quiesce()
+        store = self.store
+
+        def save(sg: SubGroup, rec: Record) -> None:
+            try:
+                store.write(sg, rec)
+            finally:
+                store.release(rec)
+
+        reads: dict[int, Future[Record]] = {}
+        writes: list[Future[None]] = []
+        issued = 0
+
+        def issue(j: int, block: bool) -> bool:
+            rec = store.acquire(order[j], block)
+            if rec is None:
+                return False
+            if read:
+                reads[j] = self._reader.submit(self._load, order[j], rec)
+            else:
+                done: Future[Record] = Future()
+                done.set_result(rec)
+                reads[j] = done
+            return True
+
+        try:
+            for i, sg in enumerate(order):
+                if issued <= i:
+                    issue(i, block=True)
+                    issued = i + 1
+                if read:
+                    while issued < len(order) and issued <= i + store_slots(store) and issue(issued, block=False):
+                        issued += 1
+                rec = reads.pop(i).result()
+                try:
+                    work(sg, rec)
+                except BaseException:
+                    store.release(rec)
+                    raise
+                if not write:
+                    store.release(rec)
+                    continue
+                writes.append(self._writer.submit(save, sg, rec))
+                while writes and writes[0].done():  # a failed write-back stops the walk here
+                    writes.pop(0).result()
+            for w in writes:
+                w.result()
+        finally:
+            _settle([*reads.values(), *writes])  # no buffer reused while I/O may touch it
+            for pending in reads.values():
+                if pending.done() and pending.exception() is None:
+                    store.release(pending.result())
+        self._write_mark = store.write_seconds
+
     # -- the step --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(
+    def _updater(
         self,
         grads: Sequence[torch.Tensor],
         casts: Sequence[torch.Tensor | None],
@@ -184,18 +299,8 @@ class OptimizerOffload:
         lr: float | None,
         weight_decay: Sequence[float],
         grad_scale: float,
-    ) -> None:
-        """One Adam update of every sub-group: ``grads[g]`` (this rank's fp32 gradient partition of group
-        ``g``) read, ``casts[g]`` (the compute-dtype weights of the partition) written in the same pass."""
-        missing = [g for g, n in enumerate(self.sizes) if n and g not in self._initialised]
-        if missing:
-            raise RuntimeError(f"offloaded optimizer groups {missing} were never initialised (init_group)")
-        self._settle_behind()
-        if self._broken is not None:
-            raise OffloadError(
-                f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
-                "updated: load a checkpoint to go on"
-            )
+    ) -> Update:
+        """The Adam update of one sub-group's record: ``grads[g]`` read, ``casts[g]`` written in the same pass."""
 
         def update(sg: SubGroup, rec: Record) -> None:
             grad = grads[sg.group][sg.lo : sg.hi]
@@ -219,58 +324,271 @@ class OptimizerOffload:
             if host_out is not out:
                 out.copy_(host_out)
 
-        ahead, self._ahead = self._ahead, {}
-        defer = self.pipeline_write and isinstance(self.store, NvmeStore)
+        return update
+
+    def _check_ready_to_step(self) -> None:
+        missing = [g for g, n in enumerate(self.sizes) if n and g not in self._initialised]
+        if missing:
+            raise RuntimeError(f"offloaded optimizer groups {missing} were never initialised (init_group)")
+        if self._broken is not None:
+            raise OffloadError(
+                f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
+                "updated: load a checkpoint to go on"
+            )
+
+    @torch.no_grad()
+    def begin_step(
+        self,
+        grads: Sequence[torch.Tensor],
+        casts: Sequence[torch.Tensor | None],
+        *,
+        adam: AdamConfig,
+        step: int,
+        lr: float | None,
+        weight_decay: Sequence[float],
+        grad_scale: float,
+    ) -> None:
+        """Arm the next step's pass before its last backward: the arguments are :meth:`step`'s. From now on,
+        each sub-group handed to :meth:`ready` (its gradient in ``grads`` final) is updated as soon as its
+        record is in, and ``casts`` receive its weights then; :meth:`step` finishes the rest, :meth:`abort`
+        disarms."""
+        if not self.can_update_early:
+            raise RuntimeError("begin_step needs the CPU tier or pipeline_read")
+        self._check_ready_to_step()
+        self._check_behind()
+        p = self._pass or self._new_pass()
+        if p.armed:
+            raise RuntimeError("begin_step twice without a step")
+        p.update = self._updater(
+            grads, casts, adam=adam, step=step, lr=lr, weight_decay=weight_decay, grad_scale=grad_scale
+        )
+        p.step = step
+
+    @torch.no_grad()
+    def ready(self, indices: Sequence[int]) -> None:
+        """Sub-groups (by index) whose gradients backward has just completed: update each now if its record is
+        in, else as soon as it is (on a later call, or in :meth:`step`); never waits for I/O."""
+        p = self._pass
+        if p is None or not p.armed:
+            raise RuntimeError("ready() without begin_step()")
+        for i in indices:
+            if i not in p.ready:
+                p.ready.add(i)
+                p.ready_order.append(i)
         try:
-            self._walk(self.subgroups, update, read=True, ahead=ahead, defer=defer)
+            self._check_behind()
+            self._pump(p, block=False)
         except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    @torch.no_grad()
+    def step(
+        self,
+        grads: Sequence[torch.Tensor],
+        casts: Sequence[torch.Tensor | None],
+        *,
+        adam: AdamConfig,
+        step: int,
+        lr: float | None,
+        weight_decay: Sequence[float],
+        grad_scale: float,
+    ) -> None:
+        """One Adam update of every sub-group: ``grads[g]`` (this rank's fp32 gradient partition of group
+        ``g``) read, ``casts[g]`` (the compute-dtype weights of the partition) written in the same pass.
+        An armed pass (:meth:`begin_step`) keeps its own arguments and only finishes the sub-groups left."""
+        self._check_ready_to_step()
+        t_start = time.perf_counter()
+        self._settle_behind()
+        self._check_ready_to_step()
+        p = self._pass or self._new_pass()
+        if p.armed:
+            if p.step != step:
+                raise RuntimeError(f"the pass was armed for Adam step {p.step}, not {step}")
+        else:
+            p.update = self._updater(
+                grads, casts, adam=adam, step=step, lr=lr, weight_decay=weight_decay, grad_scale=grad_scale
+            )
+        p.ready.update(sg.index for sg in p.order)
+        defer = self.pipeline_write and self._swapped
+        try:
+            self._pump(p, block=True)
+            t3 = time.perf_counter()
+            if not defer:
+                for _, w in p.writes:
+                    w.result()
+            else:
+                for _, w in p.writes:  # a write-back that already failed stops the step here
+                    if w.done():
+                        w.result()
+            p.waits["write_wait"] += time.perf_counter() - t3
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        store = self.store
+        self._pass = None
+        self._behind = dict(p.writes)
+        if p.armed and len(p.ready_order) == len(self.subgroups):  # the order backward hands them over
+            self._order = [self.subgroups[i] for i in p.ready_order]
+        self.last = {
+            "seconds": time.perf_counter() - t_start,
+            **p.moved,
+            "io_read": store.read_seconds - self._read_mark,  # seconds the read thread was busy (hidden or waited for)
+            "io_write": store.write_seconds - self._write_mark,
+            **p.waits,
+            "early": float(p.early),  # sub-groups updated during backward, before step()
+        }
+        self._write_mark = store.write_seconds  # write-backs still running count towards the next step
+        if self._swapped and self.pipeline_read:
+            self._new_pass()  # the next step's first reads start now, behind its forward
+
+    def abort(self) -> None:
+        """A step that will not finish (its backward failed): disarm the pass. If it already updated sub-groups,
+        the tier is partly updated (:attr:`broken`) until a load rewrites it; if not, its reads stay for the next."""
+        p = self._pass
+        if p is None or not p.armed:
+            return
+        if p.done:
+            self._fail(RuntimeError(f"the step was abandoned after updating {len(p.done)} sub-groups during backward"))
+            self._quiesce()
+            return
+        p.update, p.step = None, None
+        p.ready.clear()
+        p.ready_order.clear()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._broken is None:
             self._broken = f"{type(exc).__name__}: {exc}"
             self._stale = {g for g, n in enumerate(self.sizes) if n}
-            raise
-        self._read_ahead()
 
-    def _read_ahead(self) -> None:
-        """Start reading the next step's first sub-groups now, into the free slots, so that those reads run
-        behind the next forward and backward instead of opening the next optimizer step (NVMe, ``pipeline_read``).
-        Their records hold the state as this step left it; anything else that touches the tier drops them first."""
+    def _new_pass(self) -> _Pass:
+        """The pass of the next step; its first reads (a pool's worth, pipelined NVMe) are issued now."""
+        p = _Pass(self._order)
+        self._pass = p
         self._read_mark = self.store.read_seconds
-        if not (isinstance(self.store, NvmeStore) and self.pipeline_read):
-            return
-        writing = {i for i, _ in self._behind}
-        for j, sg in enumerate(self.subgroups[: self.store.slots]):
-            if sg.index in writing:  # its write-back is still running: the next step reads it, after that
-                break
-            taken = threading.Event()
-            self._ahead[j] = self._reader.submit(self._take_and_load, sg, taken)
-            self._ahead_taken.append(taken)
+        if self._swapped and self.pipeline_read:
+            self._issue(p, store_slots(self.store))
+        return p
 
-    def _take_and_load(self, sg: SubGroup, taken: threading.Event) -> Record:
-        """A read ahead: wait for a slot (one the last step's write-backs still hold), then read into it."""
-        try:
-            rec = self.store.acquire(sg, block=True)
-        finally:
-            taken.set()
+    def _issue(self, p: _Pass, upto: int) -> None:
+        """Issue the reads of ``p``'s positions up to ``upto`` (exclusive), in order, on the read thread."""
+        while p.issued < min(upto, len(p.order)):
+            sg = p.order[p.issued]
+            p.reads[p.issued] = self._reader.submit(self._fetch, p, sg, self._behind.get(sg.index))
+            p.issued += 1
+
+    def _fetch(self, p: _Pass, sg: SubGroup, after: Future[None] | None) -> Record | None:
+        """A read of ``p`` (the read thread's job): after ``sg``'s last write-back (``after``), wait for a slot, then
+        read into it; None once the pass is dropped."""
+        if after is not None:
+            exc = _exception(after)
+            if exc is not None:
+                raise exc  # the state this read would see was never written whole
+        if p.cancelled:
+            return None
+        rec = self.store.acquire(sg, block=True)
         assert rec is not None  # a blocking acquire always returns a slot
+        if p.cancelled:
+            self.store.release(rec)
+            return None
         return self._load(sg, rec)
+
+    def _record(self, p: _Pass, k: int, block: bool) -> Record | None:
+        """The record of ``p``'s position ``k`` once read (None: not yet, and ``block`` is False)."""
+        sg = p.order[k]
+        if not self._swapped:
+            return self.store.acquire(sg)
+        if k >= p.issued:
+            if not block:
+                return None
+            self._issue(p, k + 1)  # unpipelined: read only when needed
+        fut = p.reads[k]
+        if not block and not fut.done():
+            return None
+        t0 = time.perf_counter()
+        rec = fut.result()
+        p.waits["read_wait"] += time.perf_counter() - t0
+        del p.reads[k]
+        assert rec is not None  # only a dropped pass reads nothing
+        return rec
+
+    def _pump(self, p: _Pass, *, block: bool) -> None:
+        """Update every ready sub-group of ``p`` whose record is in (``block``: wait for the reads, in order)."""
+        assert p.update is not None
+        store = self.store
+        for k, sg in enumerate(p.order):
+            if k in p.done or sg.index not in p.ready:
+                continue
+            rec = self._record(p, k, block)
+            if rec is None:
+                continue
+            t1 = time.perf_counter()
+            try:
+                p.update(sg, rec)
+            except BaseException:
+                store.release(rec)
+                raise
+            t2 = time.perf_counter()
+            p.waits["compute" if block else "early_compute"] += t2 - t1
+            p.early += not block
+            p.done.add(k)
+            if not self._swapped:
+                continue
+            p.moved["bytes_read"] += rec.nbytes
+            p.moved["bytes_written"] += rec.nbytes
+            fut = self._writer.submit(self._save, sg, rec)
+            p.writes.append((sg.index, fut))
+            if not self.pipeline_write:
+                fut.result()
+                p.waits["write_wait"] += time.perf_counter() - t2
+            if self.pipeline_read:
+                self._issue(p, len(p.done) + store_slots(store))  # the slot just handed over reads the next
+
+    def _save(self, sg: SubGroup, rec: Record) -> None:
+        try:
+            self.store.write(sg, rec)
+        finally:
+            self.store.release(rec)
+
+    def _check_behind(self) -> None:
+        """Raise the error of a write-back the last step left running that has failed already (never waits)."""
+        for fut in self._behind.values():
+            if fut.done() and fut.exception() is not None:
+                exc = fut.exception()
+                assert exc is not None
+                self._fail(exc)
+                raise exc
 
     def _settle_behind(self) -> None:
         """Wait for the write-backs the last step left running; one that failed leaves the tier partly
         updated (:attr:`broken`), which the callers check."""
-        behind, self._behind = self._behind, []
-        for _, fut in behind:
+        behind, self._behind = self._behind, {}
+        for fut in behind.values():
             exc = _exception(fut)
-            if exc is not None and self._broken is None:
-                self._broken = f"{type(exc).__name__}: {exc}"
-                self._stale = {g for g, n in enumerate(self.sizes) if n}
+            if exc is not None:
+                self._fail(exc)
 
     def _drop_ahead(self) -> None:
-        """Let go of records read ahead for the next step (before the tier is read or written otherwise)."""
-        ahead, self._ahead = self._ahead, {}
-        self._ahead_taken = []
-        _settle(list(ahead.values()))
-        for fut in ahead.values():
-            if fut.exception() is None:
-                self.store.release(fut.result())
+        """Drop the pending pass: its reads are cancelled or waited for and their slots given back; write-backs it
+        started are waited for. A pass that already updated sub-groups leaves the tier partly updated."""
+        p, self._pass = self._pass, None
+        if p is None:
+            return
+        p.cancelled = True
+        if p.done:
+            self._fail(RuntimeError(f"a step was dropped after updating {len(p.done)} sub-groups"))
+        for fut in p.reads.values():
+            fut.cancel()
+        for k in sorted(p.reads):  # in order: the read thread runs them in order, each may wait for a slot
+            fut = p.reads[k]
+            if _exception(fut) is None and not fut.cancelled():
+                rec = fut.result()
+                if rec is not None:
+                    self.store.release(rec)
+        for _, w in p.writes:
+            exc = _exception(w)
+            if exc is not None:
+                self._fail(exc)
 
     def _load(self, sg: SubGroup, rec: Record) -> Record:
         """Read ``sg`` into ``rec`` (the I/O thread's job); the slot goes back if the read fails."""
@@ -280,116 +598,6 @@ class OptimizerOffload:
             self.store.release(rec)
             raise
         return rec
-
-    def _walk(
-        self,
-        order: Sequence[SubGroup],
-        work: Callable[[SubGroup, Record], None],
-        *,
-        read: bool,
-        write: bool = True,
-        record: bool = True,
-        ahead: dict[int, Future[Record]] | None = None,
-        defer: bool = False,
-    ) -> None:
-        """Run ``work`` on each sub-group of ``order`` in turn with its record in a slot: reads ahead (while
-        slots are free) on the read thread, write-backs behind on the write thread (``write``: the record
-        goes back to the tier; ``record``: the figures become :attr:`last`; ``ahead``: reads of the first
-        sub-groups already issued, by :meth:`_read_ahead`; ``defer``: the write-backs still running at the
-        end are left to finish behind the next forward and backward, :attr:`_behind`)."""
-        self._settle_behind()
-        if ahead:  # the reads ahead take their slots before this walk takes any (else it could starve them)
-            for taken in self._ahead_taken:
-                taken.wait()
-        self._ahead_taken = []
-        store = self.store
-        t_start = time.perf_counter()
-        read_s0 = self._read_mark if ahead else store.read_seconds
-        mark = self._write_mark if record else None
-        write_s0 = mark if mark is not None else store.write_seconds
-        self._write_mark = None
-        moved = {"bytes_read": 0.0, "bytes_written": 0.0}  # of this walk's records (also those read ahead for it)
-        swapped = isinstance(store, NvmeStore)  # records that really move (the CPU tier's stay where they are)
-        waits = {"read_wait": 0.0, "write_wait": 0.0, "compute": 0.0}
-        reads: dict[int, Future[Record]] = dict(ahead or {})
-        writes: list[tuple[int, Future[None]]] = []
-        issued = len(reads)  # sub-groups whose read was issued (in order: the ahead ones are the first)
-        if not read:
-            self._drop_ahead()
-
-        def save(sg: SubGroup, rec: Record) -> None:
-            try:
-                store.write(sg, rec)
-            finally:
-                store.release(rec)
-
-        def issue(j: int, block: bool) -> bool:
-            rec = store.acquire(order[j], block)
-            if rec is None:
-                return False
-            if read:
-                reads[j] = self._reader.submit(self._load, order[j], rec)
-            else:
-                done: Future[Record] = Future()
-                done.set_result(rec)
-                reads[j] = done
-            return True
-
-        try:
-            for i, sg in enumerate(order):
-                t0 = time.perf_counter()
-                if issued <= i:
-                    issue(i, block=True)
-                    issued = i + 1
-                if read and self.pipeline_read:
-                    while issued < len(order) and issued <= i + store_slots(store) and issue(issued, block=False):
-                        issued += 1
-                rec = reads.pop(i).result()
-                if read and swapped:
-                    moved["bytes_read"] += rec.nbytes
-                t1 = time.perf_counter()
-                waits["read_wait"] += t1 - t0
-                try:
-                    work(sg, rec)
-                except BaseException:
-                    store.release(rec)
-                    raise
-                t2 = time.perf_counter()
-                waits["compute"] += t2 - t1
-                if not write:
-                    store.release(rec)
-                    continue
-                if swapped:
-                    moved["bytes_written"] += rec.nbytes
-                fut = self._writer.submit(save, sg, rec)
-                writes.append((sg.index, fut))
-                if not self.pipeline_write:
-                    fut.result()
-                    waits["write_wait"] += time.perf_counter() - t2
-                while writes and writes[0][1].done():  # a failed write-back stops the step here
-                    writes.pop(0)[1].result()
-            if defer:
-                self._behind, writes = writes, []
-            t3 = time.perf_counter()
-            for _, w in writes:
-                w.result()
-            waits["write_wait"] += time.perf_counter() - t3
-        finally:
-            _settle([*reads.values(), *(w for _, w in writes)])  # no buffer reused while I/O may touch it
-            for pending in reads.values():
-                if pending.done() and pending.exception() is None:
-                    store.release(pending.result())
-        if not record:
-            return
-        if defer:  # the time of write-backs still running counts towards the next step
-            self._write_mark = store.write_seconds
-        self.last = {
-            "seconds": time.perf_counter() - t_start,
-            **moved,
-            "io_read": store.read_seconds - read_s0,  # seconds the read thread was busy (hidden or waited for)
-            "io_write": store.write_seconds - write_s0,
-            **waits,
-        }
 
     def describe(self) -> dict[str, Any]:
         """The tier's shape, for logs and reports."""
@@ -402,17 +610,22 @@ class OptimizerOffload:
                 "slot_bytes": self.store.slot_bytes,
                 "pool_bytes": self.store.pool_bytes,
                 "budget": self.store.budget,
-                "read_ahead": len(self._ahead),  # the next step's records already being read
-                "write_behind": sum(not f.done() for _, f in self._behind),  # the last step's, still running
+                "read_ahead": self._read_ahead(),  # the next step's records being read (or read) already
+                "write_behind": sum(not f.done() for f in self._behind.values()),  # the last step's, still running
+                "host_bytes": self.store.pool_bytes,
             }
         else:
-            out["resident_bytes"] = self.store.resident_bytes
+            out["resident_bytes"] = out["host_bytes"] = self.store.resident_bytes
+        out["pinned_bytes"] = out["host_bytes"] if self.store.pinned else 0
         return out
+
+    def _read_ahead(self) -> int:
+        p = self._pass
+        return 0 if p is None else len(p.reads)
 
     def close(self) -> None:
         """Stop the I/O threads, close the tier and remove the swap directory (idempotent)."""
-        self._settle_behind()
-        self._drop_ahead()
+        self._quiesce()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()

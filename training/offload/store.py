@@ -88,6 +88,7 @@ class HostStore:
     def __init__(self, subgroups: Sequence[SubGroup], *, pin: bool, alignment: int = 4096) -> None:
         self.subgroups = list(subgroups)
         self.alignment = alignment
+        self.pinned = bool(pin)  # page-locked host buffers (only where a GPU exists)
         self._records: list[Record] = []
         for sg in self.subgroups:
             stride = round_up(sg.numel * FP32, alignment)
@@ -153,6 +154,7 @@ class NvmeStore:
         self.block = max(self.alignment, self.aio.block_size // self.alignment * self.alignment)
         self._engine = create_engine(self.aio)
         self._pin = pin
+        self.pinned = bool(pin)  # page-locked slots (only where a GPU exists)
         self._free: list[AlignedBuffer] = []
         self._created = 0
         self._cond = threading.Condition()

@@ -58,6 +58,22 @@ class _Pending:
     keep: torch.Tensor | None = None  # the send buffer, alive until the collective completes
 
 
+@dataclass
+class _Early:
+    """An offloaded update armed for the step's last backward (:meth:`ZeroOptimizer.prepare_step`)."""
+
+    scale: float  # step()'s gradient scale
+    casts: list[torch.Tensor | None]  # where the update writes each group's compute-dtype weights
+    members: dict[tuple[int, int], list[int]]  # (group, member) -> the sub-groups it overlaps
+    waiting: list[int]  # per sub-group: members whose gradient is not final yet (0: handed over)
+
+
+def _finished(work: Any) -> bool:
+    """Whether a collective's work handle has completed (a handle without ``is_completed`` is done)."""
+    check = getattr(work, "is_completed", None)
+    return True if check is None else bool(check())
+
+
 class ZeroOptimizer:
     """Owns a module's parameters' optimizer state (and at stage 3 the parameters) as flat partitions.
 
@@ -162,6 +178,7 @@ class ZeroOptimizer:
             raise
         self._counted = self._norm_ranges()
         self._inflight: list[_Pending] = []
+        self._early: _Early | None = None  # an offloaded update armed to run during backward (prepare_step)
         self._reset_buckets()
         self.gatherer: ParamGatherer | None = None
         if self.stage == 3:
@@ -353,6 +370,8 @@ class ZeroOptimizer:
                 self._inflight.append(_Pending(g, i, out, work, keep=inp))
                 assert self.gatherer is not None
                 self.gatherer.release(p)  # type: ignore[arg-type]
+                if self._early is not None:
+                    self._absorb_finished()
 
     def _launch_bucket(self, g: int, k: int) -> None:
         buf = self._buckets[g][k]
@@ -374,14 +393,103 @@ class ZeroOptimizer:
                 if job.key == self.plans[job.group].rank:  # the bucket this rank owns
                     self.grad_acc[job.group].add_(job.out)
             else:
-                off = self.plans[job.group].offsets[job.key]
-                self.grad_acc[job.group][off : off + job.out.numel()].add_(job.out)
+                self._absorb(job)
         self._inflight.clear()
         if self.stage == 2:
             self._reset_buckets()
         if self.gatherer is not None:
             self.gatherer.release_all()
         self._micro += 1
+        if self._early is not None:  # every gradient is final now (also of sub-groups some member got none for)
+            self._hand_over([sg for sg, left in enumerate(self._early.waiting) if left > 0])
+
+    def _absorb(self, job: _Pending) -> None:
+        """Stage 3: add a finished reduction (member ``job.key`` of group ``job.group``) to the gradient buffer."""
+        off = self.plans[job.group].offsets[job.key]
+        self.grad_acc[job.group][off : off + job.out.numel()].add_(job.out)
+        early = self._early
+        if early is not None:
+            done = []
+            for sg in early.members[(job.group, job.key)]:
+                early.waiting[sg] -= 1
+                if early.waiting[sg] == 0:
+                    done.append(sg)
+            self._hand_over(done)
+
+    def _absorb_finished(self) -> None:
+        """Armed: fold the reductions that have completed into the gradient buffer now (never waits)."""
+        left = []
+        for job in self._inflight:
+            if _finished(job.work):
+                job.work.wait()
+                self._absorb(job)
+            else:
+                left.append(job)
+        self._inflight = left
+
+    def _hand_over(self, indices: list[int]) -> None:
+        """Sub-groups whose gradients are final: scaled as :meth:`step` would, then given to the tier to update."""
+        early = self._early
+        if not indices or early is None:
+            return
+        assert self.offload is not None
+        for i in indices:
+            early.waiting[i] = 0
+            sg = self.offload.subgroups[i]
+            self._grad_partition(sg.group)[sg.lo : sg.hi].mul_(early.scale)
+        self.offload.ready(indices)
+
+    # -- the offloaded update during backward (stage 3) ---------------------------------------------
+    def can_update_early(self) -> bool:
+        """Whether the offloaded update may run during the step's last backward pass (:meth:`prepare_step`):
+        ZeRO-3 with an optimizer tier that can, no gradient clipping and no loss scaling (each sub-group's
+        update then needs only its own gradients, so it can start as soon as backward has made them)."""
+        return (
+            self.offload is not None
+            and self.offload.can_update_early
+            and self.stage == 3
+            and self.param_tier is None
+            and self.scaler is None
+            and not (self.clip is not None and self.clip > 0)
+            and not self.tied
+        )
+
+    @torch.no_grad()
+    def prepare_step(self, lr: float | None = None) -> bool:
+        """Before the backward pass that ends the step's accumulation, with the ``lr`` :meth:`step` will get:
+        arm the offload tier so that each sub-group is updated (read, Adam, written back, its weights cast)
+        as soon as backward has finished its gradients, instead of all of them in :meth:`step`. The losses
+        and weights are bit-identical either way. False (and nothing armed) where :meth:`can_update_early`
+        is not; the weights change during that backward, so a checkpoint copy must be done before it."""
+        if not self.can_update_early():
+            return False
+        assert self.offload is not None
+        if self._early is not None:
+            raise RuntimeError("prepare_step twice without a step")
+        self._staged = None
+        scale = 1.0 / (self.dp.size * (self._micro + 1) * 1.0)  # step()'s scale, this pass included
+        casts = [self._cast_target(g) for g in range(len(self.plans))]
+        grads = [self._grad_partition(g) for g in range(len(self.plans))]
+        self.offload.begin_step(
+            grads,
+            casts,
+            adam=self.adam,
+            step=self.adam_step + 1,
+            lr=lr,
+            weight_decay=self.weight_decay,
+            grad_scale=1.0,
+        )
+        members: dict[tuple[int, int], list[int]] = {}
+        waiting = [0] * len(self.offload.subgroups)
+        for g, plan in enumerate(self.plans):
+            subs = self.offload.of_group(g)
+            for i in range(len(plan.names)):
+                lo, hi = plan.offsets[i], plan.offsets[i] + plan.param_part_size(i)
+                members[(g, i)] = [sg.index for sg in subs if sg.lo < hi and lo < sg.hi]
+                for sg in members[(g, i)]:
+                    waiting[sg] += 1
+        self._early = _Early(scale, casts, members, waiting)
+        return True
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """``loss.backward()`` (times the fp16 loss scale), then :meth:`finish_backward`.
@@ -427,10 +535,12 @@ class ZeroOptimizer:
                 self.tied_comm.all_reduce(self.grad_acc[g][off : off + self.plans[g].numels[i]])
             for acc in self.grad_acc:
                 self.dp.all_reduce(acc)
+        early, self._early = self._early, None
         scale = 1.0 / (self.dp.size * self._micro * (self.scaler.scale if self.scaler else 1.0))
         grads = [self._grad_partition(g) for g in range(len(self.plans))]
-        for gr in grads:
-            gr.mul_(scale)
+        if early is None:  # armed: every sub-group was scaled as backward handed it over
+            for gr in grads:
+                gr.mul_(scale)
         skipped = False
         if self.scaler is not None:
             bad = torch.zeros(1, device=self.device)
@@ -446,7 +556,7 @@ class ZeroOptimizer:
             if self.clip is not None and self.clip > 0:
                 coef = min(self.clip / (norm + 1e-6), 1.0)  # folded into the update's read of the gradient
             self.adam_step += 1
-            casts = [self._cast_target(g) for g in range(len(self.plans))]
+            casts = early.casts if early is not None else [self._cast_target(g) for g in range(len(self.plans))]
             if self.offload is not None:
                 self.offload.step(
                     grads,
@@ -568,6 +678,10 @@ class ZeroOptimizer:
         (such a run needs a restart anyway; a failure every rank saw leaves nothing unmatched).
         """
         self._inflight.clear()
+        if self._early is not None:  # an update armed for this step: abandoned (the tier says if it began)
+            self._early = None
+            assert self.offload is not None
+            self.offload.abort()
         self._reset_buckets()
         for p in self.params.values():
             p.grad = None

@@ -87,6 +87,8 @@ def test_nvme_offload_matches_in_memory_bit_for_bit(
             "compute",
             "io_read",
             "io_write",
+            "early",
+            "early_compute",
         }
         assert last["io_read"] > 0 and last["io_write"] > 0
         assert last["compute"] > 0 and last["seconds"] >= last["compute"]
