@@ -180,8 +180,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_worker(method: str, args: argparse.Namespace) -> int:
     """One of our methods in this process, served to the parent."""
-    from concurrent.futures import wait
-
     out = protocol_stream()
     from training import Engine
     from training.offload import OffloadConfig
@@ -193,10 +191,10 @@ def run_worker(method: str, args: argparse.Namespace) -> int:
     off = engine.optimizer.offload
 
     def drain() -> None:
-        # The write-backs the step left behind and the reads it started for the next step (private fields of
-        # training.offload.optimizer.OffloadedAdam; waiting leaves them in place, as the next step expects).
+        # The write-backs the step left behind and the reads it started for the next step (waiting leaves them
+        # in place, as the next step expects).
         if off is not None:
-            wait([f for _, f in off._behind] + list(off._ahead.values()))
+            off.wait_io()
 
     def parts() -> dict[str, float] | None:
         return dict(off.last) if off is not None else None
@@ -436,20 +434,24 @@ def report(
                 lines[-1] += f" {m} losses against ours: max relative difference {rel:.1e}."
     lines += [
         "",
-        "| method | step s | × memory | optimizer s | read wait s | Adam s | write wait s | I/O busy s | hidden "
-        "| read MB/step | written MB/step | swap GB/s | vs fio | peak RSS | locked |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | step s | × memory | optimizer s | read wait s | Adam s | in backward | write wait s | I/O busy s "
+        "| hidden | read MB/step | written MB/step | swap GB/s | vs fio | peak RSS | locked | tier host bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = step.get("memory")
     for m in methods:
         r, w = moved[m]
         f = parts.get(m)
         ratio = f"{step[m] / base:.2f}" if base else "–"
-        cells = ["–"] * 6
+        cells = ["–"] * 7
         rate = vs = "–"
+        tier = workers[m].ready.get("tier") or {}
+        host = format_size(tier["host_bytes"]) if "host_bytes" in tier else "–"
         if f:
             h = hidden(f)
-            cells = [f"{f['seconds']:.3f}", f"{f['read_wait']:.3f}", f"{f['compute']:.3f}", f"{f['write_wait']:.3f}"]
+            adam = f["compute"] + f.get("early_compute", 0.0)  # in step() and, armed, during backward
+            early = f"{f.get('early', 0.0):.0f}/{tier.get('subgroups', '?')}"
+            cells = [f"{f['seconds']:.3f}", f"{f['read_wait']:.3f}", f"{adam:.3f}", early, f"{f['write_wait']:.3f}"]
             cells += [f"{f['io_read'] + f['io_write']:.3f}", f"{h:.0%}" if h is not None else "–"]
             if r + w:
                 # the swap's own rate: the bytes over the seconds the I/O threads were busy, against fio's
@@ -460,7 +462,7 @@ def report(
             rate = f"{(r + w) / step[m] / 1e9:.2f} (per step s)"
         lines.append(
             f"| {m} | {step[m]:.3f} | {ratio} | {' | '.join(cells)} | {r / 1e6:.0f} | {w / 1e6:.0f} | {rate} | {vs} "
-            f"| {format_size(rss[m])} | {format_size(locked[m])} |"
+            f"| {format_size(rss[m])} | {format_size(locked[m])} | {host} |"
         )
     lines += ["", *targets(step, parts, moved, rss, locked, fio_r, fio_w)]
     lines += param_lines(args, methods, step, parts, moved, rss, locked)
@@ -526,7 +528,7 @@ def targets(
     if "nvme" in parts and "cpu" in parts:
         r, w = moved["nvme"]
         move = r / (fio_r * 1e9) + w / (fio_w * 1e9)
-        adam = parts["cpu"]["compute"]
+        adam = parts["cpu"]["compute"] + parts["cpu"].get("early_compute", 0.0)
         bound = 1.2 * max(move, adam)
         got = parts["nvme"]["seconds"]
         out.append(
