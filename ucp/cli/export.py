@@ -93,6 +93,14 @@ def export_cmd(
             "default: those ucp convert recorded.",
         ),
     ] = None,
+    name_map: Annotated[
+        Optional[str],
+        typer.Option(
+            "--map",
+            help="hf: gpt-neox writes the training Engine's reference GPT as GPTNeoXForCausalLM (renamed "
+            "tensors, its config.json): the Hugging Face model that computes the same logits.",
+        ),
+    ] = None,
     tag: Annotated[
         Optional[str],
         typer.Option("--tag", help="ds-universal: the checkpoint folder under DST (default global_step<N>)."),
@@ -174,6 +182,7 @@ def export_cmd(
                     config=config,
                     tokenizer=tokenizer,
                     tag=tag,
+                    name_map=name_map,
                     **kwargs,
                 )
         except (ucp.CheckpointError, OSError) as exc:

@@ -161,10 +161,11 @@ def export(
     config: str | os.PathLike[str] | dict[str, Any] | None = None,
     tokenizer: str | os.PathLike[str] | None = None,
     tag: str | None = None,
+    name_map: str | None = None,
     **zarr_options: Any,
 ) -> ExportReport:
     """``ucp export SRC DST [--format hf|zarr|ds-universal] [--section] [--dtype] [--max-shard-size] [--config]
-    [--tokenizer] [--tag] [--memory-budget] ...`` (see :func:`ucp.conversion.exporters.export`; ``zarr_options``:
+    [--tokenizer] [--map] [--tag] [--memory-budget] ...`` (see :func:`ucp.conversion.exporters.export`; ``zarr_options``:
     ``compressor``, ``level``, ``chunk_bytes``).
     The destination is checked against the source before anything is read, as the command does."""
     from ucp.conversion.exporters import export as _export
@@ -186,5 +187,6 @@ def export(
         config=config,
         tokenizer=tokenizer,
         tag=tag,
+        name_map=name_map,
         **zarr_options,
     )

@@ -132,3 +132,38 @@ def test_config_that_disagrees_with_the_shapes_names_the_tensor(tmp_path: Path) 
         ucp.export(ckpt, out, tokenizer=tmp_path)
     with pytest.raises(ucp.CheckpointError, match="apply to format 'hf' only"):
         ucp.export(ckpt, tmp_path / "z", format="zarr", config=wrong)
+
+
+def test_reference_gpt_exports_as_gpt_neox_with_its_logits(tmp_path: Path) -> None:
+    """The training Engine's reference GPT has no config.json of its own: ``--map gpt-neox`` writes GPT-NeoX's
+    (the Hugging Face model that computes it), renames its tensors and regroups the fused QKV rows per
+    head; from_pretrained then gives the reference GPT's logits on the same (padded-vocabulary) weights."""
+    from training import Engine
+    from training.models import GPT
+
+    engine = Engine("tiny", micro_batch=2, seq_len=16)
+    engine.train_step()
+    manager = ucp.CheckpointManager(tmp_path / "ck")
+    engine.save(manager)
+    path = manager.path(1)
+    plain = ucp.export(path, tmp_path / "plain")  # without --map: the reference names, no config.json
+    assert plain.config is None and "embed.weight" in load_file(str(tmp_path / "plain" / "model.safetensors"))
+    result = CliRunner().invoke(app, ["export", str(path), str(tmp_path / "hf"), "--map", "gpt-neox", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "GPTNeoXForCausalLM" in json.loads(result.stdout)["config"]
+    weights = ucp.load(path)["model"]
+    padded = engine.cfg.model.model_copy(update={"vocab_size": weights["embed.weight"].shape[0]})
+    reference = GPT(padded, seed=None)
+    reference.load_state_dict(weights)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(hf) is transformers.GPTNeoXForCausalLM
+    x = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(x), hf(input_ids=x).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+    gqa = engine.cfg.model.model_copy(update={"n_kv_head": 2})
+    meta = {"model": gqa.model_dump(mode="json")}
+    ucp.save({"model": GPT(gqa, seed=0).state_dict()}, tmp_path / "gqa", metadata=meta)
+    with pytest.raises(ucp.CheckpointError, match=r"n_kv_head=2 < n_head=4 \(GQA\) has no Hugging Face twin"):
+        ucp.export(tmp_path / "gqa", tmp_path / "hf2", name_map="gpt-neox")

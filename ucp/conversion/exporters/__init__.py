@@ -64,6 +64,7 @@ def export(
     config: str | os.PathLike[str] | dict[str, Any] | None = None,
     tokenizer: str | os.PathLike[str] | None = None,
     tag: str | None = None,
+    name_map: str | None = None,
     **zarr_options: Any,
 ) -> ExportReport:
     """Export checkpoint ``src`` to ``dst`` (a local directory, created; replaced only with ``overwrite``).
@@ -79,7 +80,8 @@ def export(
     hf only: ``config`` (a config.json file, a folder holding one, or a dict; default: the checkpoint's
     ``metadata.hf_config``) is written as ``config.json`` after a check that it builds a model of the
     exported tensors' shapes (:mod:`.hf_model`); ``tokenizer``: a folder whose tokenizer files are
-    copied (default: those recorded by ``ucp convert``). ds-universal only: ``tag``, the folder under
+    copied (default: those recorded by ``ucp convert``); ``name_map="gpt-neox"``: the training Engine's
+    reference GPT renamed to ``GPTNeoXForCausalLM`` with its config (:mod:`.gpt_map`). ds-universal only: ``tag``, the folder under
     ``dst`` (default ``global_step<N>``); see :mod:`.ds_universal`.
     """
     from ucp.store.reader import check_data_files, read_manifest
@@ -94,9 +96,13 @@ def export(
         raise ExportError("max_shard_size applies to format 'hf' only")
     if format != "zarr" and zarr_options:
         raise ExportError(f"options {sorted(zarr_options)} apply to format 'zarr' only")
-    given = [k for k, v in (("config", config), ("tokenizer", tokenizer)) if v is not None]
+    given = [k for k, v in (("config", config), ("tokenizer", tokenizer), ("name_map", name_map)) if v is not None]
     if format != "hf" and given:
         raise ExportError(f"options {given} apply to format 'hf' only")
+    if name_map not in (None, "gpt-neox"):
+        raise ExportError(f"name_map: unknown map {name_map!r} (gpt-neox: the reference GPT as GPTNeoXForCausalLM)")
+    if name_map is not None and config is not None:
+        raise ExportError("name_map writes its own config.json: give config or name_map, not both")
     if format != "ds-universal" and tag is not None:
         raise ExportError("tag applies to format 'ds-universal' only")
     if format == "ds-universal" and (section is not None or dtype is not None):
@@ -142,13 +148,24 @@ def export(
             )
         selection = select_tensors(manifest, section, dtype=cast)
         model_files = None
+        transforms: dict[str, Any] = {}
+        aliases: dict[str, str] = {}
         if format == "hf":
-            from ucp.conversion.exporters import hf_model
+            from ucp.conversion.exporters import gpt_map, hf_model
 
             model_files = hf_model.resolve(manifest, config=config, tokenizer=tokenizer, src=_describe(src))
+            if name_map is not None:  # the training Engine's reference GPT as GPT-NeoX (the same logits)
+                gpt = gpt_map.reference_gpt(manifest.metadata)
+                if gpt is None:
+                    raise ExportError(
+                        f"name_map {name_map!r}: {_describe(src)} records no reference-GPT config (metadata.model)"
+                    )
+                selection, transforms, model_files.config = gpt_map.plan(gpt, selection)
+                model_files.config_source = f"{_describe(src)}/manifest.json metadata.model ({gpt_map.ARCH})"
+                aliases = gpt_map.CHECK_ALIASES
             if model_files.config is not None:  # before anything is written
                 shapes = {t.out_name: t.shape for t in selection.tensors}
-                hf_model.check_shapes(model_files.config, shapes, where=str(model_files.config_source))
+                hf_model.check_shapes(model_files.config, shapes, where=str(model_files.config_source), aliases=aliases)
         with staged_dir(Path(dst), overwrite=overwrite) as out_dir:
             if format == "hf":
                 from ucp.conversion.exporters.hf import export_hf
@@ -163,6 +180,7 @@ def export(
                     budget=budget,
                     verify=verify,
                     progress=progress,
+                    transforms=transforms,
                 )
                 assert model_files is not None
                 files += hf_model.write(out_dir, model_files)

@@ -20,7 +20,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from aio import AioConfig, shared_handle
 from ucp.conversion.exporters.options import ExportError
@@ -82,8 +82,11 @@ def export_hf(
     budget: int,
     verify: bool,
     progress: Progress | None = None,
+    transforms: Mapping[str, Callable[[Any], Any]] | None = None,
 ) -> list[str]:
-    """Write ``selection`` into ``out_dir``; returns the file names written (index last)."""
+    """Write ``selection`` into ``out_dir``; returns the file names written (index last).
+    ``transforms``: by output name, a function of a tensor's bytes returning the bytes to write instead
+    (the same length: a reordering, as :mod:`.gpt_map` does to a fused QKV)."""
     for t in selection.tensors:
         if t.out_name == "__metadata__":  # safetensors' own header key: the file would not parse
             raise ExportError(
@@ -114,7 +117,10 @@ def export_hf(
                 got, value = next(values)
                 assert got is t, "tensors are read in file order"
                 if t.entry.numel:
-                    w.write(_bytes(value))
+                    data = _bytes(value)
+                    if transforms and t.out_name in transforms:
+                        data = transforms[t.out_name](data)
+                    w.write(data)
                 del value
                 done += t.out_nbytes
                 if progress is not None:

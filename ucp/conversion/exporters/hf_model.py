@@ -119,9 +119,17 @@ def resolve(
     return out
 
 
-def check_shapes(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], *, where: str) -> None:
+def check_shapes(
+    config: dict[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    where: str,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
     """ExportError unless the model ``config`` describes has exactly the tensors ``shapes`` lists (a tied
-    parameter needs one of its names). Built by ``transformers`` on the meta device; skipped without it."""
+    parameter needs one of its names). Built by ``transformers`` on the meta device; skipped without it.
+    ``aliases``: exported name -> the name the installed transformers gives that tensor, where they differ
+    (``from_pretrained`` renames it on load)."""
     try:
         import torch
         import transformers
@@ -142,9 +150,13 @@ def check_shapes(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], 
         raise ExportError(f"config {where}: transformers cannot build the model from it: {exc}") from None
     arch = type(model).__name__
     expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
-    aliases: dict[int, list[str]] = {}
+    shapes = {
+        (aliases[n] if aliases and n in aliases and n not in expected and aliases[n] in expected else n): s
+        for n, s in shapes.items()
+    }
+    tied: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
+        tied.setdefault(id(p), []).append(name)
     problems: list[str] = []
     for name, shape in shapes.items():
         if name not in expected:
@@ -153,7 +165,7 @@ def check_shapes(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], 
             problems.append(
                 f"tensor {name!r}: the checkpoint holds shape {list(shape)}, {arch} expects {list(expected[name])}"
             )
-    for names in aliases.values():
+    for names in tied.values():
         if not any(n in shapes for n in names):
             problems.append(f"{arch} parameter {names[0]!r} (shape {list(expected.get(names[0], ()))}) is not exported")
     if problems:
