@@ -34,11 +34,14 @@ UNWRAPPED_WIDTH = 10_000
 
 
 def make_console(*, stderr: bool = False) -> Console:
-    """A console on stdout (or stderr): the terminal's width on a terminal, else never wrapped."""
+    """A console on stdout (or stderr): the terminal's width on a terminal, else never wrapped.
+
+    No emoji codes: names, paths and messages are printed as they are (``:smile:`` in a tensor name stays
+    that), and rich's table of codes is not even imported."""
     stream = sys.stderr if stderr else sys.stdout
     if stream is not None and stream.isatty():
-        return Console(stderr=stderr)
-    return Console(stderr=stderr, width=UNWRAPPED_WIDTH, soft_wrap=True)
+        return Console(stderr=stderr, emoji=False)
+    return Console(stderr=stderr, width=UNWRAPPED_WIDTH, soft_wrap=True, emoji=False)
 
 
 # Human output goes to stdout; progress and errors to stderr, so `--json` stdout stays parseable.

@@ -132,6 +132,7 @@ def test_outputs_are_complete_and_no_heavy_module_is_imported(
     others = {f"ucp.cli.{name}" for name in ("demo", "bench", "tune", "inspect", "ls", "infer", *COMMANDS)}
     assert not modules & (others - {f"ucp.cli.{command}"}), "another command's module imported"
     assert "rich.progress" not in modules  # no bar on a pipe: not even its module
+    assert "rich._emoji_codes" not in modules  # no emoji codes: names print as they are
     if command in ("verify", "export"):  # reading a manifest needs the box math, not the layout language
         assert "reshard.box" in modules and "reshard.layout" not in modules
     word = {"reshape": "reshaped", "convert": "converted", "export": "exported", "verify": "OK"}[command]
