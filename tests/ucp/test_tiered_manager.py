@@ -3,13 +3,16 @@ retention, and a restore from the remote tier when the local copy is gone or dam
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import torch
 from s3_endpoint import object_keys, s3_bucket, s3_server  # noqa: F401
+from typer.testing import CliRunner
 
 import ucp
+from ucp.cli.main import app
 
 
 def state(step: int) -> dict:
@@ -28,6 +31,11 @@ def test_tiered_saves_replicate_and_restore_from_the_remote_tier(s3_server, s3_b
         assert m.remote_manager().latest() == 3
         out = m.load()
         assert m.loaded_from == m.root and m.loaded_step == 3 and torch.equal(out["w"], state(3)["w"])
+        # ucp ls shows both tiers and what is replicated
+        result = CliRunner().invoke(app, ["ls", str(tmp_path / "ckpt"), "--remote", remote, "--json"])
+        doc = json.loads(result.stdout)
+        assert [(c["step"], c["replicated"]) for c in doc["checkpoints"]] == [(3, True)]
+        assert doc["remote"]["latest"] == 3 and [c["step"] for c in doc["remote"]["checkpoints"]] == [2, 3]
     keys = object_keys(s3_server, s3_bucket)
     assert "run/latest" in keys and not any(".ucp-saving" in k for k in keys)
 

@@ -56,6 +56,14 @@ def ls_cmd(
         bool, typer.Option("--json", help="Print one JSON object on stdout instead of the table.")
     ] = False,
     storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
+    remote: Annotated[
+        Optional[str],
+        typer.Option(
+            "--remote",
+            help="The remote tier of a tiered manager (CheckpointManager(remote=...)): list it too, and say which "
+            "local checkpoints are replicated there. --storage-options applies to it.",
+        ),
+    ] = None,
 ) -> None:
     """List the checkpoints under ROOT: step, size, status (complete / saving / temp leftovers ...), latest.
 
@@ -63,25 +71,49 @@ def ls_cmd(
     are leftovers of interrupted saves, removed by the next save. ROOT may be an s3:// URL. Exit code 2 when
     ROOT is not a local directory or object-store prefix, or is one checkpoint rather than a root (see ucp inspect).
     """
-    from rich.table import Table
+    options = parse_storage_options(storage_options)
+    doc = _tier(root, options)
+    replicated: set[int] | None = None
+    if remote is not None:
+        doc["remote"] = _tier(remote, options)
+        replicated = {c.step for c in doc["remote"]["infos"] if c.status == "complete"}
+        for c in doc["checkpoints"]:
+            c["replicated"] = c["status"] == "complete" and c["step"] in replicated
+    if json_output:
+        doc.pop("infos")
+        if remote is not None:
+            doc["remote"].pop("infos")
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    _print_tier(doc, replicated)
+    if remote is not None:
+        out.print("")
+        _print_tier(doc["remote"], None)
 
+
+def _tier(root: str, options: dict | None) -> dict:
+    """One tier's listing: the ``--json`` document (and its entries as ``infos``)."""
     if "://" in root:
-        infos, pointer = _list_url(root, parse_storage_options(storage_options))
+        infos, pointer = _list_url(root, options)
     else:
         infos, pointer = _list_local(root)
     latest, note = resume_latest(root, infos, pointer)
     if latest is not None and not latest.latest:
         infos = [i.model_copy(update={"latest": True}) if i is latest else i for i in infos]
-    if json_output:
-        doc = {
-            "root": root,
-            "latest": latest.step if latest else None,
-            "latest_pointer": {"step": pointer[0], "name": pointer[1]} if pointer else None,
-            "notes": [note] if note else [],
-            "checkpoints": [i.model_dump(mode="json") for i in infos],
-        }
-        typer.echo(json.dumps(doc, indent=2))
-        return
+    return {
+        "root": root,
+        "latest": latest.step if latest else None,
+        "latest_pointer": {"step": pointer[0], "name": pointer[1]} if pointer else None,
+        "notes": [note] if note else [],
+        "checkpoints": [i.model_dump(mode="json") for i in infos],
+        "infos": infos,
+    }
+
+
+def _print_tier(doc: dict, replicated: set[int] | None) -> None:
+    from rich.table import Table
+
+    root, infos, note = doc["root"], doc["infos"], (doc["notes"] or [None])[0]
     if not infos:
         out.print(f"no checkpoints under {escape(root)}", highlight=False)
         return
@@ -100,11 +132,16 @@ def ls_cmd(
     table.add_column("status")
     table.add_column("created (UTC)")
     table.add_column("latest")
+    if replicated is not None:
+        table.add_column("replicated")
     for i in infos:
         status = f"[{styles[i.status]}]{i.status}[/]"
         created = i.created.strftime("%Y-%m-%d %H:%M:%S") if i.created else ""
         mark = "← latest" if i.latest else ""
-        table.add_row(str(i.step), escape(i.name), format_size(i.size), status, created, mark)
+        row = [str(i.step), escape(i.name), format_size(i.size), status, created, mark]
+        if replicated is not None:
+            row.append("yes" if i.status == "complete" and i.step in replicated else "[yellow]no[/]")
+        table.add_row(*row)
     out.print(table)
     if note:
         out.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
