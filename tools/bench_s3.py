@@ -6,10 +6,13 @@
 One run against one loopback S3 server (moto's, ``tools/s3_server.py``; every client reaches it
 through ``AWS_ENDPOINT_URL`` and the AWS credential variables, as it would reach AWS S3 or MinIO):
 
-* **ceiling**: the server's own limit for these bytes: the same number of bytes as one object,
-  written as a parallel multipart upload (``--part-size``, ``--concurrency``) and read back by
-  parallel ranged GETs into one preallocated buffer, with obstore (the client that measured
-  fastest here: docs/object-stores.md);
+* **ceiling**: the server's own limit for these bytes, with obstore (the client that measured
+  fastest here: docs/object-stores.md), two ways: the same number of bytes as one object written
+  as a parallel multipart upload (``--part-size``, ``--concurrency``) and read back by parallel
+  ranged GETs (``--read-size``) into one preallocated buffer (the ceiling the ratios are to: what a
+  client moving these bytes in parallel gets); and, for comparison, as one PUT and one GET (moto
+  copies a whole object per request and serializes the requests on one object, so there a single
+  request is fastest, unlike on S3, where one connection is the bottleneck);
 * **ucp**: ``ucp.save(state, "s3://...")`` and ``ucp.load(url, into=state_like)``;
 * **dcp-s3fs**: ``torch.distributed.checkpoint.save`` / ``load`` with its ``FsspecWriter`` /
   ``FsspecReader`` on s3fs (``--dcp-threads`` writer threads);
@@ -108,6 +111,21 @@ def ceiling(bucket: str, nbytes: int, part: int, concurrency: int, read: int) ->
     return {"save_s": put_s, "load_s": get_s, "ok": bool((out == data).all())}
 
 
+def ceiling_single(bucket: str, nbytes: int) -> Result:
+    """Raw single-request PUT and GET of ``nbytes`` as one object (moto copies a whole object per request
+    and serializes requests on one object, so there this can beat the parallel variant)."""
+    import numpy as np
+    import obstore
+
+    from ucp.store.s3 import S3Options, make_store
+
+    store = make_store(bucket, S3Options())
+    data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    put_s, _ = timed(lambda: obstore.put(store, "ceiling1", data.data, use_multipart=False))
+    get_s, got = timed(lambda: obstore.get(store, "ceiling1").bytes())
+    return {"save_s": put_s, "load_s": get_s, "ok": bytes(memoryview(got)) == data.tobytes()}
+
+
 def ucp_method(bucket: str, state: dict[str, Any], part: int, concurrency: int, read: int) -> Result:
     import ucp
 
@@ -184,9 +202,10 @@ def main() -> None:
     nbytes = sum(v.numel() * 4 for v in state.values())
     methods: list[tuple[str, Callable[[], Result]]] = [
         (
-            "ceiling (raw obstore PUT/GET)",
+            "ceiling: raw parallel multipart PUT / ranged GETs",
             lambda: ceiling(bucket, nbytes, args.part_size, args.concurrency, args.read_size),
         ),
+        ("ceiling: raw single PUT / GET", lambda: ceiling_single(bucket, nbytes)),
         ("ucp", lambda: ucp_method(bucket, state, args.part_size, args.concurrency, args.read_size)),
     ]
     for t in args.dcp_threads:
@@ -211,7 +230,7 @@ def main() -> None:
 
     from ucp.bench.report import cpu_model, source_commit
 
-    ceil = results.get("ceiling (raw obstore PUT/GET)", {})
+    ceil = results.get("ceiling: raw parallel multipart PUT / ranged GETs", {})
     dcp = results.get(f"dcp-s3fs, {args.dcp_threads[0]} thread(s)", {})
     print(
         f"{datetime.now(timezone.utc):%Y-%m-%d}, commit {source_commit() or '?'}, {cpu_model()}, "
