@@ -1,16 +1,16 @@
 """kill -9 of a process saving to an object store, at random moments (tests/ucp/test_s3_manager.py).
 
 ``python s3_kill_worker.py URL TRIALS SEED`` (the AWS variables point at the server). Each trial
-forks a child that saves step after step through ``CheckpointManager(URL, keep_last=2)`` (sync saves
-and asynchronous ones, two trials each in turn), reporting each step whose save returned; the
-worker SIGKILLs it at a random moment (up to 0.5 s after it connected in even trials, after its
-first save returned in odd ones, so a previous checkpoint exists whatever the machine's load),
-then forks a checker that looks at the root as a restarting
-job would. The checker fails the trial when a step prefix that load accepts holds anything but that
-step's exact state, when one load refuses is not refused as "not a checkpoint", or when the manager
-resumes from a step older than the last one a save returned (a lost checkpoint). Prints one JSON
-line per trial; exit 0 when every trial held. This process itself never talks to the store (its
-children do, each after its own fork), so no client runtime is forked mid-flight.
+forks a child that saves step after step through ``CheckpointManager(URL, keep_last=1)`` (so kills
+land in retention too), synchronously or asynchronously (two trials each in turn), reporting each
+step whose save returned. The worker SIGKILLs it at a random moment: up to 0.5 s after it
+connected in even trials, and up to 0.5 s after its first save returned in odd ones (so a previous
+checkpoint exists whatever the machine's load). Then it forks a checker that looks at the root as
+a restarting job would, and fails the trial when a step prefix that load accepts holds anything
+but that step's exact state, when one that load refuses is not refused as "not a checkpoint", or
+when a resume would take a step older than the last one a save returned (a lost checkpoint).
+Prints one JSON line per trial; exit 0 when every trial held. This process itself never talks to
+the store (its children do, each after its own fork), so no client runtime is forked mid-flight.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def expected(step: int) -> dict:
 def saver(url: str, first: int, asynchronous: bool, out: int) -> None:
     import ucp
 
-    manager = ucp.CheckpointManager(url, keep_last=2, async_save=asynchronous, storage_options=OPTS)
+    manager = ucp.CheckpointManager(url, keep_last=1, async_save=asynchronous, storage_options=OPTS)
     manager.list()  # connected: the kill's clock starts now
     os.write(out, b"ready\n")
     step = first
