@@ -10,6 +10,7 @@ DeepSpeed config, at any world size and ZeRO stage (1, 2 or 3)::
 
     dst/latest_universal                       the tag, e.g. global_step3
     dst/<tag>/mp_rank_00_model_states.pt       module weights, param_shapes, global_steps, dp_world_size...
+    dst/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   the same without the weights (ZeRO-3 reads it)
     dst/<tag>/zero/optimizer_state.pt          ds_version, param_groups (lr, betas, eps, weight_decay),
                                                optimizer_state_dict.state[0].step (read by ZeRO-3)
     dst/<tag>/zero/<param>/fp32.pt             {"param": fp32 master in its shape, "cat_dim": 0}
@@ -164,29 +165,30 @@ def export_ds_universal(
         },
         zero / "optimizer_state.pt",
     )
-    save(
-        {
-            "module": module,
-            "buffer_names": buffers,
-            "optimizer": None,
-            "param_shapes": [OrderedDict((n, torch.Size(weights[n].shape)) for n in order)],
-            "frozen_param_shapes": None,
-            "shared_params": {},
-            "frozen_param_fragments": None,
-            "lr_scheduler": None,
-            "data_sampler": None,
-            "random_ltd": None,
-            "sparse_tensor_module_names": set(),
-            "skipped_steps": int(_value(manifest, "skipped_steps", 0) or 0),
-            "global_steps": int(step),
-            "global_samples": int(step),
-            "dp_world_size": world,
-            "mp_world_size": 1,
-            "ds_config": {},
-            "ds_version": DS_VERSION,
-        },
-        root / "mp_rank_00_model_states.pt",
-    )
+    model_states: dict[str, Any] = {
+        "module": module,
+        "buffer_names": buffers,
+        "optimizer": None,
+        "param_shapes": [OrderedDict((n, torch.Size(weights[n].shape)) for n in order)],
+        "frozen_param_shapes": None,
+        "shared_params": {},
+        "frozen_param_fragments": None,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": int(_value(manifest, "skipped_steps", 0) or 0),
+        "global_steps": int(step),
+        "global_samples": int(step),
+        "dp_world_size": world,
+        "mp_world_size": 1,
+        "ds_config": {},
+        "ds_version": DS_VERSION,
+    }
+    save(model_states, root / "mp_rank_00_model_states.pt")
+    # a ZeRO-3 engine looks its model states up under ZeRO-3's name (zero_pp_rank_0_mp_rank_*): the same
+    # counters and shapes, without the weights (ZeRO-3 takes them from zero/, and the file above has them)
+    save({**model_states, "module": OrderedDict()}, root / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     (out_dir / LATEST).write_text(tag)
     files.append(LATEST)
     return files, len(wanted) + len(module), total + sum(t.nbytes for t in weights.values())
