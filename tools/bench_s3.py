@@ -214,48 +214,51 @@ def main() -> None:
         methods.append(
             (f"dcp-s3torchconnector, {t} thread(s)", lambda t=t: dcp_s3torchconnector(bucket, state, server.url, t))  # type: ignore[misc]
         )
+    from ucp.bench.report import cpu_model, source_commit
+
+    print(
+        f"{datetime.now(timezone.utc):%Y-%m-%d}, commit {source_commit() or '?'}, {cpu_model()}, "
+        f"load at start {os.getloadavg()[0]:.1f}: `{' '.join(shlex.quote(a) for a in ['python', *sys.argv])}` "
+        f"({nbytes / 2**30:.2f} GiB in {args.tensors} fp32 tensors, part {args.part_size >> 20} MiB, "
+        f"read {args.read_size >> 20} MiB, concurrency {args.concurrency}; the ceiling is the parallel one, "
+        f"DCP-s3fs its first row)\n",
+        flush=True,
+    )
+    print(
+        "| method | save GB/s | load GB/s | save vs ceiling | load vs ceiling | save vs DCP-s3fs | load vs DCP-s3fs "
+        "| bit-exact |\n|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     results: dict[str, Result] = {}
-    for name, fn in methods:
+    ceiling_name, dcp_name = methods[0][0], f"dcp-s3fs, {args.dcp_threads[0]} thread(s)"
+    for name, fn in methods:  # each row printed as soon as it is measured: a peer that crashes loses only itself
         if any(s in name for s in args.skip):
             continue
         try:
             results[name] = fn()
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             traceback.print_exc(limit=3)
-            results[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+            results[name] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}"}
         clear(server, bucket)
-        r = results[name]
-        print(f"# {name}: {r}", file=sys.stderr, flush=True)
+        print(f"# {name}: {results[name]}", file=sys.stderr, flush=True)
+        print(row(name, results[name], results.get(ceiling_name, {}), results.get(dcp_name, {}), nbytes), flush=True)
     server.stop()
+    print(f"\nload at end {os.getloadavg()[0]:.1f}")
 
-    from ucp.bench.report import cpu_model, source_commit
 
-    ceil = results.get("ceiling: raw parallel multipart PUT / ranged GETs", {})
-    dcp = results.get(f"dcp-s3fs, {args.dcp_threads[0]} thread(s)", {})
-    print(
-        f"{datetime.now(timezone.utc):%Y-%m-%d}, commit {source_commit() or '?'}, {cpu_model()}, "
-        f"load {os.getloadavg()[0]:.1f}: `{' '.join(shlex.quote(a) for a in ['python', *sys.argv])}` "
-        f"({nbytes / 2**30:.2f} GiB in {args.tensors} fp32 tensors, part {args.part_size >> 20} MiB, "
-        f"read {args.read_size >> 20} MiB, concurrency {args.concurrency}; ratios to DCP are to its first row)\n"
+def row(name: str, r: Result, ceil: Result, dcp: Result, nbytes: int) -> str:
+    """One markdown row: GB/s each way and the ratios to the ceiling and to DCP on s3fs."""
+    if "error" in r:
+        return f"| {name} | — | — | — | — | — | — | could not run: {r['error']} |"
+    save, load = nbytes / r["save_s"] / 1e9, nbytes / r["load_s"] / 1e9
+
+    def ratio(ref: Result, key: str) -> str:
+        return f"{ref[key] / r[key]:.2f}x" if ref and "error" not in ref else "—"
+
+    return (
+        f"| {name} | {save:.3f} | {load:.3f} | {ratio(ceil, 'save_s')} | {ratio(ceil, 'load_s')} | "
+        f"{ratio(dcp, 'save_s')} | {ratio(dcp, 'load_s')} | {'yes' if r['ok'] else 'NO'} |"
     )
-    print(
-        "| method | save GB/s | load GB/s | save vs ceiling | load vs ceiling | save vs DCP-s3fs | load vs DCP-s3fs | bit-exact |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"| {name} | — | — | — | — | — | — | could not run: {r['error']} |")
-            continue
-        save, load = nbytes / r["save_s"] / 1e9, nbytes / r["load_s"] / 1e9
-
-        def ratio(ref: Result, key: str, mine: float) -> str:
-            return f"{ref[key] / mine:.2f}x" if ref and "error" not in ref else "—"
-
-        print(
-            f"| {name} | {save:.3f} | {load:.3f} | {ratio(ceil, 'save_s', r['save_s'])} | "
-            f"{ratio(ceil, 'load_s', r['load_s'])} | {ratio(dcp, 'save_s', r['save_s'])} | "
-            f"{ratio(dcp, 'load_s', r['load_s'])} | {'yes' if r['ok'] else 'NO'} |"
-        )
 
 
 if __name__ == "__main__":
