@@ -395,7 +395,10 @@ class Engine:
 
     def prepare_checkpoints(self, manager: ucp.CheckpointManager) -> int:
         """Allocate an asynchronous manager's staging now, so the first checkpoint does not pay for it
-        mid-training (:meth:`ucp.CheckpointManager.prepare`); call on every rank. Returns its bytes."""
+        mid-training (:meth:`ucp.CheckpointManager.prepare`); call on every rank. Returns its bytes (0 for a
+        synchronous manager, which stages nothing: offloaded state is not read from its tier for it)."""
+        if manager.saver is None:
+            return 0
         try:
             return manager.prepare(self.state_dict_for_checkpoint())
         finally:
