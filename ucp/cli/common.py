@@ -10,6 +10,7 @@ Exit codes, the same for every command (:func:`exit_code` maps an error to one):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import typer
 from rich.console import Console
@@ -185,8 +186,27 @@ def url_storage_options(text: str | None) -> dict[str, Any] | None:
     from ucp.store.storage import set_default_storage_options
 
     options = parse_storage_options(text)
-    set_default_storage_options(options)  # also None: a command run in-process leaves no options behind
+    set_default_storage_options(options)
     return options
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def scoped_url_options(command: F) -> F:
+    """Wrap a command that calls :func:`url_storage_options` so that its default ends with it (a command
+    run in-process, by tests or scripts, leaves no storage options behind for what runs next)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from ucp.store.storage import set_default_storage_options
+
+        try:
+            return command(*args, **kwargs)
+        finally:
+            set_default_storage_options(None)
+
+    return run  # type: ignore[return-value]
 
 
 STORAGE_OPTIONS_HELP = (

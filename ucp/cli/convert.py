@@ -25,6 +25,7 @@ from ucp.cli.common import (
     out,
     prefetching,
     progress_bar,
+    scoped_url_options,
     source_reads_start,
     url_storage_options,
 )
@@ -126,4 +127,4 @@ def _source_folder(src: str, source_format: str) -> str | None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("convert")(convert_cmd)
+    app.command("convert")(scoped_url_options(convert_cmd))

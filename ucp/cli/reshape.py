@@ -35,6 +35,7 @@ from ucp.cli.common import (
     out,
     prefetching,
     progress_bar,
+    scoped_url_options,
     source_reads_start,
     url_storage_options,
 )
@@ -207,4 +208,4 @@ def _run(src: str, dst: str, target, budget: int, workers: int, overwrite: bool,
 
 
 def register(app: typer.Typer) -> None:
-    app.command("reshape")(reshape_cmd)
+    app.command("reshape")(scoped_url_options(reshape_cmd))

@@ -75,3 +75,12 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
     return []
+
+
+def test_a_commands_storage_options_do_not_outlive_it(s3_bucket):  # noqa: F811
+    from ucp.store import storage
+
+    runner.invoke(
+        app, ["reshape", f"s3://{s3_bucket}/a", f"s3://{s3_bucket}/b", "--storage-options", '{"secret": "x"}']
+    )
+    assert storage._default_url_options is None
