@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         info = {"reused": str(work)}
     budget, overhead = parse_size(args.budget), parse_size(args.overhead)
+    head = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(head, capture_output=True, text=True).stdout.strip()  # the code measured, not HEAD after
+    load_before = open("/proc/loadavg").read().split()[:3]
     methods, dtypes = args.methods.split(","), args.dtypes.split(",")
     weights_file = work / "hf" / "model.safetensors"
     if not weights_file.exists():
@@ -358,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "model": info, "budget": args.budget, "overhead": args.overhead, "fio_gbps": fio, "rows": rows,
         "memory_limit": next((r.get("enforced") for rs in runs.values() for r in rs if r.get("enforced")), "none"),
-        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "uptime": open("/proc/loadavg").read().split()[:3],
+        "commit": commit, "uptime_before": load_before, "uptime": open("/proc/loadavg").read().split()[:3],
     }  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
