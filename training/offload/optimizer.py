@@ -56,6 +56,7 @@ class _Pass:
         self.ready_order: list[int] = []  # the same, in the order they became ready (an armed pass)
         self.update: Update | None = None  # the armed update (begin_step), else set by step
         self.step: int | None = None  # the Adam step it was armed for
+        self.updated: Callable[[SubGroup], None] | None = None  # told of each sub-group updated (armed)
         self.writes: list[tuple[int, Future[None]]] = []  # (sub-group index, write-back)
         self.cancelled = False
         self.moved = {"bytes_read": 0.0, "bytes_written": 0.0}
@@ -106,6 +107,7 @@ class OptimizerOffload:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-write")
         self._pass: _Pass | None = None  # the next (or current) step's pass, its reads perhaps running
         self._order = list(self.subgroups)  # the order the next pass reads in (learnt from armed passes)
+        self._learnt = False  # whether _order is one an armed pass recorded (else index order or a suggestion)
         self._behind: dict[int, Future[None]] = {}  # write-backs the last step left running, by sub-group
         self._read_mark = 0.0  # the store's read_seconds when the pending pass began reading
         self._write_mark = 0.0  # its write_seconds when the last step ended
@@ -134,6 +136,12 @@ class OptimizerOffload:
         """The sub-groups (by index) in the order the next step reads them: the order backward handed them over
         in the last armed step (:meth:`ready`), index order before one."""
         return [sg.index for sg in self._order]
+
+    def suggest_order(self, indices: Sequence[int]) -> None:
+        """The order the caller expects to hand sub-groups over in (:meth:`ready`): the next pass reads in it, until
+        an armed pass has recorded the real one. A pass already under way keeps its order."""
+        if not self._learnt and sorted(indices) == list(range(len(self.subgroups))):
+            self._order = [self.subgroups[i] for i in indices]
 
     def of_group(self, g: int) -> list[SubGroup]:
         return [sg for sg in self.subgroups if sg.group == g]
@@ -167,6 +175,22 @@ class OptimizerOffload:
         self._stale.discard(g)
         if not self._stale:
             self._broken = None  # every group rewritten since the failure (a load): consistent again
+
+    @torch.no_grad()
+    def init_group_from(self, g: int, source: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Like :meth:`init_group` with zero moments, the master made a sub-group at a time by ``source(lo, hi,
+        out)`` (fill ``out`` with elements ``[lo, hi)`` of group ``g``'s partition): no whole fp32 copy."""
+
+        def fill(sg: SubGroup, rec: Record) -> None:
+            source(sg.lo, sg.hi, rec.master)
+            rec.exp_avg.zero_()
+            rec.exp_avg_sq.zero_()
+
+        self._walk(self.of_group(g), fill, read=False)
+        self._initialised.add(g)
+        self._stale.discard(g)
+        if not self._stale:
+            self._broken = None
 
     @torch.no_grad()
     def gather_group(
@@ -347,11 +371,12 @@ class OptimizerOffload:
         lr: float | None,
         weight_decay: Sequence[float],
         grad_scale: float,
+        updated: Callable[[SubGroup], None] | None = None,
     ) -> None:
         """Arm the next step's pass before its last backward: the arguments are :meth:`step`'s. From now on,
         each sub-group handed to :meth:`ready` (its gradient in ``grads`` final) is updated as soon as its
         record is in, and ``casts`` receive its weights then; :meth:`step` finishes the rest, :meth:`abort`
-        disarms."""
+        disarms. ``updated(sg)`` is called once each sub-group's update is done (its gradient is spent)."""
         if not self.can_update_early:
             raise RuntimeError("begin_step needs the CPU tier or pipeline_read")
         self._check_ready_to_step()
@@ -363,6 +388,7 @@ class OptimizerOffload:
             grads, casts, adam=adam, step=step, lr=lr, weight_decay=weight_decay, grad_scale=grad_scale
         )
         p.step = step
+        p.updated = updated
 
     @torch.no_grad()
     def ready(self, indices: Sequence[int]) -> None:
@@ -430,6 +456,7 @@ class OptimizerOffload:
         self._behind = dict(p.writes)
         if p.armed and len(p.ready_order) == len(self.subgroups):  # the order backward hands them over
             self._order = [self.subgroups[i] for i in p.ready_order]
+            self._learnt = True
         self.last = {
             "seconds": time.perf_counter() - t_start,
             **p.moved,
@@ -528,10 +555,12 @@ class OptimizerOffload:
             except BaseException:
                 store.release(rec)
                 raise
+            p.done.add(k)
+            if p.updated is not None:
+                p.updated(sg)
             t2 = time.perf_counter()
             p.waits["compute" if block else "early_compute"] += t2 - t1
             p.early += not block
-            p.done.add(k)
             if not self._swapped:
                 continue
             p.moved["bytes_read"] += rec.nbytes

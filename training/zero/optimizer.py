@@ -27,8 +27,8 @@ checkpoint seam (training.checkpoint) turns into ucp pieces.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,9 @@ from reshard import Layout, LocalBuffer, RankView
 from training.adam import AdamConfig, adam_update
 from training.comm import Comm
 from training.offload import OffloadConfig, OptimizerOffload
+from training.offload.pages import release_zeroed
 from training.offload.params import ParamTier
+from training.offload.store import SubGroup
 
 from .groups import GroupPlan
 from .loss_scale import DynamicLossScaler
@@ -66,6 +68,23 @@ class _Early:
     casts: list[torch.Tensor | None]  # where the update writes each group's compute-dtype weights
     members: dict[tuple[int, int], list[int]]  # (group, member) -> the sub-groups it overlaps
     waiting: list[int]  # per sub-group: members whose gradient is not final yet (0: handed over)
+    ranges: dict[tuple[int, int], list[int]]  # (group, member) -> indices of its ranges in _counted[group]
+    final: set[tuple[int, int]] = field(default_factory=set)  # members whose gradient is final (and scaled)
+    norm_terms: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (group, range) -> sum of squares
+
+
+NORM_CHUNK = 1 << 20  # elements per float64 temporary of an armed step's norm terms (8 MiB)
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """Σ x² in float64, a chunk at a time: the term of :meth:`ZeroOptimizer._global_norm`, without its whole
+    float64 copy (an armed step takes it during backward, when the activations are still held). The sum is
+    ordered differently, so the reported norm may differ from an unarmed step's in the last bits; armed
+    steps never clip, so the update does not use it."""
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for lo in range(0, x.numel(), NORM_CHUNK):
+        total += x[lo : lo + NORM_CHUNK].double().pow(2).sum()
+    return total
 
 
 def _finished(work: Any) -> bool:
@@ -264,6 +283,21 @@ class ZeroOptimizer:
         self.grad_acc: list[torch.Tensor] = []  # stages 0/1: D·P; stages 2/3: the partition
         for plan in self.plans:
             dev = next((self.params[n].device for n in plan.names), torch.device("cpu"))
+            if self.stage == 3 and self.offload is not None:
+                # The masters go straight to the tier, a sub-group at a time: never a whole fp32 copy here.
+                part = torch.zeros(plan.size, dtype=self.dtype, device=dev)
+                for s in plan.slices:
+                    src = self.params[plan.names[s.param]].detach().reshape(-1)[s.start : s.stop]
+                    part[s.offset : s.offset + s.numel].copy_(src)
+                self.param_part.append(part)
+                self.flat_param.append(torch.empty(0, dtype=self.dtype))
+                self.offload.init_group_from(len(self.master), self._master_source(plan))
+                master = torch.empty(0, dtype=torch.float32, device=dev)
+                self.master.append(master)
+                self.exp_avg.append(torch.zeros_like(master))
+                self.exp_avg_sq.append(torch.zeros_like(master))
+                self.grad_acc.append(torch.zeros(plan.size, dtype=torch.float32, device=dev))
+                continue
             master = torch.zeros(plan.size, dtype=torch.float32, device=dev)
             if self.stage == 3:
                 part = torch.zeros(plan.size, dtype=self.dtype, device=dev)
@@ -294,6 +328,20 @@ class ZeroOptimizer:
             self.exp_avg_sq.append(torch.zeros_like(master))
             acc = plan.size if self.stage >= 2 else plan.padded_total
             self.grad_acc.append(torch.zeros(acc, dtype=torch.float32, device=dev))
+
+    def _master_source(self, plan: GroupPlan) -> Callable[[int, int, torch.Tensor], None]:
+        """Stage 3: fills ``out`` with elements ``[lo, hi)`` of ``plan``'s fp32 master partition, from the
+        parameters (zeros where the partition is padding)."""
+
+        def source(lo: int, hi: int, out: torch.Tensor) -> None:
+            out.zero_()
+            for s in plan.slices:
+                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < b:
+                    src = self.params[plan.names[s.param]].detach().reshape(-1)
+                    out[a - lo : b - lo].copy_(src[s.start + a - s.offset : s.start + b - s.offset])
+
+        return source
 
     @torch.no_grad()
     def _params_to_tier(self, offload: OffloadConfig, rank: int) -> None:
@@ -400,21 +448,40 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             self.gatherer.release_all()
         self._micro += 1
-        if self._early is not None:  # every gradient is final now (also of sub-groups some member got none for)
-            self._hand_over([sg for sg, left in enumerate(self._early.waiting) if left > 0])
+        if self._early is not None:  # every gradient is final now (also of members that got none in this pass)
+            for g, plan in enumerate(self.plans):
+                for i in range(len(plan.names)):
+                    self._member_final(g, i)
 
     def _absorb(self, job: _Pending) -> None:
         """Stage 3: add a finished reduction (member ``job.key`` of group ``job.group``) to the gradient buffer."""
         off = self.plans[job.group].offsets[job.key]
         self.grad_acc[job.group][off : off + job.out.numel()].add_(job.out)
+        if self._early is not None:
+            self._member_final(job.group, job.key)
+
+    def _member_final(self, g: int, i: int) -> None:
+        """Armed: member ``i`` of group ``g`` has its final gradient. Scale it as :meth:`step` would, take its
+        terms of the global norm (the same values :meth:`_global_norm` would compute), and hand over the
+        sub-groups this completes."""
         early = self._early
-        if early is not None:
-            done = []
-            for sg in early.members[(job.group, job.key)]:
-                early.waiting[sg] -= 1
-                if early.waiting[sg] == 0:
-                    done.append(sg)
-            self._hand_over(done)
+        assert early is not None
+        if (g, i) in early.final:
+            return
+        early.final.add((g, i))
+        plan = self.plans[g]
+        off = plan.offsets[i]
+        grad = self._grad_partition(g)
+        grad[off : off + plan.param_part_size(i)].mul_(early.scale)
+        for k in early.ranges.get((g, i), ()):
+            a, b = self._counted[g][k]
+            early.norm_terms[(g, k)] = _sum_of_squares(grad[a:b])
+        done = []
+        for sg in early.members[(g, i)]:
+            early.waiting[sg] -= 1
+            if early.waiting[sg] == 0:
+                done.append(sg)
+        self._hand_over(done)
 
     def _absorb_finished(self) -> None:
         """Armed: fold the reductions that have completed into the gradient buffer now (never waits)."""
@@ -428,16 +495,20 @@ class ZeroOptimizer:
         self._inflight = left
 
     def _hand_over(self, indices: list[int]) -> None:
-        """Sub-groups whose gradients are final: scaled as :meth:`step` would, then given to the tier to update."""
+        """Sub-groups whose gradients are final (and scaled): given to the tier to update."""
         early = self._early
         if not indices or early is None:
             return
         assert self.offload is not None
         for i in indices:
             early.waiting[i] = 0
-            sg = self.offload.subgroups[i]
-            self._grad_partition(sg.group)[sg.lo : sg.hi].mul_(early.scale)
         self.offload.ready(indices)
+
+    def _release_gradient(self, sg: SubGroup) -> None:
+        """The tier has updated ``sg``: its gradient is spent. Zero it and give its pages back to the system
+        (they fault back in, zeroed, when the next backward adds to them), so that the gradient partition is
+        resident only for the sub-groups backward has begun and the tier not yet updated."""
+        release_zeroed(self._grad_partition(sg.group)[sg.lo : sg.hi])
 
     # -- the offloaded update during backward (stage 3) ---------------------------------------------
     def can_update_early(self) -> bool:
@@ -470,6 +541,28 @@ class ZeroOptimizer:
         scale = 1.0 / (self.dp.size * (self._micro + 1) * 1.0)  # step()'s scale, this pass included
         casts = [self._cast_target(g) for g in range(len(self.plans))]
         grads = [self._grad_partition(g) for g in range(len(self.plans))]
+        ranges: dict[tuple[int, int], list[int]] = {}  # (group, member) -> its ranges of the global norm
+        for g, plan in enumerate(self.plans):
+            start = {s.offset: s.param for s in plan.slices}
+            for k, (a, _) in enumerate(self._counted[g]):
+                ranges.setdefault((g, start[a]), []).append(k)
+        members: dict[tuple[int, int], list[int]] = {}
+        waiting = [0] * len(self.offload.subgroups)
+        for g, plan in enumerate(self.plans):
+            ofg = self.offload.of_group(g)
+            for i in range(len(plan.names)):
+                lo, hi = plan.offsets[i], plan.offsets[i] + plan.param_part_size(i)
+                members[(g, i)] = [sub.index for sub in ofg if sub.lo < hi and lo < sub.hi]
+                for j in members[(g, i)]:
+                    waiting[j] += 1
+        # Backward finishes the parameters in about the reverse of their order: a sub-group is complete once its
+        # first member is. The tier reads in this order until it has seen the real one (offload.order).
+        position = {(g, i): n for n, (g, i) in enumerate(self._where[name] for name in self.params)}
+        first = [len(position)] * len(waiting)
+        for key, idx in members.items():
+            for j in idx:
+                first[j] = min(first[j], position[key])
+        self.offload.suggest_order(sorted(range(len(waiting)), key=lambda j: -first[j]))
         self.offload.begin_step(
             grads,
             casts,
@@ -478,17 +571,9 @@ class ZeroOptimizer:
             lr=lr,
             weight_decay=self.weight_decay,
             grad_scale=1.0,
+            updated=self._release_gradient,
         )
-        members: dict[tuple[int, int], list[int]] = {}
-        waiting = [0] * len(self.offload.subgroups)
-        for g, plan in enumerate(self.plans):
-            subs = self.offload.of_group(g)
-            for i in range(len(plan.names)):
-                lo, hi = plan.offsets[i], plan.offsets[i] + plan.param_part_size(i)
-                members[(g, i)] = [sg.index for sg in subs if sg.lo < hi and lo < sg.hi]
-                for sg in members[(g, i)]:
-                    waiting[sg] += 1
-        self._early = _Early(scale, casts, members, waiting)
+        self._early = _Early(scale, casts, members, waiting, ranges)
         return True
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
@@ -550,7 +635,12 @@ class ZeroOptimizer:
             self.world.all_reduce(bad, op=dist.ReduceOp.MAX)
             skipped = bool(bad.item())
             self.scaler.update(skipped)
-        norm = float("nan") if skipped else self._global_norm(grads)
+        if skipped:
+            norm = float("nan")
+        elif early is not None:  # the terms were taken as backward made each gradient final
+            norm = self._norm_of_terms(early)
+        else:
+            norm = self._global_norm(grads)
         if not skipped:  # an overflowed fp16 step never reaches the kernel
             coef = 1.0
             if self.clip is not None and self.clip > 0:
@@ -582,10 +672,20 @@ class ZeroOptimizer:
                         out=casts[g],
                     )
             self.publish(casts)
-        for acc in self.grad_acc:
-            acc.zero_()
+        if early is None:  # armed: the tier zeroed (and released) each sub-group's gradient as it updated it
+            for acc in self.grad_acc:
+                acc.zero_()
         self._micro = 0
         return {"grad_norm": norm, "skipped": skipped}
+
+    def _norm_of_terms(self, early: _Early) -> float:
+        """:meth:`_global_norm` from the terms an armed pass took as each gradient became final."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g, ranges in enumerate(self._counted):
+            for k in range(len(ranges)):
+                total += early.norm_terms[(g, k)]
+        self.world.all_reduce(total)
+        return math.sqrt(float(total.item()))
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)

@@ -39,8 +39,12 @@ def reference() -> dict[int, tuple[list[float], str]]:
     for accum in (1, 2):
         e = engine(grad_accum=accum)
         out[accum] = ([e.train_step(s) for s in range(STEPS)], weights_digest(e))
+        NORMS[accum] = float(e.last_stats["grad_norm"])
         e.close()
     return out
+
+
+NORMS: dict[int, float] = {}  # the in-memory run's last gradient norm, per grad_accum
 
 
 @pytest.mark.parametrize(("device", "accum"), [("nvme", 1), ("nvme", 2), ("cpu", 1)])
@@ -71,6 +75,10 @@ def test_update_during_backward_matches_in_memory_bit_for_bit(
             assert off.last["early_compute"] > 0
         else:
             assert all(x == n for x in early)  # the CPU tier's records are always in
+        # Each sub-group's gradient was zeroed (its pages given back) once the tier had updated it.
+        assert all(not acc.any() for acc in e.optimizer.grad_acc)
+        # The norm's terms were taken during backward, summed in another order: equal to rounding.
+        assert e.last_stats["grad_norm"] == pytest.approx(NORMS[accum], rel=1e-12)
     finally:
         e.close()
     assert (losses, weights_digest(e)) == reference[accum]
