@@ -9,7 +9,7 @@ from s3_endpoint import multipart_uploads, object_keys, s3_bucket, s3_server  # 
 
 import ucp
 from ucp.errors import NotACheckpointError, StorageError
-from ucp.store.s3 import S3Storage
+from ucp.store.s3 import S3Options, S3Storage
 
 SMALL = {"part_size": "5MiB", "concurrency": 4}  # several parts for a few-MiB file
 
@@ -114,3 +114,14 @@ def test_an_object_deleted_mid_load_is_a_clear_error(s3_server, s3_bucket, monke
     monkeypatch.setattr(S3Storage, "_get_into_async", delete_first)
     with pytest.raises(FileNotFoundError, match=rf"s3://{s3_bucket}/ck/rank-00000.safetensors: no such object"):
         ucp.load(url)
+
+
+def test_an_aborted_upload_leaves_no_parts_and_no_object(s3_server, s3_bucket):  # noqa: F811
+    storage = S3Storage(s3_bucket, "run", S3Options(part_size="5MiB", concurrency=2))
+    writer = storage.open_writer("ck/rank-00000.safetensors", 12 << 20)
+    data = memoryview(bytes(range(256)) * (6 << 12))  # 6 MiB: the first part is on its way
+    writer.write(data, borrow=True)
+    writer.abort()
+    assert multipart_uploads(s3_server, s3_bucket) == []
+    assert object_keys(s3_server, s3_bucket) == []
+    storage.close()
