@@ -165,7 +165,7 @@ def save_with(
 
     temp = None
     lock_fd: int | None = None  # rank 0 marks the save in flight, so no cleaner takes it for a leftover
-    if group.rank == 0:
+    if group.rank == 0 and (local_error is None or storage.renames):  # in place: never retire the old one for nothing
         try:
             temp = _commit.make_temp_dir(storage, name)
             lock_fd = _commit.lock_temp(storage, temp)

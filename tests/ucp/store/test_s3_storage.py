@@ -46,6 +46,10 @@ def test_sync_and_async_round_trips_are_bit_exact_and_commit_by_manifest(s3_serv
     ucp.save(sd, url, storage_options=SMALL)
     assert ucp.load(url)["step"] == 13
     assert object_keys(s3_server, s3_bucket, "run/ck/") == ["run/ck/manifest.json", "run/ck/rank-00000.safetensors"]
+    # a save that fails before writing leaves the checkpoint it would have replaced
+    with pytest.raises(ucp.UnsupportedStateError):
+        ucp.save({"z": torch.zeros(2, dtype=torch.complex128)}, url)
+    assert ucp.load(url)["step"] == 13
 
 
 def test_load_into_reads_only_the_ranges_it_needs(s3_bucket, monkeypatch):  # noqa: F811
