@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from training.inference.api import infer
 from training.inference.config import load_model
-from training.inference.errors import BudgetError
+from training.inference.errors import BudgetError, InferenceError
 from training.inference.executor import Executor
 from training.inference.generate import Sampling, generate
 from training.inference.sources import open_weights
@@ -110,4 +110,18 @@ def test_kv_budget_below_one_layer_block_names_the_budget_needed(weights: Path, 
         app, ["infer", str(weights), "--prompt", "1 2 3", "--max-new-tokens", "10", "--kv-budget", "1KiB"]
     )
     assert res.exit_code == 2 and "KV cache budget 1 KiB is too small" in res.output, res.output
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_kv_read_failure_reaches_compute_naming_the_file(weights: Path, tmp_path: Path) -> None:
+    def lose_the_file(n: int) -> None:  # after the prefill: the cache's file is gone under the run
+        if n == 1:
+            for f in tmp_path.glob("ucp-kv-*/kv.bin"):
+                f.unlink()
+
+    with (
+        executor(weights) as ex,
+        pytest.raises(InferenceError, match=r"reading the KV cache of layer \d from .*kv.bin"),
+    ):
+        generate(ex, [[1, 2, 3]], 20, kv_budget=block(1, 23), kv_dir=tmp_path, on_token=lose_the_file)
     assert os.listdir(tmp_path) == []
