@@ -9,7 +9,11 @@
    latest *complete* checkpoint and reshards it while loading. The steps the first run had
    already done are computed again: their losses must equal the first run's.
 4. **Reshape** the last checkpoint with ``ucp reshape`` (consolidated), **export** it to Hugging
-   Face safetensors with ``ucp export``, and print a summary.
+   Face safetensors with ``ucp export``.
+5. **Offload**: train the first steps again with the optimizer state on NVMe (``offload_optimizer:
+   nvme``, a swap pool a fraction of the state's size), save (streamed from the swap files), resume in
+   new processes; the losses must be the first run's. Then print a summary (with this leg's peak RSS
+   and swap traffic).
 
 Every command is run as a user would type it (the lines are shown), so the demo is also a
 recipe. All files go to a work directory (a new temporary one unless given), kept at the end.
@@ -47,6 +51,11 @@ class DemoConfig(BaseModel):
     first_layout: dict[str, int] = {"tp": 2, "dp": 2, "zero": 2}
     second_procs: int = 2
     second_layout: dict[str, int] = {"tp": 1, "dp": 2, "zero": 3}
+    offload_procs: int = 2
+    offload_layout: dict[str, int] = {"tp": 1, "dp": 2, "zero": 1}
+    offload_steps: int = 2  # trained, then saved; the resumed run does one more
+    swap_budget: str = "24MiB"  # the swap pool per rank (the 'small' model's state is 83 MB per rank)
+    sub_group_size: int = 1_000_000  # 12 MB records: two fit the pool
     timeout_s: float = 480
 
 
@@ -56,8 +65,10 @@ class RunLog:
 
     losses: dict[int, float] = field(default_factory=dict)
     step_seconds: dict[int, float] = field(default_factory=dict)
+    swap: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> its NVMe swap traffic (offload)
     stalls: list[float] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    tier_read: list[int] = field(default_factory=list)  # per checkpoint: bytes read from the swap files
     resumed: dict[str, Any] | None = None
     done: dict[str, Any] | None = None
     killed: bool = False
@@ -74,9 +85,13 @@ class RunLog:
         if "loss" in rec:
             self.losses[int(rec["step"])] = float(rec["loss"])
             self.step_seconds[int(rec["step"])] = float(rec["seconds"])
+            if "swap" in rec:
+                self.swap[int(rec["step"])] = rec["swap"]
         elif "checkpoint" in rec:
             self.checkpoints.append(int(rec["checkpoint"]))
             self.stalls.append(float(rec["stall"]))
+            if "tier_read" in rec:
+                self.tier_read.append(int(rec["tier_read"]))
         elif "resumed" in rec:
             self.resumed = rec
         elif rec.get("done"):
@@ -93,7 +108,9 @@ def _env() -> dict[str, str]:
     }
 
 
-def _train_cmd(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, resume: bool) -> list[str]:
+def _train_cmd(
+    cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, resume: bool, extra: list[str] | None = None
+) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -117,7 +134,7 @@ def _train_cmd(cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, 
         "--save-every",
         str(cfg.save_every),
     ]
-    return cmd + (["--resume"] if resume else [])
+    return cmd + (extra or []) + (["--resume"] if resume else [])
 
 
 def _show(cmd: list[str]) -> str:
@@ -181,10 +198,19 @@ def _lines(proc: subprocess.Popen, deadline: float) -> Iterator[str]:
 
 
 def train(
-    cfg: DemoConfig, procs: int, layout: dict[str, int], root: Path, *, resume: bool, kill_after: int | None, say: Say
+    cfg: DemoConfig,
+    procs: int,
+    layout: dict[str, int],
+    root: Path,
+    *,
+    resume: bool,
+    kill_after: int | None,
+    say: Say,
+    extra: list[str] | None = None,
 ) -> RunLog:
-    """Run training under torchrun, echoing progress; SIGKILL everything once step ``kill_after`` is logged."""
-    cmd = _train_cmd(cfg, procs, layout, root, resume)
+    """Run training under torchrun, echoing progress; SIGKILL everything once step ``kill_after`` is logged.
+    ``extra``: more ``training.run`` options."""
+    cmd = _train_cmd(cfg, procs, layout, root, resume, extra)
     say(f"$ {_show(cmd)}")
     log = RunLog()
     proc = subprocess.Popen(
@@ -197,7 +223,18 @@ def train(
             if rec is None:
                 continue
             if "loss" in rec:
-                say(f"  step {rec['step']:>3}  loss {rec['loss']:.6f}  ({rec['seconds']:.2f} s)")
+                swap = rec.get("swap")
+                moved = (
+                    f"; swap {swap['bytes_read'] / 1e6:.0f} MB read, {swap['bytes_written'] / 1e6:.0f} MB written"
+                    if swap
+                    else ""
+                )
+                say(f"  step {rec['step']:>3}  loss {rec['loss']:.6f}  ({rec['seconds']:.2f} s{moved})")
+            elif "checkpoint" in rec and "tier_read" in rec:
+                say(
+                    f"  checkpoint {rec['checkpoint']}: saved in {rec['stall']:.2f} s, the optimizer state streamed "
+                    f"from the swap files ({rec['tier_read'] / 1e6:.0f} MB read by rank 0)"
+                )
             elif "checkpoint" in rec:
                 say(
                     f"  checkpoint {rec['checkpoint']}: save() returned in {rec['stall']:.3f} s, copy and write go on "
@@ -254,6 +291,82 @@ def step_times(log: RunLog) -> dict[str, Any]:
     }
 
 
+def offload_leg(cfg: DemoConfig, work: Path, reference: dict[int, float], say: Say) -> dict[str, Any]:
+    """Step 5: the first steps again with the optimizer state on NVMe (swap files under ``work/nvme``), a
+    synchronous checkpoint (streamed from the swap files), a resume in new processes. The losses must be
+    ``reference``'s (the first run's, same steps). Returns the leg's figures for the summary."""
+    started = time.perf_counter()
+    nvme, root = work / "nvme", work / "offload-checkpoints"
+    nvme.mkdir(exist_ok=True)
+    lay, steps = cfg.offload_layout, cfg.offload_steps
+    extra = [
+        "--offload-optimizer",
+        "nvme",
+        "--nvme-path",
+        str(nvme),
+        "--swap-budget",
+        cfg.swap_budget,
+        "--sub-group-size",
+        str(cfg.sub_group_size),
+        "--sync-save",
+    ]
+    run_cfg = cfg.model_copy(update={"total_steps": steps, "save_every": steps})
+    say(
+        f"\n5. the optimizer state on NVMe: train '{cfg.model}' again on {cfg.offload_procs} processes (tp={lay['tp']} "
+        f"dp={lay['dp']} ZeRO-{lay['zero']}), masters and Adam moments in swap files through a {cfg.swap_budget} pool; "
+        "save, resume"
+    )
+    first = train(run_cfg, cfg.offload_procs, lay, root, resume=False, kill_after=None, say=say, extra=extra)
+    resumed = train(
+        run_cfg.model_copy(update={"total_steps": steps + 1}),
+        cfg.offload_procs,
+        lay,
+        root,
+        resume=True,
+        kill_after=None,
+        say=say,
+        extra=extra,
+    )
+    resumed_at = int(resumed.resumed["resumed"]) if resumed.resumed else None
+    if resumed_at != steps:
+        raise RuntimeError(f"the offloaded run resumed at step {resumed_at}, not at its checkpoint {steps}")
+    losses = {**first.losses, **resumed.losses}
+    same = sorted(set(losses) & set(reference))
+    worst = max((abs(losses[s] - reference[s]) / abs(reference[s]) for s in same), default=0.0)
+    say(
+        "   loss with the optimizer on NVMe vs the first run, same steps: "
+        + ", ".join(f"step {s}: {losses[s]:.6f} / {reference[s]:.6f}" for s in same)
+    )
+    if worst > 1e-5:
+        raise RuntimeError(f"the offloaded run's losses differ from the first run's (max relative {worst:.2e})")
+    swap = [*first.swap.values(), *resumed.swap.values()]
+    if not swap or first.done is None or resumed.done is None:
+        raise RuntimeError("the offloaded run reported no swap traffic")
+    read, written = sum(x["bytes_read"] for x in swap), sum(x["bytes_written"] for x in swap)
+    io_read, io_write = sum(x["io_read"] for x in swap), sum(x["io_write"] for x in swap)
+    tier = first.done.get("offload", {})
+    return {
+        "processes": cfg.offload_procs,
+        "layout": lay,
+        "steps": sorted(losses),
+        "resumed_at": resumed_at,
+        "swap_budget": tier.get("budget"),
+        "state_bytes_per_rank": tier.get("state_bytes"),
+        "pool_bytes": tier.get("host_bytes"),
+        "peak_rss": max(first.done["peak_rss"], resumed.done["peak_rss"]),  # rank 0's, the larger of the two runs
+        "swap_bytes_read": read,  # rank 0's, every step
+        "swap_bytes_written": written,
+        "swap_read_gb_per_s": read / io_read / 1e9 if io_read else None,  # over the I/O threads' busy time
+        "swap_write_gb_per_s": written / io_write / 1e9 if io_write else None,
+        "median_step_s": statistics.median([*first.step_seconds.values(), *resumed.step_seconds.values()]),
+        "checkpoint_tier_read": first.tier_read[0] if first.tier_read else None,
+        "save_s": first.stalls[0] if first.stalls else None,
+        "load_s": resumed.resumed["seconds"] if resumed.resumed else None,
+        "max_relative_difference": worst,
+        "seconds": time.perf_counter() - started,  # the whole leg: both runs, their start-up included
+    }
+
+
 class DemoSummary(BaseModel):
     workdir: str
     checkpoints: str
@@ -263,6 +376,7 @@ class DemoSummary(BaseModel):
     continuity: dict[str, Any]
     reshape: dict[str, Any]
     export: dict[str, Any]
+    offload: dict[str, Any]
     seconds: float
 
 
@@ -317,6 +431,7 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoSummary:
     say(f"\n4. reshape the last checkpoint (step {final}) and export it")
     reshape = ucp_cli(["reshape", src, str(work / "consolidated")], say)
     export = ucp_cli(["export", str(work / "consolidated"), str(work / "hf"), "--format", "hf", "--dtype", "bf16"], say)
+    offload = offload_leg(cfg, work, first.losses, say)
 
     summary = DemoSummary(
         workdir=str(work),
@@ -353,6 +468,7 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoSummary:
         },
         reshape=reshape,
         export=export,
+        offload=offload,
         seconds=time.perf_counter() - started,
     )
     return summary

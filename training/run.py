@@ -5,7 +5,8 @@
 
 The world size must equal tp × pp × dp (``--dp`` defaults to what is left). Output lines look like
 ``{"step": 3, "loss": 4.61, "grad_norm": 0.8, "skipped": false, "seconds": 0.12}``, then a final
-``{"done": true, ...}``. With ``--save-dir ROOT`` the run saves a checkpoint every
+``{"done": true, ...}`` (with rank 0's ``peak_rss``; with the optimizer offloaded, the tier's shape, and each
+step's line its NVMe ``swap`` traffic). With ``--save-dir ROOT`` the run saves a checkpoint every
 ``--save-every`` steps (asynchronously unless ``--sync-save``; a ``{"checkpoint": step, "stall": s}``
 line each) and ``--resume`` continues from the latest complete one, whatever mesh wrote it::
 
@@ -36,6 +37,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from aio.memstat import peak_rss
 from aio.sizes import SIZE_HELP
 
 
@@ -259,22 +261,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "grad_norm": norm if math.isfinite(norm) else None,
                     "skipped": stats["skipped"],
                     "seconds": round(time.perf_counter() - t0, 4),
+                    **swap_figures(engine),
                 }
             )
             if manager is not None and engine.step % args.save_every == 0:
                 t0 = time.perf_counter()
                 engine.save(manager)  # asynchronous: returns once the state is snapshotted
-                emit(
-                    {
-                        "checkpoint": engine.step,
-                        "stall": round(time.perf_counter() - t0, 4),
-                        "async": not args.sync_save,
-                    }
-                )
+                record = {"checkpoint": engine.step, "stall": round(time.perf_counter() - t0, 4)}
+                if engine.last_checkpoint_io:  # offloaded state streamed from the swap files
+                    record["tier_read"] = engine.last_checkpoint_io["bytes_read"]
+                emit({**record, "async": not args.sync_save})
     finally:
         if manager is not None:
             saved = finish_saves(manager)
-        engine.close()  # the offload tier's swap directory goes now
+        try:
+            tier = tier_figures(engine)
+        finally:
+            engine.close()  # the offload tier's swap directory goes now
     if not saved:
         return 1
     emit(
@@ -285,11 +288,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             "mesh": engine.mesh.as_dict(),
             "zero": args.zero,
             "precision": args.precision,
+            "peak_rss": peak_rss(),  # rank 0's
+            **tier,
         }
     )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def swap_figures(engine: Any) -> dict[str, Any]:
+    """The last step's traffic to and from the optimizer's NVMe tier (bytes, and the seconds its I/O threads
+    were busy: hidden behind compute or waited for), as ``{"swap": {...}}``; nothing without that tier."""
+    offload = engine.optimizer.offload
+    if offload is None or offload.device != "nvme" or not offload.last:
+        return {}
+    last = offload.last
+    keys = ("bytes_read", "bytes_written", "io_read", "io_write")
+    return {"swap": {k: round(last[k], 4) if k.startswith("io") else int(last[k]) for k in keys if k in last}}
+
+
+def tier_figures(engine: Any) -> dict[str, Any]:
+    """The optimizer tier's shape for the final line: ``{"offload": {device, state_bytes, host_bytes, ...}}``."""
+    offload = engine.optimizer.offload
+    if offload is None:
+        return {}
+    shape = offload.describe()
+    keep = ("device", "subgroups", "slots", "host_bytes", "pinned_bytes", "budget")
+    return {"offload": {"state_bytes": 12 * sum(offload.sizes), **{k: shape[k] for k in keep if k in shape}}}
 
 
 def finish_saves(manager: Any) -> bool:

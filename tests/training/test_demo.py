@@ -1,4 +1,5 @@
-"""``ucp demo`` end to end (a short run of the tiny model): the crash, the resume, the outputs."""
+"""``ucp demo`` end to end (a short run of the tiny model): the crash, the resume, the outputs, the NVMe-offloaded
+leg."""
 
 from __future__ import annotations
 
@@ -66,3 +67,14 @@ def test_demo_crashes_resumes_reshapes_and_exports(tmp_path: Path) -> None:
     for name, t in final.items():
         assert hf[name].equal(t.to(hf[name].dtype)), name
     assert "CRASH" in res.stderr and f"resumed at step {latest}" in res.stderr
+    # the NVMe leg: the first steps again with the optimizer state in swap files, saved, resumed; same losses
+    o = s["offload"]
+    assert o["steps"] == [0, 1, 2] and o["resumed_at"] == 2 and o["max_relative_difference"] <= 1e-5
+    assert (
+        o["swap_bytes_read"] >= 3 * o["state_bytes_per_rank"]
+        and o["swap_bytes_written"] >= 3 * o["state_bytes_per_rank"]
+    )
+    assert o["checkpoint_tier_read"] >= o["state_bytes_per_rank"] and o["peak_rss"] > o["pool_bytes"] > 0
+    assert ucp.CheckpointManager(work / "offload-checkpoints").latest() == 2  # saved after step 1, resumed from
+    assert list((work / "nvme").iterdir()) == []  # each run removed its swap directory
+    assert "streamed from the swap files" in res.stderr
