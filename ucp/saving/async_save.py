@@ -49,13 +49,13 @@ from ucp.dist import Group, resolve_group
 from ucp.errors import CommitError, ManifestError, NotACheckpointError, UnsupportedStateError
 from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, too_large
 from ucp.format.tree import Leaf, encode_state
-from ucp.saving.dtensor import lower_leaves, with_record
 from ucp.saving import snapshot_modes, step_guard
 from ucp.saving.background.handshake import identity, publish_report
 from ucp.saving.background.image import Progress
 from ucp.saving.background.job import PlanSpec, PostCommit, WriteJob, describe, next_job_id
 from ucp.saving.background.process_backend import ProcessBackend
 from ucp.saving.background.thread_backend import ThreadBackend
+from ucp.saving.dtensor import lower_leaves, with_record
 from ucp.saving.options import AsyncSaveOptions, Mode, Snapshot
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
 from ucp.saving.snapshot import replica_checksums
