@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from training.inference.model import Step, StreamModel, apply_rope, attend, rope_tables
+from training.inference.model import Step, StreamModel, apply_rope, attend
 from training.models.gpt import GPTConfig, expected_param_shapes
 
 
@@ -50,7 +50,7 @@ class StreamGPT(StreamModel):
 
         x = F.layer_norm(h, (d,), w[p + "ln1.weight"], w[p + "ln1.bias"])
         q, k, v = lin("attn.qkv", x).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-        cos, sin = rope_tables(step.positions, hd, cfg.rope_base)
+        cos, sin = step.rope(hd, cfg.rope_base)
         q = apply_rope(q.view(b, t, nq, hd).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(b, t, nkv, hd).transpose(1, 2), cos, sin)
         y = attend(i, q, k, v.view(b, t, nkv, hd).transpose(1, 2), step)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from training.inference.errors import ModelConfigError
-from training.inference.model import Step, StreamModel, apply_rope, attend, rope_tables
+from training.inference.model import Step, StreamModel, apply_rope, attend
 
 
 class LlamaArgs(BaseModel):
@@ -172,7 +172,7 @@ class Llama(StreamModel):
         q = proj("self_attn.q_proj", x).view(b, t, nq, hd).transpose(1, 2)
         k = proj("self_attn.k_proj", x).view(b, t, nkv, hd).transpose(1, 2)
         v = proj("self_attn.v_proj", x).view(b, t, nkv, hd).transpose(1, 2)
-        cos, sin = rope_tables(step.positions, hd, a.theta)
+        cos, sin = step.rope(hd, a.theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attend(i, q, k, v, step, scale=hd**-0.5)
         h = h + proj("self_attn.o_proj", y.transpose(1, 2).reshape(b, t, nq * hd))

@@ -9,7 +9,7 @@ through its ring) and calls :meth:`StreamModel.embed`, :meth:`StreamModel.layer`
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -34,6 +34,14 @@ class Step:
     mask: torch.Tensor
     start: int
     cache: KVCache
+    _rope: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def rope(self, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rope_tables` of this step's positions, computed once for all layers."""
+        key = (head_dim, base)
+        if key not in self._rope:
+            self._rope[key] = rope_tables(self.positions, head_dim, base)
+        return self._rope[key]
 
     def attn_mask(self) -> torch.Tensor:
         """[B, 1, T, start + T] booleans: a query sees real keys at or before its own slot."""
