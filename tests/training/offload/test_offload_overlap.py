@@ -5,16 +5,19 @@ ahead is still an OffloadError naming the file and the sub-group."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from offload_worker import weights_digest
+from training_helpers import run_world
 
 from training import Engine
 from training.offload import OffloadConfig, OffloadError
 
 SUB_GROUP = 65536  # elements: 768 KiB records; the tiny GPT's 0.85M parameters make 13 sub-groups
+WORKER = Path(__file__).resolve().parents[2] / "support" / "offload_worker.py"
 BUDGET = 4 << 20  # 5 slots of 768 KiB: far less than the 10 MiB of state
 STEPS = 3
 OPTIONS: dict[str, Any] = {"zero_stage": 3, "weight_decay": 0.1, "lr": 3e-3}
@@ -118,3 +121,18 @@ def test_swap_file_corrupted_while_reads_run_ahead_names_file_and_sub_group(tmp_
             e.train_step(1)
     finally:
         e.close()
+
+
+def test_two_ranks_zero3_update_during_backward_matches_in_memory(tmp_path: Path) -> None:
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    model = {"vocab_size": 512, "n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "max_seq": 32}
+    base = {"model": model, "mesh": {"dp": 2}, "options": {**OPTIONS, "micro_batch": 2}, "steps": STEPS}
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": str(swap)}, "sub_group_size": 16384}
+    scenarios = [{**base, "name": "z3", "offload": None}, {**base, "name": "z3_nvme", "offload": nvme}]
+    run_world(2, scenarios, tmp_path, timeout=300, worker=WORKER)
+    for rank in (0, 1):
+        ref, got = (json.loads((tmp_path / f"{n}.rank{rank}.json").read_text()) for n in ("z3", "z3_nvme"))
+        assert got["losses"] == ref["losses"] and got["digest"] == ref["digest"], rank
+        assert got["last"]["early"] > 0  # the reduce-scattered gradients were handed over during backward
+        assert got["tier"]["subgroups"] > got["tier"]["slots"]
