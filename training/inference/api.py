@@ -43,13 +43,18 @@ def infer(
     kv_budget: int | None = None,
     kv_dir: str | os.PathLike[str] | None = None,
     pin_layers: bool = True,
+    device: str | torch.device = "cpu",
+    read_path: str | None = None,
 ) -> InferResult:
     """Generate for ``prompts`` (text, tokenized by the weights' tokenizer.json, or lists of ids) with
     weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch.
     A batch's KV cache stays in memory unless it needs more than ``kv_budget`` bytes; then it lives in
     a temporary file under ``kv_dir``, read and written layer by layer through ``kv_budget`` bytes of
     buffers. ``pin_layers``: keep whole layers resident in what the budget holds beyond a two-buffer
-    ring (``prefetch + 1`` buffers). ``progress(done, total)`` counts token steps over all batches."""
+    ring (``prefetch + 1`` buffers). ``progress(done, total)`` counts token steps over all batches.
+    ``device``: where compute runs (``cuda``: the budget counts GPU memory, the KV cache lives there);
+    ``read_path`` (``cpu``, ``staged``, ``gds``; None: chosen for the device, see
+    :mod:`training.inference.device`) says how weights reach it; the metrics record both."""
     source = open_weights(path)
     model, source = load_model(source, config)
     tok = Tokenizer.for_weights(source.root)
@@ -62,7 +67,15 @@ def infer(
     results: list[Generated] = []
     total = -(-len(ids) // bs) * max_new_tokens  # token steps over all batches (progress)
     with Executor(
-        model, source, memory_budget, prefetch=prefetch, dtype=dtype, aio_config=aio_config, pin_layers=pin_layers
+        model,
+        source,
+        memory_budget,
+        prefetch=prefetch,
+        dtype=dtype,
+        aio_config=aio_config,
+        pin_layers=pin_layers,
+        device=device,
+        read_path=read_path,
     ) as ex:
         for i in range(0, len(ids), bs):
             done = i // bs * max_new_tokens
@@ -80,6 +93,7 @@ def infer(
                 )
             )
         stats, plan, engine = ex.stats, ex.plan, ex.handle.engine_name
+        where, path, pinned, staging = str(ex.device), ex.read_path, ex.pinned_bytes, ex.staging_bytes
     tokens = [t for r in results for t in r.tokens]
     decode_s = sum(r.decode_seconds for r in results)
     decode_tokens = sum(r.decode_steps * r.batch for r in results)
@@ -111,6 +125,10 @@ def infer(
         kv_wait_seconds=sum(r.kv.wait_seconds for r in results),
         peak_rss_bytes=peak_rss(),
         page_cache_growth_bytes=page_cache_bytes() - cache_before,
-        engine=engine,
+        engine=engine if path != "gds" else "kvikio",
+        device=where,
+        read_path=path,
+        pinned_bytes=pinned,
+        staging_bytes=staging,
     )
     return InferResult(tokens, [tok.decode(t) for t in tokens], metrics)

@@ -27,6 +27,7 @@ import torch
 
 from aio import AioConfig, AioHandle, AlignedBuffer
 from aio.sizes import format_size
+from training.inference.device import DeviceRing, KvikioReader, Lane, ReadPath, choose_read_path, resolve_device
 from training.inference.errors import BudgetError, InferenceError
 from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
 from training.inference.model import Step, StreamModel
@@ -195,6 +196,9 @@ class _Ring:
         assert got == index, f"ring out of order: got group {got}, wanted {index}"
         return buf
 
+    def views(self, buf: AlignedBuffer, g: GroupLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return tensor_views(buf, g.tensors, dtype)
+
     def release(self, buf: AlignedBuffer) -> None:
         self._free.put(buf)
 
@@ -233,7 +237,18 @@ class Executor:
         dtype: torch.dtype = torch.float32,
         aio_config: AioConfig | None = None,
         pin_layers: bool = True,
+        device: str | torch.device = "cpu",
+        read_path: str | None = None,
+        kvikio: object | None = None,
     ) -> None:
+        """``device``: where compute runs (the budget then counts device memory). ``read_path``: how
+        streamed weights reach it (:mod:`training.inference.device`): None picks ``cpu`` on the CPU,
+        ``gds`` on a GPU where KvikIO imports, else ``staged``. ``kvikio``: a stand-in for the kvikio
+        module (tests)."""
+        import gds
+
+        self.device = resolve_device(device)
+        self.read_path: ReadPath = choose_read_path(self.device, read_path, gds.capabilities())
         model.check_weights(source)
         self.model, self.source, self.dtype = model, source, dtype
         sizes = FileSizes()
@@ -262,18 +277,40 @@ class Executor:
                 load_group(self.handle, g, buf)
                 self.resident_stats.bytes_read += g.read_bytes
                 # views keep ``buf`` alive where no conversion copied them; converted ones let it go
-                self.resident.update(tensor_views(buf, g.tensors, dtype))
-                del buf
+                views = tensor_views(buf, g.tensors, dtype)
+                self.resident.update({n: t.to(self.device) for n, t in views.items()})
+                del buf, views
             self.resident_stats.read_seconds = time.perf_counter() - t0
         self._streams_pre = not self.plan.resident
         self._pinned = set(self.plan.pinned)
-        self._ring = (
-            _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
-            if self.plan.streamed
-            else None
-        )
+        self.lane = Lane(self.device)
+        self._ring: _Ring | DeviceRing | None = None
+        if self.plan.streamed and self.read_path == "cpu":
+            self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
+        elif self.plan.streamed:
+            reader = KvikioReader(kvikio) if self.read_path == "gds" else None
+            self._ring = DeviceRing(
+                self.plan.streamed,
+                self.plan.slots,
+                self.plan.slot_bytes,
+                self.lane,
+                handle=None if reader is not None else self.handle,
+                kvikio=reader,
+            )
         self._index = 0
         self._failed: str | None = None
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory pinned for the weights' ring (the staged path's staging buffers, or the CPU ring's)."""
+        if isinstance(self._ring, DeviceRing):
+            return self._ring.pinned_bytes
+        return sum(b.capacity for b in self._ring.buffers if b.pinned) if self._ring is not None else 0
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host staging buffers between disk and device (the staged path), pinned or not."""
+        return self._ring.staging_bytes if isinstance(self._ring, DeviceRing) else 0
 
     @property
     def stats(self) -> ReadStats:
@@ -287,9 +324,9 @@ class Executor:
             buf = ring.take(self._index)
             self._index = (self._index + 1) % len(self.plan.streamed)
             try:
-                yield tensor_views(buf, g.tensors, self.dtype)
+                yield ring.views(buf, g, self.dtype)  # type: ignore[arg-type]
             finally:
-                ring.release(buf)
+                ring.release(buf)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, step: Step) -> torch.Tensor:

@@ -107,7 +107,15 @@ def generate(
     total = t + max_new_tokens
     m = ex.model
     with make_cache(
-        m.n_layers, b, m.n_kv_heads, m.head_dim, total, ex.dtype, budget=kv_budget, directory=kv_dir
+        m.n_layers,
+        b,
+        m.n_kv_heads,
+        m.head_dim,
+        total,
+        ex.dtype,
+        budget=kv_budget,
+        directory=kv_dir,
+        device=None if ex.read_path == "cpu" else ex.device,
     ) as cache:
         g = _run(ex, tokens, mask, max_new_tokens, sampling, gen, cache, keep_logits, on_token)
     g.kv = cache.stats
@@ -127,16 +135,18 @@ def _run(
 ) -> Generated:
     b, t = tokens.shape
     total = t + max_new_tokens
+    dev = ex.device
     full_mask = torch.ones((b, total), dtype=torch.bool)
     full_mask[:, :t] = mask
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    tokens, full_mask, positions = tokens.to(dev), full_mask.to(dev), positions.to(dev)
     out: list[list[int]] = [[] for _ in range(b)]
     kept: list[torch.Tensor] = []
     t0 = time.perf_counter()
     logits = ex.forward(Step(tokens, positions, full_mask, 0, cache))
     if keep_logits:
-        kept.append(logits)
-    nxt = next_tokens(logits[:, -1], sampling, gen)
+        kept.append(logits.cpu())
+    nxt = next_tokens(logits[:, -1].cpu(), sampling, gen)  # sampled on the CPU, by one generator, on any device
     prefill = time.perf_counter() - t0
     last = positions[:, -1]
     t1 = time.perf_counter()
@@ -148,9 +158,9 @@ def _run(
         if s == max_new_tokens - 1:
             break
         last = last + 1
-        logits = ex.forward(Step(nxt[:, None], last[:, None], full_mask, t + s, cache))
+        logits = ex.forward(Step(nxt[:, None].to(dev), last[:, None], full_mask, t + s, cache))
         if keep_logits:
-            kept.append(logits)
-        nxt = next_tokens(logits[:, -1], sampling, gen)
+            kept.append(logits.cpu())
+        nxt = next_tokens(logits[:, -1].cpu(), sampling, gen)
     decode = time.perf_counter() - t1
     return Generated(out, prefill, decode, max_new_tokens - 1, b, kept)

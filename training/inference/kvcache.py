@@ -87,12 +87,24 @@ class KVCache(abc.ABC):
 
 
 class MemoryKV(KVCache):
-    """Every layer's K/V in memory (zeros at first)."""
+    """Every layer's K/V in memory on ``device`` (zeros at first)."""
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ):
         super().__init__(n_layers, batch, kv_heads, head_dim, capacity, dtype)
         shape = (capacity, batch, kv_heads, head_dim)
-        self._kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(n_layers)]
+        self._kv = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(n_layers)
+        ]
         self.stats.resident_bytes = self.stats.total_bytes
 
     @contextmanager
@@ -264,6 +276,35 @@ class DiskKV(KVCache):
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class DeviceKV(KVCache):
+    """A :class:`DiskKV` whose layers attend on ``device``: the layer block read from disk into (pinned)
+    host memory is copied to one device K/V pair, the step's new tokens are copied back into the host
+    block, and the block's write-back goes on as in :class:`DiskKV`. On a CPU device the copies are
+    plain copies: the staged path's test in CI. The copies are not overlapped with compute (the disk
+    reads are, in DiskKV's reader thread)."""
+
+    def __init__(self, inner: DiskKV, device: torch.device) -> None:
+        super().__init__(inner.n_layers, inner.batch, inner.kv_heads, inner.head_dim, inner.capacity, inner.dtype)
+        self.inner, self.device = inner, device
+        shape = (inner.capacity, inner.batch, inner.kv_heads, inner.head_dim)
+        self._k = torch.empty(shape, dtype=inner.dtype, device=device)
+        self._v = torch.empty(shape, dtype=inner.dtype, device=device)
+        self.stats = inner.stats
+        self.stats.resident_bytes += 2 * inner.capacity * inner.row  # the device pair
+
+    @contextmanager
+    def layer(self, i: int, start: int, end: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        with self.inner.layer(i, start, end) as (kh, vh):
+            self._k[:start].copy_(kh[:start], non_blocking=True)  # ordered before attention on the same stream
+            self._v[:start].copy_(vh[:start], non_blocking=True)
+            yield self._k, self._v
+            kh[start:end].copy_(self._k[start:end])  # synchronous: the write-back reads the host block next
+            vh[start:end].copy_(self._v[start:end])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def make_cache(
     n_layers: int,
     batch: int,
@@ -274,9 +315,13 @@ def make_cache(
     *,
     budget: int | None = None,
     directory: str | os.PathLike[str] | None = None,
+    device: torch.device | None = None,
 ) -> KVCache:
-    """In memory when ``budget`` is None or holds the whole cache, else on disk within ``budget``."""
+    """In memory when ``budget`` is None or holds the whole cache, else on disk within ``budget``.
+    ``device`` (the staged and gds paths): the in-memory cache lives there, and an offloaded one
+    attends there through :class:`DeviceKV`; None: the CPU path's plain caches."""
     total = 2 * n_layers * capacity * batch * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     if budget is None or total <= budget:
-        return MemoryKV(n_layers, batch, kv_heads, head_dim, capacity, dtype)
-    return DiskKV(n_layers, batch, kv_heads, head_dim, capacity, dtype, budget, directory=directory)
+        return MemoryKV(n_layers, batch, kv_heads, head_dim, capacity, dtype, device)
+    disk = DiskKV(n_layers, batch, kv_heads, head_dim, capacity, dtype, budget, directory=directory)
+    return disk if device is None else DeviceKV(disk, device)

@@ -37,6 +37,10 @@ class InferMetrics(BaseModel):
     peak_rss_bytes: int
     page_cache_growth_bytes: int  # Cached in /proc/meminfo, after - before (near 0 on the O_DIRECT path)
     engine: str
+    device: str = "cpu"  # where compute ran
+    read_path: str = "cpu"  # how weights reached it: cpu (host ring), staged (host -> device copies), gds (KvikIO)
+    pinned_bytes: int = 0  # host memory pinned for weight reads (staging buffers), beside budget_bytes
+    staging_bytes: int = 0  # host staging buffers between disk and device (staged path), pinned or not
 
 
 def page_cache_bytes() -> int:

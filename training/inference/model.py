@@ -46,8 +46,8 @@ class Step:
     def attn_mask(self) -> torch.Tensor:
         """[B, 1, T, start + T] booleans: a query sees real keys at or before its own slot."""
         t, total = self.tokens.shape[1], self.start + self.tokens.shape[1]
-        q = torch.arange(self.start, total).view(1, 1, t, 1)
-        k = torch.arange(total).view(1, 1, 1, total)
+        q = torch.arange(self.start, total, device=self.mask.device).view(1, 1, t, 1)
+        k = torch.arange(total, device=self.mask.device).view(1, 1, 1, total)
         # a padding query attends to itself only: a row with no key at all would give NaNs that its
         # values would carry into later layers' (masked, but 0 * NaN) products
         return ((k <= q) & self.mask[:, None, None, :total]) | (k == q)
@@ -98,7 +98,7 @@ class StreamModel(abc.ABC):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, 1, T, head_dim] for rotate-half RoPE, computed as transformers' Llama computes them."""
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
     freqs = (inv[None, :, None] @ positions[:, None, :].float()).transpose(1, 2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos()[:, None], emb.sin()[:, None]

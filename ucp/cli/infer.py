@@ -92,6 +92,17 @@ def infer_cmd(
     kv_dir: Annotated[
         Optional[Path], typer.Option("--kv-dir", help="Where an offloaded KV cache's file goes (default: $TMPDIR).")
     ] = None,
+    device: Annotated[
+        str, typer.Option("--device", help="Where compute runs: cpu or cuda[:N] (the budget then counts GPU memory).")
+    ] = "cpu",
+    read_path: Annotated[
+        Optional[str],
+        typer.Option(
+            "--read-path",
+            help="How weights reach the device: cpu, staged (pinned host buffers, async copies) or gds (KvikIO "
+            "into GPU memory; the 'gds' extra). Default: cpu on the CPU, gds where KvikIO imports, else staged.",
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: outputs and metrics.")] = False,
 ) -> None:
     """Generate text with weights streamed from disk, layer by layer, within a memory budget."""
@@ -126,6 +137,8 @@ def infer_cmd(
                 kv_budget=kv_bytes,
                 pin_layers=pin_layers,
                 kv_dir=kv_dir,
+                device=device,
+                read_path=read_path,
                 progress=lambda done, total: update(done, total, "tokens"),
             )
     except (ValueError, OSError) as exc:
@@ -142,7 +155,8 @@ def infer_cmd(
         f"first token {m.time_to_first_token_s:.3f} s, decode {m.decode_tokens_per_s:.1f} tokens/s, "
         f"{format_size(int(m.bytes_read_per_token))} read per token at {m.read_gb_per_s:.2f} GB/s "
         f"({m.read_hidden_fraction:.0%} hidden), resident {format_size(m.resident_bytes)} + ring "
-        f"{format_size(m.ring_bytes)} of {format_size(m.budget_bytes)}, peak RSS {format_size(m.peak_rss_bytes)}",
+        f"{format_size(m.ring_bytes)} of {format_size(m.budget_bytes)}, peak RSS {format_size(m.peak_rss_bytes)}; "
+        f"on {m.device} via the {m.read_path} read path (pinned {format_size(m.pinned_bytes)})",
         highlight=False,
     )
     if m.kv_offloaded:
