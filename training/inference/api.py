@@ -94,6 +94,7 @@ def infer(
             )
         stats, plan, engine = ex.stats, ex.plan, ex.handle.engine_name
         where, path, pinned, staging = str(ex.device), ex.read_path, ex.pinned_bytes, ex.staging_bytes
+        why = ex.read_path_reason
     tokens = [t for r in results for t in r.tokens]
     decode_s = sum(r.decode_seconds for r in results)
     decode_tokens = sum(r.decode_steps * r.batch for r in results)
@@ -128,6 +129,7 @@ def infer(
         engine=engine if path != "gds" else "kvikio",
         device=where,
         read_path=path,
+        read_path_reason=why,
         pinned_bytes=pinned,
         staging_bytes=staging,
     )

@@ -18,6 +18,7 @@ no-ops (CPU copies are synchronous), so CI runs every line of the staged ring ex
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -82,6 +83,22 @@ def choose_read_path(device: torch.device, requested: str | None, caps: Any) -> 
                 f"install the 'gds' extra, {GDS_EXTRA}"
             )
     return req  # type: ignore[return-value]
+
+
+def probe_kvikio_read(file: str, device: torch.device, kvikio: Any = None) -> str | None:
+    """None when KvikIO reads the first bytes of ``file`` into ``device`` memory (GDS or its compatibility
+    path), else why not: ``auto`` then takes the staged path rather than fail mid-run."""
+    try:
+        reader = KvikioReader(kvikio)
+        n = min(4096, os.path.getsize(file))
+        g = GroupLayout("probe", [], {file: [(0, 0, n)]}, [], 4096)
+        try:
+            reader.read_group(g, torch.empty(4096, dtype=torch.uint8, device=device))
+        finally:
+            reader.close()
+    except Exception as exc:  # noqa: BLE001 - any failure means: not this path
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 class Marker:

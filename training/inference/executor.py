@@ -27,7 +27,15 @@ import torch
 
 from aio import AioConfig, AioHandle, AlignedBuffer
 from aio.sizes import format_size
-from training.inference.device import DeviceRing, KvikioReader, Lane, ReadPath, choose_read_path, resolve_device
+from training.inference.device import (
+    DeviceRing,
+    KvikioReader,
+    Lane,
+    ReadPath,
+    choose_read_path,
+    probe_kvikio_read,
+    resolve_device,
+)
 from training.inference.errors import BudgetError, InferenceError
 from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
 from training.inference.model import Step, StreamModel
@@ -249,7 +257,13 @@ class Executor:
 
         self.device = resolve_device(device)
         self.read_path: ReadPath = choose_read_path(self.device, read_path, gds.capabilities())
+        self.read_path_reason = "asked for" if read_path not in (None, "auto") else f"auto on {self.device}"
         model.check_weights(source)
+        if self.read_path == "gds" and read_path in (None, "auto"):
+            first = next(r.file for t in source.tensors.values() for r in t.runs)
+            why = probe_kvikio_read(first, self.device, kvikio)
+            if why is not None:
+                self.read_path, self.read_path_reason = "staged", f"auto: KvikIO could not read {first} ({why})"
         self.model, self.source, self.dtype = model, source, dtype
         sizes = FileSizes()
         pre = layout_group("embedding", model.pre_names(), source, sizes)

@@ -39,6 +39,7 @@ class InferMetrics(BaseModel):
     engine: str
     device: str = "cpu"  # where compute ran
     read_path: str = "cpu"  # how weights reached it: cpu (host ring), staged (host -> device copies), gds (KvikIO)
+    read_path_reason: str = ""  # "asked for", "auto on <device>", or why auto fell back from gds to staged
     pinned_bytes: int = 0  # host memory pinned for weight reads (staging buffers), beside budget_bytes
     staging_bytes: int = 0  # host staging buffers between disk and device (staged path), pinned or not
 

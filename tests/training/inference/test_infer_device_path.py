@@ -108,6 +108,7 @@ def test_metrics_name_device_and_read_path(weights: Path) -> None:
     assert staged.tokens == plain.tokens
     assert (plain.metrics.device, plain.metrics.read_path, plain.metrics.staging_bytes) == ("cpu", "cpu", 0)
     assert (staged.metrics.device, staged.metrics.read_path) == ("cpu", "staged")
+    assert (plain.metrics.read_path_reason, staged.metrics.read_path_reason) == ("auto on cpu", "asked for")
     assert staged.metrics.staging_bytes == 2 * plain.metrics.ring_bytes // (plain.metrics.prefetch_depth + 1)
     assert staged.metrics.pinned_bytes == (staged.metrics.staging_bytes if torch.cuda.is_available() else 0)
     out = CliRunner().invoke(
@@ -158,3 +159,21 @@ def test_read_path_choice_and_its_errors() -> None:
 def test_cli_gds_on_the_cpu_names_the_device(weights: Path) -> None:
     out = CliRunner().invoke(app, ["infer", str(weights), "--prompt", "1 2", "--read-path", "gds"])
     assert out.exit_code == 2 and "read path 'gds' reads weights into GPU memory, but device 'cpu'" in out.output
+
+
+class BrokenCuFile(FakeCuFile):
+    def __init__(self, path: str, mode: str) -> None:
+        raise OSError(5, "cuFileHandleRegister failed")
+
+
+def test_auto_falls_back_to_staged_when_kvikio_cannot_read(weights: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(executor_mod, "choose_read_path", lambda device, asked, caps: "gds")  # as on a GPU with KvikIO
+    model, source = load_model(open_weights(weights))
+    with Executor(model, source, 1 << 20, kvikio=FAKE_KVIKIO, pin_layers=False) as ex:
+        assert (ex.read_path, ex.read_path_reason) == ("gds", "auto on cpu")
+    with Executor(model, source, 1 << 20, kvikio=SimpleNamespace(CuFile=BrokenCuFile), pin_layers=False) as ex:
+        assert ex.read_path == "staged"
+        assert ex.read_path_reason.startswith("auto: KvikIO could not read ") and "cuFileHandleRegister" in str(
+            ex.read_path_reason
+        )
+        assert len(generate(ex, PROMPTS, 2).tokens) == 2
