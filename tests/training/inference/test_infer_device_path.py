@@ -177,3 +177,18 @@ def test_auto_falls_back_to_staged_when_kvikio_cannot_read(weights: Path, monkey
             ex.read_path_reason
         )
         assert len(generate(ex, PROMPTS, 2).tokens) == 2
+
+
+def test_gpu_check_script_refuses_without_cuda_and_dry_runs_on_the_cpu(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tools import gpu_check_infer
+
+    if not torch.cuda.is_available():
+        assert gpu_check_infer.main([]) == 2
+        assert "device 'cuda' asked for, but CUDA is not usable here" in capsys.readouterr().err
+    tiny = "--device cpu --layers 2 --hidden 64 --intermediate 96 --heads 4 --kv-heads 2 --vocab 128 --batch 2"
+    assert gpu_check_infer.main([*tiny.split(), "--new-tokens", "4", "--budget", "256KiB", "--dir", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out.split("\n| read path")[0])
+    assert summary["correct"] and set(summary["paths"]) == {"cpu", "staged"}
+    assert summary["paths"]["staged"]["staging_bytes"] > 0 and summary["paths"]["staged"]["reason"] == "asked for"
