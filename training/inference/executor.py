@@ -13,6 +13,9 @@ The budget covers weight memory: the ring and the resident tensors (held in the 
 ``pin_layers`` (the default), what the budget holds beyond the edge groups and a two-buffer ring (or
 ``prefetch + 1`` buffers) keeps whole layers resident too, spread evenly over the depth: a layer read
 once instead of once per pass is the largest saving a batch-1 decode, bound by the disk, can get.
+
+That is the ``cpu`` read path. On a device (``staged``, ``gds``: :mod:`training.inference.device`)
+the ring and the resident tensors live in device memory, which the budget then counts.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ run's metrics (time to first token, decode tokens/s, bytes read per token, read 
 read time hidden behind compute, peak RSS, resident bytes against the budget). Whole layers are pinned
 in what the budget holds beyond a two-buffer ring (``--no-pin-layers``: none). ``--kv-budget`` caps
 the KV cache's memory: a batch's cache beyond it lives in a file under ``--kv-dir``, its layer blocks
-read ahead and written back through O_DIRECT (the same tokens as in memory).
+read ahead and written back through O_DIRECT (the same tokens as in memory). ``--device cuda`` computes
+on the GPU with weights read through ``--read-path`` ``gds`` (KvikIO into device buffers) or ``staged``
+(pinned host buffers, async copies); not yet run on a GPU (``tools/gpu_check_infer.py`` is the check).
 
 Exit codes: 0 done, 2 bad input (a missing file, a lying header, a config that does not fit the
 weights, a budget below the largest layer, a bad prompt), 1 an I/O failure.
