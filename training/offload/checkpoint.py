@@ -231,10 +231,12 @@ def load_tier(
     *,
     casts: Sequence[torch.Tensor | None],
     aio_config: AioConfig | dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
-    """:func:`fill_tier` from the checkpoint directory at ``path`` (read through ``aio_config``: the
-    loader's staging and requests; the default is aio's, 8 MiB x 32)."""
-    storage, name = open_storage(path, aio_config=as_aio_config(aio_config))
+    """:func:`fill_tier` from the checkpoint at ``path`` (a directory, or a URL with ``storage_options`` as
+    ``ucp.load`` takes them), read through ``aio_config`` (the loader's staging and requests; the default
+    is aio's, 8 MiB x 32)."""
+    storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
     with storage:
         return fill_tier(offload, spans_by_key, storage, name, read_manifest(storage, name), casts=casts)
 
