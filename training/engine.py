@@ -494,10 +494,11 @@ class Engine:
             _no_missing_keys(source.load(step, into=into, strict=False))
             loaded = source.loaded_step
             assert loaded is not None
-            if loaded != chosen:  # the manager fell back to an older checkpoint: checked only once read
-                self._check_fits(source.path(loaded))
+            where, options = source.loaded_location()  # a tiered manager may have read the remote copy
+            if loaded != chosen or where != source.path(loaded):  # checked only once read: a fallback
+                self._check_fits(where, options)
             try:
-                self._fill_tier(source.path(loaded), source.aio_config)
+                self._fill_tier(where, source.aio_config)
             except (ucp.CheckpointError, OSError) as exc:
                 older = [i.step for i in source.list() if i.status == "complete" and i.step < loaded]
                 if step is not None or not older:
@@ -508,8 +509,9 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - raised by load() after the ranks compared notes
             return FAILED, exc
 
-    def _check_fits(self, path: str) -> None:
-        check_resumable(ucp.read_manifest(path), path, self.cfg.model, self.shapes, self.cfg.data_seed)
+    def _check_fits(self, path: str, storage_options: dict[str, Any] | None = None) -> None:
+        manifest = ucp.read_manifest(path, storage_options=storage_options)
+        check_resumable(manifest, path, self.cfg.model, self.shapes, self.cfg.data_seed)
 
     def _loaded_range(self, loaded: int) -> tuple[int, int]:
         """The oldest and newest step the ranks of this run loaded (FAILED, -1, is the oldest of all)."""

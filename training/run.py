@@ -112,6 +112,24 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
     )
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint of --save-dir")
     p.add_argument(
+        "--remote",
+        default=None,
+        help="tiered checkpoints: replicate each one committed under --save-dir (node-local disk) to this "
+        "object-store URL (s3://bucket/run); --resume then takes the newest step either tier holds",
+    )
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        help="JSON options of --remote's storage (ucp.store.s3.S3Options keys); default: the AWS variables",
+    )
+    p.add_argument("--remote-keep-last", type=positive_int, default=None, help="checkpoints kept under --remote")
+    p.add_argument(
+        "--node-local",
+        action="store_true",
+        help="with --remote: --save-dir is each node's own disk, not shared; every rank replicates its own "
+        "files and rank 0 commits on the store (needs --sync-save)",
+    )
+    p.add_argument(
         "--ds-config",
         default=None,
         help="a DeepSpeed JSON config: its zero_optimization offload keys and aio section are used (docs/offload.md)",
@@ -146,6 +164,17 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         )
     if args.resume and args.save_dir is None:
         p.error("--resume needs --save-dir")
+    if args.remote is not None and args.save_dir is None:
+        p.error("--remote needs --save-dir (the local tier)")
+    if args.node_local and (args.remote is None or not args.sync_save):
+        p.error("--node-local needs --remote and --sync-save")
+    if args.storage_options is not None:
+        try:
+            args.storage_options = json.loads(args.storage_options)
+        except ValueError as exc:
+            p.error(f"--storage-options is not JSON: {exc}")
+        if not isinstance(args.storage_options, dict):
+            p.error("--storage-options must be a JSON object")
     if args.resume and args.start_step is not None:
         p.error("--start-step is ignored with --resume (the run continues at the checkpoint's step): give one of them")
     if args.start_step is None:
@@ -231,7 +260,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         import ucp
 
         manager = ucp.CheckpointManager(
-            args.save_dir, keep_last=args.keep_last, async_save=not args.sync_save, snapshot=args.snapshot
+            args.save_dir,
+            keep_last=args.keep_last,
+            async_save=not args.sync_save,
+            snapshot=args.snapshot,
+            remote=args.remote,
+            remote_keep_last=args.remote_keep_last,
+            remote_storage_options=args.storage_options,
+            node_local=args.node_local,
         )
         if args.resume:
             t0 = time.perf_counter()
@@ -239,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             emit(
                 {
                     "resumed": first,
+                    "from": manager.loaded_from,
                     "seconds": round(time.perf_counter() - t0, 4),
                     "mesh": engine.mesh.as_dict(),
                     "zero": args.zero,

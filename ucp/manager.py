@@ -425,6 +425,8 @@ class CheckpointManager:
         remote: str | None = None,
         remote_keep_last: int | None = None,
         remote_storage_options: dict[str, Any] | None = None,
+        node_local: bool = False,
+        replicate_timeout: float = 600.0,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (or None to keep everything), got {keep_last}")
@@ -450,6 +452,12 @@ class CheckpointManager:
                 raise ValueError("a tiered manager's root is its local tier: a directory, not a URL")
             if remote_keep_last is not None and remote_keep_last < 1:
                 raise ValueError(f"remote_keep_last must be >= 1 (or None), got {remote_keep_last}")
+            if node_local and self.saver is not None:
+                raise ValueError(
+                    "node_local=True needs synchronous saves: an asynchronous save's ranks meet through files "
+                    "in the checkpoint directory, which a tier without a shared file system does not have"
+                )
+            from ucp.dist import resolve_group
             from ucp.replicate import Replicator
 
             self.replicator = Replicator(
@@ -458,12 +466,23 @@ class CheckpointManager:
                 remote_keep_last=remote_keep_last,
                 storage_options=remote_storage_options,
                 after_local=self._retire_local,
+                rank=resolve_group(process_group).rank if node_local else None,
+                timeout=replicate_timeout,
             )
+        elif node_local:
+            raise ValueError("node_local=True is for a tiered manager (remote=URL): without one nothing is shared")
+        self.node_local = node_local
 
     def _retire_local(self, replicated: str, pending: set[str]) -> None:
         """A tiered manager's local retention, once ``replicated`` is safe remotely: never a step still
         waiting for its replication."""
-        if self.keep_last is not None:
+        if self.keep_last is None:
+            return
+        if self.node_local:
+            from ucp.tiered import retire_local
+
+            retire_local(self.root, self.keep_last, protect={replicated} | pending)
+        else:
             apply_retention(self.root, self.keep_last, protect={replicated} | pending)
 
     @property
@@ -516,12 +535,31 @@ class CheckpointManager:
                 removed = clean_remote(storage, keep=keep | {name})
             if removed:
                 log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
-        elif group.rank == 0:
+        elif group.rank == 0 or self.node_local:  # a node-local tier: every rank cleans its own disk
             os.makedirs(self.root, exist_ok=True)
             keep = self.saver.in_flight_temps() if self.saver is not None else set()
             removed = clean_leftovers(self.root, keep=keep)
             if removed:
                 log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
+        if self.node_local:
+            from ucp.tiered import save_node_local
+
+            manifest = save_node_local(
+                state_dict,
+                self.root,
+                name,
+                group=group,
+                step=step,
+                metadata=metadata,
+                mesh=mesh,
+                aio_config=self.aio_config,
+                check_replicas=check_replicas,
+            )
+            if group.rank == 0:
+                after_commit(self.root, step, name, None, None)
+            assert self.replicator is not None
+            self.replicator.submit(step, name)  # every rank uploads its own files
+            return manifest
         if self.saver is None:
             manifest = _save(
                 state_dict,
@@ -649,6 +687,15 @@ class CheckpointManager:
             return state
         raise NotACheckpointError(f"no loadable checkpoint under {self.root}: " + "; ".join(problems))
 
+    def loaded_location(self) -> tuple[str, dict[str, Any] | None]:
+        """(path or URL, its storage options) of the checkpoint the last :meth:`load` read: the local or
+        the remote tier's copy of :attr:`loaded_step`."""
+        if self.loaded_step is None:
+            raise ValueError("nothing was loaded yet")
+        if self.replicator is not None and self.loaded_from == self.replicator.remote_root:
+            return f"{self.loaded_from}/{step_name(self.loaded_step)}", self.replicator.storage_options
+        return self.path(self.loaded_step), self.storage_options
+
     def remote_manager(self) -> "CheckpointManager":
         """The remote tier as a manager of its own (listing, loading); ValueError when there is none."""
         if self.replicator is None:
@@ -664,6 +711,8 @@ class CheckpointManager:
         """Local copy when it is complete and loads (CRCs checked), else the remote one: the newest step either
         tier holds. ``_NONE`` when neither has it (the caller then tries older local checkpoints)."""
         remote = self.remote_manager()
+        if self.node_local:
+            return self._load_node_local(remote, step, **kw)
         local_step = self.latest() if step is None else step
         remote_step = remote.latest() if step is None else step
         want = max(s for s in (local_step, remote_step, -1) if s is not None)
@@ -682,6 +731,46 @@ class CheckpointManager:
                 raise
             log.warning("cannot load %s (%s); trying older local checkpoints", remote.path(want), exc)
             return _NONE
+        self.loaded_step, self.loaded_from = want, remote.root
+        return state
+
+    def _load_node_local(self, remote: "CheckpointManager", step: int | None, **kw: Any) -> Any:
+        """A node-local tier: the ranks agree (through rank 0) on the step and on the tier — local only where
+        every rank's disk holds the whole checkpoint (one node), else the remote copy; a local copy that
+        fails to load on any rank sends every rank to the remote one."""
+        from ucp.dist import resolve_group
+
+        group = resolve_group(self.process_group)
+        if step is None:
+            local_step = self.latest()
+        else:
+            local_step = step if check_complete(self.path(step))[0] == "complete" else None
+        remote_step = remote.latest() if step is None and group.rank == 0 else step
+        views = group.gather((local_step, remote_step))
+        choice: tuple[int, bool] | None = None
+        if group.rank == 0:
+            assert views is not None
+            steps = [s for v in views for s in v if s is not None]
+            if steps:
+                want = max(steps)
+                choice = (want, all(v[0] == want for v in views))
+        choice = group.broadcast(choice)
+        if choice is None:
+            return _NONE
+        want, use_local = choice
+        error: str | None = None
+        state: Any = None
+        if use_local:
+            try:
+                state = self._load_one(want, self.root, **kw)
+            except (CheckpointError, OSError) as exc:
+                log.warning("cannot load %s (%s); trying the remote copy", self.path(want), exc)
+                error = str(exc)
+            errors = group.gather(error)
+            failed = group.broadcast(errors is not None and any(e is not None for e in errors))
+            if not failed:
+                return state
+        state = remote.load(want, **kw)
         self.loaded_step, self.loaded_from = want, remote.root
         return state
 

@@ -94,8 +94,13 @@ class Replicator:
         remote_keep_last: int | None,
         storage_options: dict[str, Any] | None,
         after_local: Callable[[str, set[str]], None] | None = None,
+        rank: int | None = None,
+        timeout: float = 600.0,
     ) -> None:
         self.local_root, self.remote_root = local_root, remote_root
+        # None: rank 0 uploads every file from a shared tier; a rank: it uploads its own files
+        # (ucp.tiered.replicate_rank) and only rank 0 commits and moves ``latest``
+        self.rank, self.timeout = rank, timeout
         self.remote_keep_last = remote_keep_last
         self.storage_options = storage_options
         self.after_local = after_local  # local retention, run once a step is safe remotely
@@ -125,8 +130,17 @@ class Replicator:
             step, name = item
             t0 = time.perf_counter()
             try:
-                replicate(os.path.join(self.local_root, name), self.remote_root, name, self.storage_options)
-                remote_after_commit(self.remote_root, step, name, self.remote_keep_last, self.storage_options)
+                local_dir = os.path.join(self.local_root, name)
+                if self.rank is None:
+                    replicate(local_dir, self.remote_root, name, self.storage_options)
+                else:
+                    from ucp.tiered import replicate_rank
+
+                    replicate_rank(
+                        local_dir, self.remote_root, name, self.rank, self.storage_options, timeout=self.timeout
+                    )
+                if not self.rank:
+                    remote_after_commit(self.remote_root, step, name, self.remote_keep_last, self.storage_options)
                 self.replicated[name] = time.perf_counter() - t0
                 with self._lock:
                     self._waiting.remove(name)
