@@ -81,6 +81,25 @@ def _summary() -> DemoSummary:
         continuity={"steps": [9, 10], "before": [8.4, 8.3], "after": [8.4, 8.3], "max_relative_difference": 0.0},
         reshape={"files": 1, "bytes_written": 221_000_000, "seconds": 3.6},
         export={"tensors": 76, "bytes": 27_600_000, "seconds": 0.99, "dst": "/tmp/w/hf"},
+        offload={
+            "processes": 2,
+            "layout": {"tp": 1, "dp": 2, "zero": 1},
+            "steps": [0, 1, 2],
+            "resumed_at": 2,
+            "state_bytes_per_rank": 83_000_000,
+            "pool_bytes": 24_000_000,
+            "peak_rss": 610_000_000,
+            "swap_bytes_read": 249_000_000,
+            "swap_bytes_written": 249_000_000,
+            "swap_read_gb_per_s": 1.2,
+            "swap_write_gb_per_s": None,
+            "median_step_s": 2.5,
+            "checkpoint_tier_read": 87_000_000,
+            "save_s": 0.8,
+            "load_s": 1.1,
+            "max_relative_difference": 5.7e-8,
+            "seconds": 28.0,
+        },
         seconds=88.0,
     )
 
@@ -98,4 +117,14 @@ def test_summary_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         "median 1.59 s (steps 3, 6, 9: the copy and write run beside them) vs 1.54 s for the other steps"
     )
     assert rows["last step"] == "step 15, loss 8.311257"  # as the log numbers it, not the 16 steps done
+    assert rows["optimizer on NVMe"] == (
+        "2 processes, tp=1 dp=2 ZeRO-1: 83 MB of masters and moments per rank in swap files through a 24 MB pool; "
+        "peak RSS 610 MB (rank 0); median 2.50 s per step"
+    )
+    assert rows["swap traffic"] == (
+        "rank 0, steps 0–2: 0.25 GB read at 1.20 GB/s, 0.25 GB written at – (while its I/O threads were busy)"
+    )
+    assert rows["offloaded checkpoint"].startswith(
+        "saved at step 2 in 0.80 s, streamed from the swap files (87 MB read)"
+    )
     assert " ms" not in buf.getvalue()  # one unit: seconds
