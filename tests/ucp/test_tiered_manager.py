@@ -65,3 +65,58 @@ def test_async_tiered_saves_replicate_after_the_local_commit(s3_server, s3_bucke
         m.wait()  # and the replication
         assert [i.step for i in m.remote_manager().list()] == [10, 20]
         assert torch.equal(ucp.load(f"{remote}/step-00000020")["w"], state(20)["w"])
+
+
+def test_node_local_tier_replicates_each_ranks_files_and_commits_after_the_markers(s3_server, s3_bucket, tmp_path):  # noqa: F811
+    remote = f"s3://{s3_bucket}/nl"
+    with ucp.CheckpointManager(tmp_path / "n", keep_last=1, remote=remote, node_local=True, remote_keep_last=2) as m:
+        for step in (1, 2, 3):
+            m.save(state(step), step)
+        m.wait()
+        assert [i.step for i in m.list()] == [3]  # local retention, after replication
+    keys = object_keys(s3_server, s3_bucket, "nl/")
+    assert keys == [
+        "nl/latest",
+        "nl/step-00000002/manifest.json",
+        "nl/step-00000002/rank-00000.safetensors",
+        "nl/step-00000003/manifest.json",
+        "nl/step-00000003/rank-00000.safetensors",
+    ]  # the markers went with the commit
+    shutil.rmtree(tmp_path / "n")
+    m2 = ucp.CheckpointManager(tmp_path / "n", remote=remote, node_local=True)
+    out = m2.load()
+    assert m2.loaded_from == remote and m2.loaded_step == 3 and torch.equal(out["w"], state(3)["w"])
+    assert m2.loaded_location() == (f"{remote}/step-00000003", None)
+    m2.close()
+
+
+def test_node_local_tier_refuses_async_saves_and_a_missing_remote(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="node_local=True needs synchronous saves"):
+        ucp.CheckpointManager(tmp_path / "a", async_save=True, remote="s3://b/r", node_local=True)
+    with pytest.raises(ValueError, match="node_local=True is for a tiered manager"):
+        ucp.CheckpointManager(tmp_path / "b", node_local=True)
+
+
+def test_rank_0_does_not_commit_before_every_rank_reported(s3_server, s3_bucket, tmp_path):  # noqa: F811
+    """A rank whose marker never arrives: rank 0 gives up naming it, and the step stays uncommitted."""
+    from ucp.format.manifest import FileInfo, parse_manifest
+    from ucp.tiered import replicate_rank
+
+    local = tmp_path / "step-00000007"
+    ucp.save(state(7), local, step=7)
+    manifest = parse_manifest((local / "manifest.json").read_bytes(), source="test")
+    # as if a second rank had written a file of its own: the manifest says rank 1 owns it
+    files = {**manifest.files, "rank-00001.safetensors": FileInfo(rank=1, size=8)}
+    topology = manifest.topology.model_copy(update={"world_size": 2})
+    (local / "manifest.json").write_bytes(manifest.model_copy(update={"files": files, "topology": topology}).to_json())
+    remote = f"s3://{s3_bucket}/wait"
+    import pytest
+
+    from ucp.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] did not report their uploads within 0 s; not committed"):
+        replicate_rank(str(local), remote, "step-00000007", 0, timeout=0.2)
+    keys = object_keys(s3_server, s3_bucket, "wait/")
+    assert keys == ["wait/step-00000007/.ucp-replicated-rank-00000", "wait/step-00000007/rank-00000.safetensors"]
