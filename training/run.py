@@ -13,6 +13,13 @@ line each) and ``--resume`` continues from the latest complete one, whatever mes
     torchrun --nproc-per-node 4 -m training.run --tp 2 --dp 2 --zero 2 --total-steps 20 --save-dir ck
     torchrun --nproc-per-node 2 -m training.run --dp 2 --zero 3 --total-steps 20 --save-dir ck --resume
 
+With ``--remote s3://bucket/run`` the checkpoints are tiered: committed under ``--save-dir`` and replicated
+to the object store behind; ``--node-local --sync-save`` when ``--save-dir`` is each node's own disk (no
+shared file system: every rank replicates its own files), and ``--resume`` then restores from the store
+when the local copy is gone::
+
+    torchrun --nnodes 2 ... -m training.run --sync-save --save-dir /nvme/ck --remote s3://b/run --node-local
+
 Optimizer state can live off memory, as DeepSpeed's ZeRO-Offload/Infinity puts it (docs/offload.md):
 ``--offload-optimizer cpu|nvme --nvme-path DIR [--sub-group-size N] [--swap-budget 1GiB]``, and at ZeRO-3 so
 can the parameters (``--offload-param nvme``, the same ``--nvme-path``), or a DeepSpeed JSON config's

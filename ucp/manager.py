@@ -406,6 +406,11 @@ class CheckpointManager:
     ``handle.wait_snapshot()`` before changing it (``training.Engine`` does, before its optimizer step).
     ``mode``, ``max_in_flight``, ``commit_timeout`` and ``snapshot`` left out (None) take the defaults of
     :class:`~ucp.saving.options.AsyncSaveOptions`.
+    ``remote`` (a URL) makes ``root`` the local tier of tiered checkpoints (:mod:`ucp.replicate`), with
+    ``remote_keep_last`` and ``remote_storage_options``; ``node_local=True`` says ``root`` is each node's
+    own disk, not shared: every rank replicates its own files and rank 0 commits on the store once every
+    rank's marker is there, waiting up to ``replicate_timeout`` seconds (:mod:`ucp.tiered`; synchronous
+    saves only).
     """
 
     def __init__(
