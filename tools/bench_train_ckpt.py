@@ -43,7 +43,8 @@ if str(REPO) not in sys.path:
 
 from tools.argtypes import positive_int  # noqa: E402
 
-WAYS = ("none", "async", "sync")
+WAYS = ("none", "async", "sync", "tiered")
+DEFAULT_WAYS = ("none", "async", "sync")
 STOP_GRACE_S = 5.0  # after Ctrl-C: how long the ranks get to exit on SIGTERM before SIGKILL
 
 
@@ -65,7 +66,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--micro-batch", type=positive_int, default=2)
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's max_seq")
-    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+    p.add_argument(
+        "--ways",
+        nargs="+",
+        default=list(DEFAULT_WAYS),
+        choices=WAYS,
+        help="tiered: async saves committed locally, then replicated to --remote (default: a loopback moto "
+        "S3 server started for the run) by the manager's Replicator",
+    )
+    p.add_argument("--every", type=positive_int, default=1, help="save after every N steps (all ways)")
+    p.add_argument("--remote", default=None, help="the tiered way's object-store root (s3://bucket/prefix)")
     p.add_argument("--dir", type=Path, default=None, help="checkpoint root parent (default: a temp dir under /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)")
@@ -121,7 +131,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     managers: dict[str, Any] = {}
     savers: dict[str, Any] = {}
     raw: dict[str, dict[str, list[float]]] = {
-        w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": [], "wait_s": []} for w in args.ways
+        w: {"step_s": [], "save_call_s": [], "stall_s": [], "durable_s": [], "wait_s": [], "replicate_s": []}
+        for w in args.ways
     }
     waits: list[float] = []  # time train_step spent waiting for a background snapshot (before its optimizer step)
     engine_wait = engine.wait_snapshot
@@ -133,11 +144,18 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
 
     engine.wait_snapshot = timed_wait
     for w in args.ways:
-        if w == "async":
+        if w in ("async", "tiered"):
             savers[w] = ucp.AsyncSaver(mode=args.async_mode, aio_config=aio or None, snapshot=args.snapshot)
         if w != "none":
+            remote = os.environ.get("BENCH_REMOTE") or args.remote if w == "tiered" else None
             managers[w] = ucp.CheckpointManager(
-                base / w, keep_last=2, async_save=w == "async", saver=savers.get(w), aio_config=aio or None
+                base / w,
+                keep_last=2,
+                async_save=w in ("async", "tiered"),
+                saver=savers.get(w),
+                aio_config=aio or None,
+                remote=remote,
+                remote_keep_last=2 if remote else None,
             )
     # Rounds interleave the ways, so load from other jobs drifting over the run hits every way alike.
     per_round = max(1, -(-args.steps // args.rounds))
@@ -152,7 +170,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
                 t1 = time.perf_counter()
                 if i >= warm and manager is not None and i > 0:
                     r["wait_s"].append(sum(waits))
-                if manager is not None:
+                if manager is not None and (i + 1) % args.every == 0:
                     out = engine.save(manager)
                     if isinstance(out, ucp.SaveHandle) and i >= warm:
                         r["stall_s"].append(out.snapshot_seconds)
@@ -180,6 +198,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
         manager = managers.get(way)
         if manager is not None:
             manager.close()
+            if manager.replicator is not None:  # every replication, timed by the Replicator
+                raw[way]["replicate_s"] = list(manager.replicator.replicated.values())
             if way in savers:
                 savers[way].close()
             if rank == 0:
@@ -206,6 +226,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
         "threads": torch.get_num_threads(),
         "async_mode": args.async_mode,
         "snapshot": args.snapshot,
+        "every": args.every,
         "aio": aio,
         "cores": os.cpu_count(),
     }
@@ -229,7 +250,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         if w != "none":
             row["size_bytes"] = r["size"]
             row["median_save_call_s"] = statistics.median(r["save_call_s"]) if r["save_call_s"] else None
-        if w == "async" and r["stall_s"]:
+        if w in ("async", "tiered") and r["stall_s"]:
             row["median_stall_s"] = statistics.median(r["stall_s"])
             row["max_stall_s"] = max(r["stall_s"])
             if r["wait_s"]:  # background snapshots: what the next step waited for the copy
@@ -237,6 +258,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             if r["durable_s"]:
                 row["median_durable_s"] = statistics.median(r["durable_s"])
                 row["durable_GBps"] = r["size"] / row["median_durable_s"] / 1e9
+        if r.get("replicate_s"):  # tiered: the upload behind the local commit, reported apart from it
+            row["median_replicate_s"] = statistics.median(r["replicate_s"])
+            row["replicate_GBps"] = r["size"] / row["median_replicate_s"] / 1e9
         if w == "sync" and r["save_call_s"]:
             row["sync_GBps"] = r["size"] / statistics.median(r["save_call_s"]) / 1e9
         out["ways"][w] = row
@@ -248,10 +272,11 @@ def table(summary: dict[str, Any]) -> str:
     lines = [
         f"{c['model']} ({c['params'] / 1e6:.1f}M params), world {c['world']} (tp {c['tp']} pp {c['pp']} "
         f"dp {c['dp']}), ZeRO-{c['zero']} {c['precision']}, micro-batch {c['micro_batch']} x seq {c['seq']}, "
-        f"{c['steps']} timed steps after {c['warmup']}, {c['threads']} torch threads/rank on {c['cores']} cores",
+        f"{c['steps']} timed steps after {c['warmup']}, {c['threads']} torch threads/rank on {c['cores']} cores, "
+        f"a save every {c.get('every', 1)} step(s)",
         "",
-        "| way | median step s | overhead | save call s | stall s | ckpt MB | GB/s |",
-        "|---|---|---|---|---|---|---|",
+        "| way | median step s | overhead | save call s | stall s | ckpt MB | GB/s | local commit s | replicate s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for w, r in summary["ways"].items():
         ov = f"{r['overhead'] * 100:+.1f}%" if "overhead" in r else "-"
@@ -261,11 +286,18 @@ def table(summary: dict[str, Any]) -> str:
             stall += f" + {r['median_snapshot_wait_s']:.3f} wait"
         size = f"{r['size_bytes'] / 1e6:.0f}" if r.get("size_bytes") else "-"
         rate = r.get("sync_GBps") or r.get("durable_GBps")
+        commit = f"{r['median_durable_s']:.3f}" if "median_durable_s" in r else "-"
+        repl = f"{r['median_replicate_s']:.3f}" if "median_replicate_s" in r else "-"
         lines.append(
-            f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | {f'{rate:.2f}' if rate else '-'} |"
+            f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | {f'{rate:.2f}' if rate else '-'} "
+            f"| {commit} | {repl} |"
         )
     lines.append("")
-    lines.append("GB/s: sync = size / save call; async = size / time from save() to durable (commit).")
+    lines.append(
+        "GB/s: sync = size / save call; async and tiered = size / time from save() to durable (the local "
+        "commit). replicate s: the tiered way's upload of a committed checkpoint to the object store "
+        "(its manifest last, then latest), behind training."
+    )
     lines.append(
         "stall: how long save() kept the caller (+ with --snapshot background: how long the next "
         "step waited for the copy before its optimizer step)."
@@ -351,9 +383,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-train-ckpt-", dir=args.dir))
+    server = None
     try:
+        if "tiered" in args.ways and args.remote is None:  # a loopback S3 server for this run
+            from tools.s3_server import start_server
+
+            server = start_server()
+            os.environ.update(server.env())
+            os.environ["BENCH_REMOTE"] = f"s3://{server.make_bucket('bench-train-ckpt')}/run"
         raw = launch(args, argv, root)
     finally:
+        if server is not None:
+            server.stop()
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     report(args, raw, root)
