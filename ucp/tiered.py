@@ -36,12 +36,18 @@ from ucp.store.storage import ByteWriter, LocalStorage, remove_path
 log = logging.getLogger(__name__)
 
 MARKER_RE = re.compile(r"^\.ucp-replicated-rank-(\d+)$")
+FAILED_RE = re.compile(r"^\.ucp-failed-rank-(\d+)$")
 POLL = 0.05  # seconds between rank 0's listings of the markers
 CHUNK = 16 << 20  # bytes read from a local data file per write to the upload
 
 
 def marker_name(rank: int) -> str:
     return f".ucp-replicated-rank-{rank:05d}"
+
+
+def failed_name(rank: int) -> str:
+    """The object a rank whose upload failed leaves (its error inside), so rank 0 stops waiting at once."""
+    return f".ucp-failed-rank-{rank:05d}"
 
 
 class NodeLocalStorage(LocalStorage):
@@ -148,8 +154,16 @@ def replicate_rank(
     with open_root(remote_root, storage_options) as storage:
         if storage.exists(f"{name}/{MANIFEST_NAME}"):
             return 0
-        for file, info in mine.items():
-            total += upload_file(storage, os.path.join(local_dir, file), f"{name}/{file}", info.size)
+        try:
+            for file, info in mine.items():
+                total += upload_file(storage, os.path.join(local_dir, file), f"{name}/{file}", info.size)
+        except Exception as exc:
+            if rank != 0:
+                try:
+                    storage.write_small(f"{name}/{failed_name(rank)}", f"{type(exc).__name__}: {exc}".encode())
+                except Exception as again:  # noqa: BLE001 - the store is unreachable: rank 0 times out instead
+                    log.warning("could not report the failure to rank 0: %s", again)
+            raise
         storage.write_small(f"{name}/{marker_name(rank)}", b"")
         if rank != 0:
             return total
@@ -158,6 +172,13 @@ def replicate_rank(
         while True:
             objects = {o["rel"].split("/", 1)[1]: int(o["size"]) for o in _objects(storage, name)}
             seen = {int(m.group(1)) for n in objects if (m := MARKER_RE.match(n))}
+            failed = sorted(n for n in objects if FAILED_RE.match(n))
+            if failed:
+                why = storage.read_small(f"{name}/{failed[0]}").decode(errors="replace")
+                raise CheckpointError(
+                    f"replicating {storage.describe(name)}: rank {int(FAILED_RE.match(failed[0]).group(1))} "  # type: ignore[union-attr]
+                    f"failed to upload its files ({why}); not committed"
+                )
             if owners <= seen:
                 break
             if time.monotonic() > deadline:

@@ -120,3 +120,10 @@ def test_rank_0_does_not_commit_before_every_rank_reported(s3_server, s3_bucket,
         replicate_rank(str(local), remote, "step-00000007", 0, timeout=0.2)
     keys = object_keys(s3_server, s3_bucket, "wait/")
     assert keys == ["wait/step-00000007/.ucp-replicated-rank-00000", "wait/step-00000007/rank-00000.safetensors"]
+    # rank 1 reports a failed upload: rank 0 stops waiting at once, naming it and its error
+    s3_server.client().put_object(
+        Bucket=s3_bucket, Key="wait/step-00000007/.ucp-failed-rank-00001", Body=b"StorageError: throttled"
+    )
+    with pytest.raises(CheckpointError, match=r"rank 1 failed to upload its files \(StorageError: throttled\)"):
+        replicate_rank(str(local), remote, "step-00000007", 0, timeout=60)
+    assert "wait/step-00000007/manifest.json" not in object_keys(s3_server, s3_bucket, "wait/")
