@@ -543,6 +543,8 @@ class CheckpointManager:
         elif group.rank == 0 or self.node_local:  # a node-local tier: every rank cleans its own disk
             os.makedirs(self.root, exist_ok=True)
             keep = self.saver.in_flight_temps() if self.saver is not None else set()
+            if group.rank != 0:  # rank 0 may be creating this step's temporary directory here right now
+                keep |= {os.path.join(self.root, n) for n in os.listdir(self.root) if n.startswith(f".{name}.")}
             removed = clean_leftovers(self.root, keep=keep)
             if removed:
                 log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
