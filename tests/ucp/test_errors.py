@@ -18,6 +18,7 @@ from aio import AioError, FileWriter
 INTERNAL = {
     "ucp.conversion.importers.stored.NeedsTorch": "the importers catch it and read the checkpoint with torch",
     "ucp.saving.cow.userfaultfd.ReadError": "an OSError of the copy-on-write helper process, reported as a message",
+    "ucp.store.s3._Abort": "raised into obstore's upload input to abort the multipart upload, caught by the writer",
 }
 
 

@@ -415,8 +415,9 @@ def _short(text: str, limit: int = 300) -> str:
 _END = object()
 
 
-class _Abort(Exception):
-    """Raised inside the upload's input to make ``obstore`` abort its multipart upload."""
+class _Abort(StorageError):
+    """Raised inside the upload's input to make ``obstore`` abort its multipart upload; caught here, never seen
+    by a caller."""
 
 
 class S3Writer:
