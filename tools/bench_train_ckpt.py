@@ -247,6 +247,11 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"median_step_s": med.get(w)}
         if "none" in med and w != "none" and w in med:
             row["overhead"] = (med[w] - med["none"]) / med["none"]
+        if r["step_s"]:  # with --every N the median is a step without a save: the mean counts the saves
+            row["mean_step_s"] = statistics.fmean(r["step_s"])
+            if w != "none" and raw.get("none", {}).get("step_s"):
+                base = statistics.fmean(raw["none"]["step_s"])
+                row["mean_overhead"] = (row["mean_step_s"] - base) / base
         if w != "none":
             row["size_bytes"] = r["size"]
             row["median_save_call_s"] = statistics.median(r["save_call_s"]) if r["save_call_s"] else None
@@ -275,11 +280,15 @@ def table(summary: dict[str, Any]) -> str:
         f"{c['steps']} timed steps after {c['warmup']}, {c['threads']} torch threads/rank on {c['cores']} cores, "
         f"a save every {c.get('every', 1)} step(s)",
         "",
-        "| way | median step s | overhead | save call s | stall s | ckpt MB | GB/s | local commit s | replicate s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| way | median step s | overhead | mean step s (overhead) | save call s | stall s | ckpt MB | GB/s "
+        "| local commit s | replicate s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w, r in summary["ways"].items():
         ov = f"{r['overhead'] * 100:+.1f}%" if "overhead" in r else "-"
+        mean = f"{r['mean_step_s']:.3f}" if "mean_step_s" in r else "-"
+        if "mean_overhead" in r:
+            mean += f" ({r['mean_overhead'] * 100:+.1f}%)"
         call = f"{r['median_save_call_s']:.3f}" if r.get("median_save_call_s") is not None else "-"
         stall = f"{r['median_stall_s']:.3f}" if "median_stall_s" in r else "-"
         if r.get("median_snapshot_wait_s"):
@@ -289,7 +298,7 @@ def table(summary: dict[str, Any]) -> str:
         commit = f"{r['median_durable_s']:.3f}" if "median_durable_s" in r else "-"
         repl = f"{r['median_replicate_s']:.3f}" if "median_replicate_s" in r else "-"
         lines.append(
-            f"| {w} | {r['median_step_s']:.3f} | {ov} | {call} | {stall} | {size} | {f'{rate:.2f}' if rate else '-'} "
+            f"| {w} | {r['median_step_s']:.3f} | {ov} | {mean} | {call} | {stall} | {size} | {f'{rate:.2f}' if rate else '-'} "
             f"| {commit} | {repl} |"
         )
     lines.append("")
