@@ -55,6 +55,13 @@ def _load_schedulers(scheduler: Schedulers, state: Any) -> None:
         scheduler.load_state_dict(state)
 
 
+def _check_extra(extra: dict[str, Any] | None) -> None:
+    """``extra`` keys must not replace a section (``save_state`` and ``load_state`` share this check)."""
+    for key in extra or {}:
+        if key in SECTIONS:
+            raise UnsupportedStateError(f"extra key {key!r} would replace the {key} section: pick another name")
+
+
 def get_state(
     model: torch.nn.Module,
     optimizer: Optimizers | None = None,
@@ -119,9 +126,7 @@ def save_state(
     ``metadata``, ``process_group``, ...). Returns the manifest.
     """
     state = get_state(model, optimizer, scheduler, options=options)
-    for key in extra or {}:
-        if key in SECTIONS:
-            raise UnsupportedStateError(f"extra key {key!r} would replace the {key} section: pick another name")
+    _check_extra(extra)
     state.update(extra or {})
     return save(state, path, **save_kwargs)
 
@@ -175,9 +180,7 @@ def load_state(
     loads what matches and returns the ``LoadReport``. ``load_kwargs`` go to ``ucp.load`` (``verify``,
     ``process_group``, ...). Returns the filled state (``{"model": ..., ..., **extra}``).
     """
-    for key in extra or {}:
-        if key in SECTIONS:
-            raise UnsupportedStateError(f"extra key {key!r} would replace the {key} section: pick another name")
+    _check_extra(extra)
     state = get_state(model, optimizer, scheduler, options=options)
     state.update(extra or {})
     result: dict[str, Any] | LoadReport = (
