@@ -198,12 +198,7 @@ class OptimizerOffload:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group ``g``'s fp32 master, exp_avg and exp_avg_sq as new whole-partition tensors on ``device``
         (read from the tier, checked; the tier is left as it was)."""
-        self._quiesce()
-        if self._broken is not None:
-            raise OffloadError(
-                f"an earlier optimizer step failed half way ({self._broken}); the offloaded state is partly "
-                "updated and cannot be read as a whole: load a checkpoint to go on"
-            )
+        self.quiesce()
         out = tuple(torch.empty(self.sizes[g], dtype=torch.float32, device=device) for _ in range(3))
 
         def copy(sg: SubGroup, rec: Record) -> None:
