@@ -137,15 +137,7 @@ def export(
                     verify=verify,
                     progress=progress,
                 )
-            return ExportReport(
-                format=format,
-                dst=str(Path(dst).absolute()),
-                files=files,
-                tensors=count,
-                bytes=nbytes,
-                seconds=round(time.perf_counter() - t0, 3),
-                section="",
-            )
+            return _report(format, dst, t0, files=files, tensors=count, nbytes=nbytes, section="")
         selection = select_tensors(manifest, section, dtype=cast)
         model_files = None
         transforms: dict[str, Any] = {}
@@ -200,16 +192,42 @@ def export(
                     progress=progress,
                     **zarr_options,
                 )
+    return _report(
+        format,
+        dst,
+        t0,
+        files=files,
+        tensors=len(selection.tensors),
+        nbytes=selection.nbytes,
+        section=selection.section,
+        dtype=str(cast).removeprefix("torch.") if cast is not None else None,
+        config=model_files.config_source if model_files is not None and model_files.config is not None else None,
+    )
+
+
+def _report(
+    format: Format,
+    dst: str | os.PathLike[str],
+    t0: float,
+    *,
+    files: list[str],
+    tensors: int,
+    nbytes: int,
+    section: str,
+    dtype: str | None = None,
+    config: str | None = None,
+) -> ExportReport:
+    """The report of an export started at ``t0`` (``perf_counter``) into ``dst``; every format returns one."""
     return ExportReport(
         format=format,
         dst=str(Path(dst).absolute()),
         files=files,
-        tensors=len(selection.tensors),
-        bytes=selection.nbytes,
+        tensors=tensors,
+        bytes=nbytes,
         seconds=round(time.perf_counter() - t0, 3),
-        section=selection.section,
-        dtype=str(cast).removeprefix("torch.") if cast is not None else None,
-        config=model_files.config_source if model_files is not None and model_files.config is not None else None,
+        section=section,
+        dtype=dtype,
+        config=config,
     )
 
 
