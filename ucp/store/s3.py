@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from aio import as_bytes_view
 from aio.sizes import parse_size
 from ucp.errors import CheckpointError, StorageError
-from ucp.store.storage import MANIFEST, ByteWriter, Storage
+from ucp.store.storage import MANIFEST, ByteWriter, ClosingWriter, Storage
 
 SCHEMES = ("s3://",)
 GAP = 64 << 10  # bytes between two wanted ranges that one request reads through rather than splitting
@@ -420,7 +420,7 @@ class _Abort(StorageError):
     by a caller."""
 
 
-class S3Writer:
+class S3Writer(ClosingWriter):
     """One object written as a stream: small ones in one PUT at :meth:`close`, larger ones as a parallel
     multipart upload that starts with the first bytes (see the module docstring).
 
@@ -541,15 +541,6 @@ class S3Writer:
             self.storage.remove_file(self.rel)
         except (OSError, CheckpointError):
             pass
-
-    def __enter__(self) -> "S3Writer":
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def open_s3(url: str, storage_options: dict[str, Any] | None) -> tuple[S3Storage, str]:

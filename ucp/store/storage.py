@@ -19,7 +19,7 @@ import errno
 import os
 import shutil
 import threading
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Protocol, TypeVar
 
 from aio import AioConfig, AioHandle, as_bytes_view, fsync_dir, shared_handle
 from ucp.errors import CheckpointError, CorruptCheckpointError
@@ -33,6 +33,29 @@ class ByteWriter(Protocol):
     def close(self) -> int: ...
 
     def abort(self) -> None: ...
+
+
+_W = TypeVar("_W", bound="ClosingWriter")
+
+
+class ClosingWriter(abc.ABC):
+    """Base of the store's own writers: a ``with`` block closes the writer when it ends normally and aborts
+    it (nothing left behind) when it raises; the fsspec and S3 writers share this."""
+
+    @abc.abstractmethod
+    def close(self) -> int: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
 class Storage(abc.ABC):
@@ -290,7 +313,7 @@ def rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a, None, b)
 
 
-class _FsspecWriter:
+class _FsspecWriter(ClosingWriter):
     def __init__(self, fs: Any, path: str) -> None:
         self._fs, self.path = fs, path
         self._f = fs.open(path, "wb")
@@ -313,15 +336,6 @@ class _FsspecWriter:
                 self._fs.rm(self.path)
             except (FileNotFoundError, OSError):
                 pass
-
-    def __enter__(self) -> "_FsspecWriter":
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 MANIFEST = "manifest.json"  # ucp.format.manifest.MANIFEST_NAME (that module sits above this one)
