@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from ucp.format.sharding import ShardedTensor, Shards
 from ucp.format.tree import Leaf
 from ucp.saving.plan import PLAN_CACHE, plan_save
 from ucp.saving.snapshot import snapshot
+from ucp.saving.sync_save import check_step_and_metadata
 from ucp.store import commit as _commit
 from ucp.store.storage import Storage, as_aio_config, open_storage
 from ucp.store.writer import write_rank_file
@@ -102,7 +102,7 @@ class Writer(StorageWriter):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        _check_args(step, metadata)
+        check_step_and_metadata(step, metadata)
         self.path = os.fspath(path)
         self.step = step
         self.metadata: dict[str, Any] = dict(metadata or {})
@@ -330,18 +330,6 @@ def _lookup(planner: SavePlanner, item: WriteItem) -> Any:
             f"lookup_object, which {type(planner).__name__} lacks (use DefaultSavePlanner or a subclass)"
         )
     return lookup(item.index)
-
-
-def _check_args(step: Any, metadata: Any) -> None:
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise UnsupportedStateError(f"step must be an int or None, got {step!r}")
-    if metadata is not None:
-        if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
-            raise UnsupportedStateError("metadata must be a dict with str keys")
-        try:
-            json.dumps(metadata, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise UnsupportedStateError(f"metadata must be plain JSON (no NaN): {exc}") from None
 
 
 def _world_size() -> int:

@@ -107,7 +107,9 @@ def _fail_together(group: Group, error: BaseException) -> None:
     group.broadcast((None, f"rank {group.rank}: {_describe(error)}", (group.rank,)) if group.rank == 0 else None)
 
 
-def _check_args(step: Any, metadata: Any, mesh: Any, group: Group) -> None:
+def check_step_and_metadata(step: Any, metadata: Any) -> None:
+    """UnsupportedStateError unless ``step`` is an int (not a bool) or None and ``metadata`` None or a dict of
+    str keys that is plain JSON; ``ucp.save``, async saves and the DCP writer check their arguments with this."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise UnsupportedStateError(f"step must be an int or None, got {step!r}")
     if metadata is not None:
@@ -117,6 +119,10 @@ def _check_args(step: Any, metadata: Any, mesh: Any, group: Group) -> None:
             json.dumps(metadata, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise UnsupportedStateError(f"metadata must be plain JSON (no NaN): {exc}") from None
+
+
+def _check_args(step: Any, metadata: Any, mesh: Any, group: Group) -> None:
+    check_step_and_metadata(step, metadata)
     if mesh is not None:
         ok = isinstance(mesh, dict) and all(
             isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in mesh.items()
