@@ -36,6 +36,7 @@ from ucp.format.manifest import Manifest, TensorEntry, parse_manifest
 from ucp.format.regions import copy_region
 from ucp.format.sharding import FlatShard, ShardedTensor, StreamedShard, is_tensor_like, parts_of
 from ucp.format.tree import decode_state, dict_items, node_kind, path_str, plain_key, tensor_refs
+from ucp.loading.device import DevicePlan, GdsOption, check_gds_option, plan_device_load, read_direct
 from ucp.loading.dtensor import as_target
 from ucp.loading.partial import Target, read_targets
 from ucp.store.reader import (
@@ -58,6 +59,7 @@ def load(
     into: dict[str, Any] | None = None,
     strict: Literal[True] = True,
     map_location: str | torch.device | None = None,
+    gds: GdsOption = "auto",
     verify: bool = True,
     process_group: Any = None,
     aio_config: AioConfig | dict[str, Any] | None = None,
@@ -72,6 +74,7 @@ def load(
     into: dict[str, Any] | None = None,
     strict: Literal[False],
     map_location: str | torch.device | None = None,
+    gds: GdsOption = "auto",
     verify: bool = True,
     process_group: Any = None,
     aio_config: AioConfig | dict[str, Any] | None = None,
@@ -85,6 +88,7 @@ def load(
     into: dict[str, Any] | None = None,
     strict: bool = True,
     map_location: str | torch.device | None = None,
+    gds: GdsOption = "auto",
     verify: bool = True,
     process_group: Any = None,
     aio_config: AioConfig | dict[str, Any] | None = None,
@@ -107,22 +111,37 @@ def load(
     ``into``; ``.loaded``, ``.missing``, ``.unexpected``: key paths). Shape, dtype-kind and
     structure mismatches are errors either way.
 
-    ``verify`` checks the CRC-32C of every piece read. With an explicit ``process_group``
+    ``gds`` (whole loads onto CUDA only): ``"auto"`` lets KvikIO read tensors stored whole straight into
+    device memory when ``verify=False`` and KvikIO is usable; ``"on"`` requires that (a CheckpointError
+    naming what is missing otherwise); ``"off"`` always stages through host memory. See
+    ``ucp.loading.device``; ``LoadReport.device_plan`` says which path was taken.
+
+    ``verify`` checks the CRC-32C of every piece read (not of direct KvikIO reads, which it rules out). With an explicit ``process_group``
     rank 0 reads the manifest and broadcasts it; without, every rank reads it itself (no
     collectives). Every data file's size is checked against the manifest before anything is
     allocated.
     """
     device = resolve_device(map_location)
+    gds = check_gds_option(gds)
     if into is not None and map_location is not None:
         raise CheckpointError("map_location applies to whole loads; with into= tensors are filled where they are")
+    if gds == "on" and device is None:
+        raise CheckpointError("gds='on' applies to whole loads with map_location='cuda'")
     storage, name = open_storage(path, storage_options=storage_options, aio_config=as_aio_config(aio_config))
     with storage:
         manifest = _manifest(storage, name, process_group)
         if into is None:
-            state = load_full(storage, name, manifest, verify=verify, device=device)
+            plans: list[DevicePlan] = []
+            state = load_full(storage, name, manifest, verify=verify, device=device, gds=gds, plans=plans)
             if strict:
                 return state
-            return LoadReport(state, loaded=[(k,) for k in state], missing=[], unexpected=[])
+            return LoadReport(
+                state,
+                loaded=[(k,) for k in state],
+                missing=[],
+                unexpected=[],
+                device_plan=plans[0] if plans else None,
+            )
         report = load_into(storage, name, manifest, into, verify=verify, strict=strict)
         return report.state if strict else report
 
@@ -190,12 +209,23 @@ def piece_tensor(buf: FileBuffer, fp: FilePiece) -> torch.Tensor:
 
 
 def load_full(
-    storage: Storage, name: str, manifest: Manifest, *, verify: bool, device: torch.device | None = None
+    storage: Storage,
+    name: str,
+    manifest: Manifest,
+    *,
+    verify: bool,
+    device: torch.device | None = None,
+    gds: GdsOption = "auto",
+    plans: list[DevicePlan] | None = None,
 ) -> dict[str, Any]:
-    """Every tensor in full, then the state tree rebuilt around them; on ``device`` when given (not CPU)."""
+    """Every tensor in full, then the state tree rebuilt around them; on ``device`` when given (not CPU),
+    with the path chosen for it (``gds``, see ``ucp.loading.device``) appended to ``plans`` when given."""
     check_data_files(storage, name, manifest)  # before any tensor is allocated from the manifest's shapes
     if device is not None:
-        return decode_state(manifest.state, _load_to_device(storage, name, manifest, device, verify=verify).__getitem__)
+        on_device, plan = _load_to_device(storage, name, manifest, device, verify=verify, gds=gds)
+        if plans is not None:
+            plans.append(plan)
+        return decode_state(manifest.state, on_device.__getitem__)
     total = sum(e.nbytes for e in manifest.tensors.values())
     assembled = sum(e.nbytes for e in manifest.tensors.values() if len(e.pieces) > 1)
     if assembled * 2 > total:  # mostly sharded: read the pieces straight into the full tensors
@@ -263,14 +293,20 @@ def _load_assembled(storage: Storage, name: str, manifest: Manifest, *, verify: 
 
 
 def _load_to_device(
-    storage: Storage, name: str, manifest: Manifest, device: torch.device, *, verify: bool
-) -> dict[str, torch.Tensor]:
-    """Every tensor allocated on ``device`` (dtype as stored) and filled by the ``into=`` planner: pieces are
-    read into host staging, checked, and copied to the device, within the planner's staging memory."""
+    storage: Storage, name: str, manifest: Manifest, device: torch.device, *, verify: bool, gds: GdsOption
+) -> tuple[dict[str, torch.Tensor], DevicePlan]:
+    """Every tensor allocated on ``device`` (dtype as stored). Those the plan reads directly are filled by KvikIO
+    from the file into device memory; the rest by the ``into=`` planner: pieces read into host staging,
+    checked, and copied to the device, within the planner's staging memory."""
+    import gds as gds_pkg
+
+    plan = plan_device_load(storage, name, manifest, gds=gds, verify=verify, caps=gds_pkg.capabilities())
     tensors = {n: torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=device) for n, e in manifest.tensors.items()}
-    targets = [Target(n, t, Box.full(tuple(t.shape)), ()) for n, t in tensors.items()]
+    direct = set(plan.direct)
+    targets = [Target(n, t, Box.full(tuple(t.shape)), ()) for n, t in tensors.items() if n not in direct]
     read_targets(storage, name, manifest, targets, verify=verify)
-    return tensors
+    read_direct(storage, name, manifest, tensors, plan)
+    return tensors, plan
 
 
 # -- loads into a given structure -----------------------------------------------------------------
@@ -295,7 +331,9 @@ class LoadReport:
     the whole state); ``loaded``: key paths filled (tensors and plain values); ``missing``: key paths of
     ``into`` the checkpoint lacks (left as they were); ``unexpected``: key paths the checkpoint holds
     inside a dict of ``into`` that lacks them (not read); ``skipped``: the checkpoint's top-level keys
-    ``into`` does not ask for (sections not read, e.g. the optimizer's for ``into={"model": ...}``).
+    ``into`` does not ask for (sections not read, e.g. the optimizer's for ``into={"model": ...}``);
+    ``device_plan``: for a whole load onto CUDA, the I/O path taken (``"gds"``: the tensors in
+    ``direct`` read by KvikIO into device memory, or ``"staged"``) and why; None otherwise.
     A key path is a tuple of keys, e.g. ``("optim", "state", 0)``."""
 
     state: dict[str, Any]
@@ -303,6 +341,7 @@ class LoadReport:
     missing: list[tuple[Any, ...]]
     unexpected: list[tuple[Any, ...]]
     skipped: list[tuple[Any, ...]] = field(default_factory=list)
+    device_plan: DevicePlan | None = None
 
     @property
     def complete(self) -> bool:
