@@ -4,16 +4,16 @@ or changed under the run, a pool budget too small for one sub-group; a stale swa
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import subprocess
 import sys
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from offload_helpers import tmpfs
 from offload_worker import weights_digest
 
 import ucp
@@ -38,22 +38,6 @@ def engine(off: OffloadConfig | None = None) -> Engine:
 def swap_files(e: Engine) -> list[Path]:
     assert e.optimizer.offload is not None
     return sorted(Path(e.optimizer.offload.describe()["dir"]).glob("subgroup-*.swp"))
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
-    """A small tmpfs mounted at ``path`` for the test (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    path.mkdir()
-    opts = ",".join([f"size={size}", *options])
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount refused here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from offload_helpers import gpt_engine, train_saving_at
 from training_helpers import rel_close, run_world
 
 import ucp
 from training import Engine
-from training.models.gpt import GPTConfig
-from training.offload import OffloadConfig
 
 WORKER = Path(__file__).resolve().parents[2] / "support" / "offload_worker.py"
 MODEL = {"vocab_size": 1000, "n_layer": 2, "n_head": 4, "d_model": 128, "d_ff": 512, "max_seq": 32}
@@ -28,21 +27,14 @@ def nvme(path: Path) -> dict[str, Any]:
 
 
 def engine(off: dict[str, Any] | None, **options: Any) -> Engine:
-    config = OffloadConfig.model_validate(off) if off else OffloadConfig()
-    return Engine(GPTConfig(**MODEL), offload=config, **{**OPTIONS, **options})
+    return gpt_engine(MODEL, OPTIONS, off, **options)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Path]:
     """The in-memory run's losses, and its checkpoint after SPLIT steps."""
     root = tmp_path_factory.mktemp("memory")
-    e = engine(None)
-    losses = []
-    for s in range(STEPS):
-        losses.append(e.train_step(s))
-        if s + 1 == SPLIT:
-            e.save(ucp.CheckpointManager(root))
-    return losses, Path(ucp.CheckpointManager(root).path(SPLIT))
+    return train_saving_at(engine(None), root, STEPS, SPLIT)
 
 
 def test_offload_on_to_off_and_on_to_on(tmp_path: Path, uninterrupted: tuple[list[float], Path]) -> None:

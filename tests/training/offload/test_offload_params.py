@@ -7,23 +7,21 @@ the parameter's partition."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from module_engine_worker import ds_config, gpt2, train_steps
+from offload_helpers import gpt_engine, tmpfs, train_saving_at
 from offload_worker import weights_digest
 from training_helpers import run_world
 
 import training
 import ucp
 from training import Engine, run
-from training.models.gpt import GPTConfig
 from training.offload import OffloadConfig, OffloadError
 from training.zero import ZeroOptimizer
 
@@ -43,8 +41,7 @@ def nvme(path: Path, optimizer: bool = True, **param: Any) -> dict[str, Any]:
 
 
 def engine(off: dict[str, Any] | None, **options: Any) -> Engine:
-    config = OffloadConfig.model_validate(off) if off else OffloadConfig()
-    return Engine(GPTConfig(**MODEL), offload=config, **{**OPTIONS, **options})
+    return gpt_engine(MODEL, OPTIONS, off, **options)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +49,10 @@ def in_memory(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], st
     """The in-memory ZeRO-3 run: its losses, weights after STEPS, and its checkpoint after SPLIT steps."""
     root = tmp_path_factory.mktemp("memory")
     e = engine(None)
-    losses = []
-    for s in range(STEPS):
-        losses.append(e.train_step(s))
-        if s + 1 == SPLIT:
-            e.save(ucp.CheckpointManager(root))
+    losses, ckpt = train_saving_at(e, root, STEPS, SPLIT)
     digest = weights_digest(e)
     e.close()
-    return losses, digest, Path(ucp.CheckpointManager(root).path(SPLIT))
+    return losses, digest, ckpt
 
 
 def test_params_and_optimizer_on_nvme_train_bit_equal_to_in_memory(
@@ -181,25 +174,6 @@ def test_params_on_nvme_from_the_command_line(tmp_path: Path, capsys: pytest.Cap
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
-    """A small tmpfs mounted at ``path`` for the test (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    path.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"mount refused here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_missing_or_read_only_nvme_path_is_named(tmp_path: Path) -> None:

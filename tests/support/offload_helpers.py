@@ -1,0 +1,50 @@
+"""Set-up shared by the offload tests (tests/training/offload/): the GPT engine under an offload config, the
+in-memory reference run that saves a checkpoint part way, and a small tmpfs for full or read-only swap dirs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import ucp
+from training import Engine
+from training.models.gpt import GPTConfig
+from training.offload import OffloadConfig
+
+
+def gpt_engine(model: dict[str, Any], options: dict[str, Any], off: dict[str, Any] | None, **extra: Any) -> Engine:
+    """A GPT ``model`` Engine with ``options`` (``extra`` on top) under offload config ``off`` (None: none)."""
+    config = OffloadConfig.model_validate(off) if off else OffloadConfig()
+    return Engine(GPTConfig(**model), offload=config, **{**options, **extra})
+
+
+def train_saving_at(e: Engine, root: Path, steps: int, split: int) -> tuple[list[float], Path]:
+    """Train ``e`` for ``steps`` steps, saving into a CheckpointManager at ``root`` after step ``split``:
+    the losses, and that checkpoint's path."""
+    losses = []
+    for s in range(steps):
+        losses.append(e.train_step(s))
+        if s + 1 == split:
+            e.save(ucp.CheckpointManager(root))
+    return losses, Path(ucp.CheckpointManager(root).path(split))
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
+    """A small tmpfs mounted at ``path`` for the test (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    path.mkdir()
+    opts = ",".join([f"size={size}", *options])
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount refused here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
