@@ -23,15 +23,20 @@ SLOW_DOWN = (
 )
 
 
-def _read_head(sock: socket.socket, buf: bytearray) -> bytes | None:
-    while b"\r\n\r\n" not in buf:
+def _read_until(sock: socket.socket, buf: bytearray, sep: bytes) -> bytes | None:
+    """The bytes before the next ``sep`` (consumed from ``buf``, topped up from ``sock``); None at EOF."""
+    while sep not in buf:
         data = sock.recv(65536)
         if not data:
             return None
         buf += data
-    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    head, _, rest = bytes(buf).partition(sep)
     buf[:] = rest
     return head
+
+
+def _read_head(sock: socket.socket, buf: bytearray) -> bytes | None:
+    return _read_until(sock, buf, b"\r\n\r\n")
 
 
 def _headers(head: bytes) -> dict[str, str]:
@@ -56,13 +61,9 @@ def _read_exact(sock: socket.socket, buf: bytearray, n: int) -> bytes | None:
 def _read_chunked(sock: socket.socket, buf: bytearray) -> bytes | None:
     out = bytearray()
     while True:
-        while b"\r\n" not in buf:
-            data = sock.recv(65536)
-            if not data:
-                return None
-            buf += data
-        line, _, rest = bytes(buf).partition(b"\r\n")
-        buf[:] = rest
+        line = _read_until(sock, buf, b"\r\n")
+        if line is None:
+            return None
         size = int(line.split(b";")[0], 16)
         chunk = _read_exact(sock, buf, size + 2)
         if chunk is None:
