@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -155,19 +155,31 @@ class Lane:
             torch.cuda.current_stream(self.device).wait_event(marker.event)
 
 
-def flat_views(flat: torch.Tensor, placed: list[Placed], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors viewing the flat uint8 ``flat`` (any device); floating ones converted to ``dtype``."""
+def placed_views(
+    placed: list[Placed],
+    dtype: torch.dtype,
+    raw_bytes: Callable[[Placed], torch.Tensor],
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
+    """Each placed tensor as a view of its bytes (``raw_bytes(p)``: a uint8 tensor of ``p.nbytes``), copied
+    only where element-misaligned; floating ones converted to ``dtype``; empty ones made on ``device``.
+    The device ring (:func:`flat_views`) and the host ring (``executor.tensor_views``) both build with this."""
     out = {}
     for p in placed:
         if p.nbytes == 0:
-            out[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=flat.device)
+            out[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=device)
             continue
-        raw = flat[p.at : p.at + p.nbytes]
+        raw = raw_bytes(p)
         if p.at % itemsize(p.dtype):  # an element-misaligned offset in the file: copy to an aligned tensor
             raw = raw.clone()
         t = raw.view(torch_dtype(p.dtype)).view(p.shape)
         out[p.name] = t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
     return out
+
+
+def flat_views(flat: torch.Tensor, placed: list[Placed], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors viewing the flat uint8 ``flat`` (any device); floating ones converted to ``dtype``."""
+    return placed_views(placed, dtype, lambda p: flat[p.at : p.at + p.nbytes], device=flat.device)
 
 
 class KvikioReader:

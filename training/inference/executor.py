@@ -36,6 +36,7 @@ from training.inference.device import (
     Lane,
     ReadPath,
     choose_read_path,
+    placed_views,
     probe_kvikio_read,
     resolve_device,
 )
@@ -152,17 +153,7 @@ class ReadStats:
 
 def tensor_views(buf: AlignedBuffer, placed: list[Placed], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Tensors viewing ``buf`` (no copy when already in ``dtype`` and element-aligned)."""
-    out = {}
-    for p in placed:
-        if p.nbytes == 0:
-            out[p.name] = torch.empty(p.shape, dtype=torch_dtype(p.dtype))
-            continue
-        raw = torch.frombuffer(buf.view(p.nbytes, p.at), dtype=torch.uint8)
-        if p.at % itemsize(p.dtype):  # an element-misaligned offset in the file: copy to an aligned tensor
-            raw = raw.clone()
-        t = raw.view(torch_dtype(p.dtype)).view(p.shape)
-        out[p.name] = t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
-    return out
+    return placed_views(placed, dtype, lambda p: torch.frombuffer(buf.view(p.nbytes, p.at), dtype=torch.uint8))
 
 
 class _Ring:
