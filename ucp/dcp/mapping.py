@@ -39,14 +39,12 @@ from ucp.errors import CheckpointError, UnsupportedStateError
 from ucp.format.dtypes import dtype_name, torch_dtype
 from ucp.format.manifest import Manifest
 from ucp.format.tree import (
-    ENTRY_SEP,
-    PAD_PREFIX,
     decode_state,
     dict_items,
     encode_state,
-    is_reserved,
     node_kind,
     tensor_refs,
+    unique_name,
 )
 
 DCP_VERSION = "1.0.0"  # the metadata version DCP's FileSystemWriter records (torch's CURRENT_DCP_VERSION)
@@ -173,15 +171,7 @@ def tensor_names(fqns: Sequence[str]) -> dict[str, str]:
     taken: set[str] = set()
     out: dict[str, str] = {}
     for fqn in fqns:
-        base = fqn.replace(ENTRY_SEP, "_")
-        if base.startswith(PAD_PREFIX):
-            base = "_" + base
-        name, n = base, 1
-        while name in taken or is_reserved(name):
-            name = f"{base}~{n}"
-            n += 1
-        taken.add(name)
-        out[fqn] = name
+        out[fqn] = unique_name(fqn, taken)
     return out
 
 

@@ -122,8 +122,15 @@ def _encode(
 
 
 def _unique_name(path: tuple[Any, ...], names: set[str]) -> str:
+    return unique_name(".".join(str(plain_key(k)) if isinstance(k, (str, int)) else str(k) for k in path), names)
+
+
+def unique_name(base: str, names: set[str]) -> str:
+    """A legal tensor name for ``base`` not in ``names`` (added to it): ``#`` becomes ``_``, a reserved prefix
+    gets a leading ``_``, a name taken or reserved a ``~N`` suffix. ``ucp.save`` (key paths) and the DCP
+    mapping (FQNs) name tensors with this."""
     # '#' would let a name equal another tensor's "<name>#<k>" entry: replace it, so no saved name holds one
-    base = ".".join(str(plain_key(k)) if isinstance(k, (str, int)) else str(k) for k in path).replace(ENTRY_SEP, "_")
+    base = base.replace(ENTRY_SEP, "_")
     if base.startswith(PAD_PREFIX):  # no suffix can make it legal: move it out of the reserved prefix
         base = "_" + base
     name, n = base, 1
