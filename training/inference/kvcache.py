@@ -48,6 +48,11 @@ def _round_down(n: int, m: int = ALIGN) -> int:
     return n // m * m
 
 
+def _row_bytes(batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token slot of one layer's K (or V): a cache's row, and make_cache's sizing unit."""
+    return batch * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass
 class KVStats:
     """What a cache moved: bytes to and from disk, time in reads, compute's wait for them, resident bytes."""
@@ -68,7 +73,7 @@ class KVCache(abc.ABC):
     def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
         self.n_layers, self.batch, self.kv_heads, self.head_dim = n_layers, batch, kv_heads, head_dim
         self.capacity, self.dtype = capacity, dtype
-        self.row = batch * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # bytes per token
+        self.row = _row_bytes(batch, kv_heads, head_dim, dtype)  # bytes per token
         self.stats = KVStats(total_bytes=2 * n_layers * capacity * self.row)
 
     @abc.abstractmethod
@@ -320,7 +325,7 @@ def make_cache(
     """In memory when ``budget`` is None or holds the whole cache, else on disk within ``budget``.
     ``device`` (the staged and gds paths): the in-memory cache lives there, and an offloaded one
     attends there through :class:`DeviceKV`; None: the CPU path's plain caches."""
-    total = 2 * n_layers * capacity * batch * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    total = 2 * n_layers * capacity * _row_bytes(batch, kv_heads, head_dim, dtype)  # the cache's stats.total_bytes
     if budget is None or total <= budget:
         return MemoryKV(n_layers, batch, kv_heads, head_dim, capacity, dtype, device)
     disk = DiskKV(n_layers, batch, kv_heads, head_dim, capacity, dtype, budget, directory=directory)
