@@ -579,6 +579,7 @@ async def aload(
     into: dict[str, Any] | None = None,
     strict: bool = True,
     map_location: Any = None,
+    gds: Any = "auto",
     verify: bool = True,
     process_group: Any = None,
     aio_config: AioConfig | dict[str, Any] | None = None,
@@ -594,7 +595,7 @@ async def aload(
 
     loop = asyncio.get_running_loop()
     text = os.fspath(path)
-    if process_group is not None or storage_options or "://" in text or map_location is not None:
+    if process_group is not None or storage_options or "://" in text or map_location is not None or gds != "auto":
         return await loop.run_in_executor(
             None,
             functools.partial(
@@ -603,6 +604,7 @@ async def aload(
                 into=into,
                 strict=strict,
                 map_location=map_location,
+                gds=gds,
                 verify=verify,
                 process_group=process_group,
                 aio_config=aio_config,

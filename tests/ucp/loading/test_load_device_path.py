@@ -4,6 +4,7 @@ The choice runs on CPU; the GPU reads themselves are checked by ``tools/gpu_chec
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,10 @@ def test_bad_gds_requests_through_ucp_load(tmp_path: Path) -> None:
         for gds in ("auto", "on", "off"):
             with pytest.raises(ucp.CheckpointError, match=r"map_location='cuda': CUDA is not available"):
                 ucp.load(tmp_path / "c", map_location="cuda", gds=gds)
+
+
+def test_aload_passes_gds_through(tmp_path: Path) -> None:
+    ucp.save({"w": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(ucp.CheckpointError, match="gds='on' applies to whole loads with map_location='cuda'"):
+        asyncio.run(ucp.aload(tmp_path / "c", gds="on"))
+    assert torch.equal(asyncio.run(ucp.aload(tmp_path / "c", gds="off"))["w"], torch.ones(2))
