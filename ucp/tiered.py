@@ -29,9 +29,10 @@ import secrets
 import time
 from typing import Any
 
+from aio import AioConfig
 from ucp.errors import CheckpointError
 from ucp.format.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from ucp.store.storage import ByteWriter, LocalStorage, remove_path
+from ucp.store.storage import ByteWriter, LocalStorage, as_aio_config, remove_path
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,13 @@ def save_node_local(
     step: int,
     metadata: dict[str, Any] | None,
     mesh: dict[str, int] | None,
-    aio_config: Any = None,
+    aio_config: AioConfig | dict[str, Any] | None = None,
     check_replicas: bool = False,
 ) -> Manifest:
     """Save ``root/name`` with every rank's data file on its own disk (see the module docstring); the manifest."""
-    from aio import AioConfig
     from ucp.saving.sync_save import save_with
 
-    config = aio_config if isinstance(aio_config, AioConfig) or aio_config is None else AioConfig(**aio_config)
+    config = as_aio_config(aio_config)  # an AioConfig or a DeepSpeed-style dict, as every other save reads it
     os.makedirs(root, exist_ok=True)
     with NodeLocalStorage(root, config) as storage:
         manifest = save_with(
