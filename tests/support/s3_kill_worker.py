@@ -8,7 +8,9 @@ connected in even trials, and up to 0.5 s after its first save returned in odd o
 checkpoint exists whatever the machine's load). Then it forks a checker that looks at the root as
 a restarting job would, and fails the trial when a step prefix that load accepts holds anything
 but that step's exact state, when one that load refuses is not refused as "not a checkpoint", or
-when a resume would take a step older than the last one a save returned (a lost checkpoint).
+when a resume would take a step older than the last one a save returned (a lost checkpoint). The
+next trial goes on as a restarted job would: from the step after the one a resume takes (a kill
+after a commit but before the save returned leaves a complete checkpoint of a step never reported).
 Prints one JSON line per trial; exit 0 when every trial held. This process itself never talks to
 the store (its children do, each after its own fork), so no client runtime is forked mid-flight.
 """
@@ -47,7 +49,7 @@ def saver(url: str, first: int, asynchronous: bool, out: int) -> None:
         step += 1
 
 
-def checker(url: str, last_saved: int) -> str | None:
+def checker(url: str, last_saved: int) -> tuple[str | None, int]:
     import torch
 
     import ucp
@@ -61,17 +63,17 @@ def checker(url: str, last_saved: int) -> str | None:
             state = ucp.load(path, storage_options=OPTS)
         except ucp.NotACheckpointError:
             if info.status == "complete":
-                return f"{path} is listed complete but does not load"
+                return f"{path} is listed complete but does not load", -1
             continue
         except ucp.CheckpointError as exc:
-            return f"{path}: load failed with something other than 'not a checkpoint': {exc}"
+            return f"{path}: load failed with something other than 'not a checkpoint': {exc}", -1
         want = expected(info.step)
         if state["step"] != info.step or not torch.equal(state["w"], want["w"]):
-            return f"{path} loaded, but not with step {info.step}'s state"
+            return f"{path} loaded, but not with step {info.step}'s state", -1
     choice = resume_choice(infos)  # what CheckpointManager.load() resumes from (loaded above when complete)
     if last_saved >= 0 and (choice is None or choice.step < last_saved):
-        return f"a resume takes {choice.name if choice else 'nothing'}, but step {last_saved} had been saved"
-    return None
+        return f"a resume takes {choice.name if choice else 'nothing'}, but step {last_saved} had been saved", -1
+    return None, choice.step if choice is not None else -1
 
 
 def main() -> int:
@@ -106,7 +108,7 @@ def main() -> int:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             steps = [int(x) for x in (first_line + f.read()).split()]
-        if steps:  # the next trial starts at the step this one was saving: it replaces what the kill left
+        if steps:  # a returned save: a later resume must never take anything older
             last_saved = steps[-1]
             first = steps[-1] + 1
         t_check = time.perf_counter()
@@ -115,17 +117,19 @@ def main() -> int:
         if pid == 0:
             os.close(rr)
             try:
-                problem = checker(url, last_saved)
+                problem, resumed = checker(url, last_saved)
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                problem = f"checker raised {type(exc).__name__}: {exc}"
-            os.write(ww, json.dumps(problem).encode())
+                problem, resumed = f"checker raised {type(exc).__name__}: {exc}", -1
+            os.write(ww, json.dumps([problem, resumed]).encode())
             os._exit(0)
         os.close(ww)
         with os.fdopen(rr) as f:
             text = f.read()
         os.waitpid(pid, 0)
-        problem = json.loads(text) if text else "checker died"
+        problem, resumed = json.loads(text) if text else ("checker died", -1)
         ok = ok and problem is None
+        if resumed >= first:  # committed, killed before its save returned: the restarted job goes on after it
+            last_saved, first = resumed, resumed + 1
         t_check = time.perf_counter() - t_check
         print(
             json.dumps({"trial": trial, "saved": steps, "problem": problem, "check_s": round(t_check, 2)}), flush=True

@@ -109,6 +109,11 @@ def make_temp_dir(storage: Storage, name: str) -> str:
     if not storage.renames:
         if storage.exists(name):
             check_replaceable(storage, name)
+            if storage.exists(f"{name}/{MANIFEST_NAME}"):  # no rename: a crash before the commit loses both
+                log.warning(
+                    "replacing the checkpoint at %s in place: it is gone until the new one commits",
+                    storage.describe(name),
+                )
             storage.remove_tree(name)
         storage.write_small(f"{name}/{SAVING_MARKER}", b"")
         return name
