@@ -259,16 +259,22 @@ def _body_sigstop_then_kill(tmp: str) -> None:
         pid = helper_pid(saver)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(0.8)  # past the pause: the copy would run now, but the helper is stopped
+        # The kill comes from another process: a thread blocked on a protected page may hold the GIL
+        # (a malloc next to a small tensor's page), so nothing in this process could send it meanwhile.
+        kill_at = time.monotonic() + 1.0
+        killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill -KILL {pid}"])
         done = threading.Event()
+        finished: list[float] = []
 
         def write() -> None:
             state["w"].add_(1)
+            finished.append(time.monotonic())
             done.set()
 
         threading.Thread(target=write, daemon=True).start()
-        assert not done.wait(0.5), "a write to a protected page went through while the helper was stopped"
-        os.kill(pid, signal.SIGKILL)
-        assert done.wait(20), "the write stayed blocked after the helper was killed"
+        assert done.wait(30), "the write stayed blocked after the helper was killed"
+        assert killer.wait(10) == 0
+        assert finished[0] >= kill_at, "a write to a protected page went through while the helper was stopped"
         with pytest.raises(ucp.CheckpointError, match="copy-on-write helper"):
             h.result(timeout=60)
         assert_same_state(before, ucp.load(Path(tmp) / "ck"))
