@@ -14,11 +14,11 @@ line each) and ``--resume`` continues from the latest complete one, whatever mes
     torchrun --nproc-per-node 2 -m training.run --dp 2 --zero 3 --total-steps 20 --save-dir ck --resume
 
 With ``--remote s3://bucket/run`` the checkpoints are tiered: committed under ``--save-dir`` and replicated
-to the object store behind; ``--node-local --sync-save`` when ``--save-dir`` is each node's own disk (no
-shared file system: every rank replicates its own files), and ``--resume`` then restores from the store
-when the local copy is gone::
+to the object store behind; ``--node-local`` when ``--save-dir`` is each node's own disk (no shared file
+system: every rank replicates its own files; asynchronous saves commit through the store), and ``--resume``
+then restores from the store when the local copy is gone::
 
-    torchrun --nnodes 2 ... -m training.run --sync-save --save-dir /nvme/ck --remote s3://b/run --node-local
+    torchrun --nnodes 2 ... -m training.run --save-dir /nvme/ck --remote s3://b/run --node-local
 
 Optimizer state can live off memory, as DeepSpeed's ZeRO-Offload/Infinity puts it (docs/offload.md):
 ``--offload-optimizer cpu|nvme --nvme-path DIR [--sub-group-size N] [--swap-budget 1GiB]``, and at ZeRO-3 so
@@ -134,7 +134,7 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         "--node-local",
         action="store_true",
         help="with --remote: --save-dir is each node's own disk, not shared; every rank replicates its own "
-        "files and rank 0 commits on the store (needs --sync-save)",
+        "files and rank 0 commits on the store",
     )
     p.add_argument(
         "--ds-config",
@@ -173,8 +173,8 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
         p.error("--resume needs --save-dir")
     if args.remote is not None and args.save_dir is None:
         p.error("--remote needs --save-dir (the local tier)")
-    if args.node_local and (args.remote is None or not args.sync_save):
-        p.error("--node-local needs --remote and --sync-save")
+    if args.node_local and args.remote is None:
+        p.error("--node-local needs --remote")
     if args.storage_options is not None:
         try:
             args.storage_options = json.loads(args.storage_options)

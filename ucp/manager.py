@@ -409,8 +409,9 @@ class CheckpointManager:
     ``remote`` (a URL) makes ``root`` the local tier of tiered checkpoints (:mod:`ucp.replicate`), with
     ``remote_keep_last`` and ``remote_storage_options``; ``node_local=True`` says ``root`` is each node's
     own disk, not shared: every rank replicates its own files and rank 0 commits on the store once every
-    rank's marker is there, waiting up to ``replicate_timeout`` seconds (:mod:`ucp.tiered`; synchronous
-    saves only).
+    rank's marker is there, waiting up to ``replicate_timeout`` seconds (:mod:`ucp.tiered`); with
+    ``async_save=True`` the ranks commit their local copies through the remote store
+    (:mod:`ucp.saving.background.store_handshake`), each in the background, before uploading.
     """
 
     def __init__(
@@ -457,11 +458,6 @@ class CheckpointManager:
                 raise ValueError("a tiered manager's root is its local tier: a directory, not a URL")
             if remote_keep_last is not None and remote_keep_last < 1:
                 raise ValueError(f"remote_keep_last must be >= 1 (or None), got {remote_keep_last}")
-            if node_local and self.saver is not None:
-                raise ValueError(
-                    "node_local=True needs synchronous saves: an asynchronous save's ranks meet through files "
-                    "in the checkpoint directory, which a tier without a shared file system does not have"
-                )
             from ucp.dist import resolve_group
             from ucp.replicate import Replicator
 
@@ -483,12 +479,17 @@ class CheckpointManager:
         waiting for its replication."""
         if self.keep_last is None:
             return
+        # and never a newer step: one committed locally but not yet submitted (its save is returning) is in
+        # neither ``pending`` nor ``latest`` yet, and replications run in step order
+        done = int(STEP_RE.match(replicated).group(1))  # type: ignore[union-attr]
+        newer = {n for n in os.listdir(self.root) if (m := STEP_RE.match(n)) is not None and int(m.group(1)) > done}
+        protect = {replicated} | pending | newer
         if self.node_local:
             from ucp.tiered import retire_local
 
-            retire_local(self.root, self.keep_last, protect={replicated} | pending)
+            retire_local(self.root, self.keep_last, protect=protect)
         else:
-            apply_retention(self.root, self.keep_last, protect={replicated} | pending)
+            apply_retention(self.root, self.keep_last, protect=protect)
 
     @property
     def _local_keep_last(self) -> int | None:
@@ -548,6 +549,8 @@ class CheckpointManager:
             removed = clean_leftovers(self.root, keep=keep)
             if removed:
                 log.info("removed leftovers of interrupted saves under %s: %s", self.root, removed)
+        if self.node_local and self.saver is not None:
+            return self._save_node_local_async(state_dict, step, group, metadata, mesh, check_replicas)
         if self.node_local:
             from ucp.tiered import save_node_local
 
@@ -612,6 +615,44 @@ class CheckpointManager:
             replicator = self.replicator
             handle.add_done_callback(lambda h: None if _failed(h) else replicator.submit(step, name))
         # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
+        self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
+        return handle
+
+    def _save_node_local_async(
+        self,
+        state_dict: dict[str, Any],
+        step: int,
+        group: Any,
+        metadata: dict[str, Any] | None,
+        mesh: dict[str, int] | None,
+        check_replicas: bool,
+    ) -> SaveHandle:
+        """An asynchronous save to a node-local tier: every rank writes its file to its own disk in the
+        background, the ranks commit their local copies through the remote store
+        (:mod:`ucp.saving.background.store_handshake`), and then every rank's :class:`Replicator` uploads its
+        files (rank 0 commits the remote copy once every rank's marker is there, :func:`ucp.tiered.replicate_rank`)."""
+        from ucp.saving.background.job import PostCommit, StoreHandshake
+
+        assert self.saver is not None and self.replicator is not None
+        name = step_name(step)
+        hook = None
+        if group.rank == 0:  # the local ``latest`` on rank 0's disk, as a synchronous node-local save moves it
+            kwargs = {"root": self.root, "step": step, "name": name, "keep_last": None, "storage_options": None}
+            hook = PostCommit(call="ucp.manager:after_commit", kwargs=kwargs)
+        handle = self.saver.save(
+            state_dict,
+            self.path(step),
+            step=step,
+            metadata=metadata,
+            process_group=self.process_group,
+            aio_config=self.aio_config,
+            mesh=mesh,
+            post_commit=hook,
+            check_replicas=check_replicas,
+            handshake=StoreHandshake(url=self.replicator.remote_root, storage_options=self.replicator.storage_options),
+        )
+        replicator = self.replicator  # every rank uploads its own files once its local copy is committed
+        handle.add_done_callback(lambda h: None if _failed(h) else replicator.submit(step, name))
         self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
         return handle
 

@@ -42,6 +42,15 @@ POLL = 0.05  # seconds between rank 0's listings of the markers
 CHUNK = 16 << 20  # bytes read from a local data file per write to the upload
 
 
+def save_id(manifest: Manifest) -> bytes:
+    """What a rank's marker (and failure object) holds: the CRC-32C of the step's manifest, so rank 0
+    never counts a marker an earlier attempt at the same step left behind (a resumed run saving that
+    step again) as this save's, and never commits next to that attempt's data."""
+    import crc32c
+
+    return f"{crc32c.crc32c(manifest.to_json()):08x}".encode()
+
+
 def marker_name(rank: int) -> str:
     return f".ucp-replicated-rank-{rank:05d}"
 
@@ -93,9 +102,10 @@ def save_node_local(
     return manifest
 
 
-def settle(root: str, name: str, manifest: Manifest, rank: int) -> None:
+def settle(root: str, name: str, manifest: Manifest, rank: int, *, temp: str | None = None) -> None:
     """A non-zero rank after the commit: make the temporary directory holding its file ``root/name``,
-    with the manifest. Nothing to do where rank 0 renamed it already (the ranks share a disk)."""
+    with the manifest. Nothing to do where rank 0 renamed it already (the ranks share a disk).
+    ``temp``: the save's temporary directory (an asynchronous save knows it), else the one holding the file."""
     mine = [f for f, info in manifest.files.items() if info.rank == rank]
     final = os.path.join(root, name)
     if mine and os.path.exists(os.path.join(final, mine[0])):
@@ -105,6 +115,8 @@ def settle(root: str, name: str, manifest: Manifest, rank: int) -> None:
         for d in os.listdir(root)
         if d.startswith(f".{name}.tmp-") and (not mine or os.path.exists(os.path.join(root, d, mine[0])))
     ]
+    if temp is not None:
+        temps = [t for t in temps if os.path.abspath(t) == os.path.abspath(temp)]
     if not temps:
         if mine:
             raise CheckpointError(f"rank {rank}'s file {mine[0]} of {final} is neither there nor in a temporary dir")
@@ -150,6 +162,7 @@ def replicate_rank(
         manifest_bytes = f.read()
     manifest = parse_manifest(manifest_bytes, source=manifest_path)
     mine = {f: info for f, info in manifest.files.items() if info.rank == rank}
+    ident = save_id(manifest)
     total = 0
     with open_root(remote_root, storage_options) as storage:
         if storage.exists(f"{name}/{MANIFEST_NAME}"):
@@ -160,25 +173,32 @@ def replicate_rank(
         except Exception as exc:
             if rank != 0:
                 try:
-                    storage.write_small(f"{name}/{failed_name(rank)}", f"{type(exc).__name__}: {exc}".encode())
+                    error = f"{type(exc).__name__}: {exc}".encode()
+                    storage.write_small(f"{name}/{failed_name(rank)}", ident + b"\n" + error)
                 except Exception as again:  # noqa: BLE001 - the store is unreachable: rank 0 times out instead
                     log.warning("could not report the failure to rank 0: %s", again)
             raise
-        storage.write_small(f"{name}/{marker_name(rank)}", b"")
+        storage.write_small(f"{name}/{marker_name(rank)}", ident)
         if rank != 0:
             return total
         owners = {info.rank for info in manifest.files.values()} | {0}
         deadline = time.monotonic() + timeout
+        seen: set[int] = set()
         while True:
             objects = {o["rel"].split("/", 1)[1]: int(o["size"]) for o in _objects(storage, name)}
-            seen = {int(m.group(1)) for n in objects if (m := MARKER_RE.match(n))}
-            failed = sorted(n for n in objects if FAILED_RE.match(n))
-            if failed:
-                why = storage.read_small(f"{name}/{failed[0]}").decode(errors="replace")
-                raise CheckpointError(
-                    f"replicating {storage.describe(name)}: rank {int(FAILED_RE.match(failed[0]).group(1))} "  # type: ignore[union-attr]
-                    f"failed to upload its files ({why}); not committed"
-                )
+            for n in objects:  # a marker counts once it holds this save's id (an old one may be overwritten yet)
+                m = MARKER_RE.match(n)
+                if m is not None and int(m.group(1)) not in seen and _read(storage, f"{name}/{n}") == ident:
+                    seen.add(int(m.group(1)))
+            for n in sorted(objects):
+                m = FAILED_RE.match(n)
+                text = _read(storage, f"{name}/{n}") if m is not None else None
+                if m is not None and text is not None and text.startswith(ident + b"\n"):
+                    why = text[len(ident) + 1 :].decode(errors="replace")
+                    raise CheckpointError(
+                        f"replicating {storage.describe(name)}: rank {int(m.group(1))} failed to upload its files "
+                        f"({why}); not committed"
+                    )
             if owners <= seen:
                 break
             if time.monotonic() > deadline:
@@ -195,13 +215,22 @@ def replicate_rank(
                     file=file,
                 )
         storage.write_small(f"{name}/{MANIFEST_NAME}", manifest_bytes)  # the commit
-        for n in objects:
-            if MARKER_RE.match(n) or n == ".ucp-saving":
+        for n in objects:  # markers, failures and handshake objects (ucp.saving.background.store_handshake)
+            if n.startswith(".ucp-"):
                 try:
                     storage.remove_file(f"{name}/{n}")
                 except (OSError, CheckpointError) as exc:  # harmless: readers go by the manifest
                     log.warning("could not remove %s: %s", storage.describe(f"{name}/{n}"), exc)
     return total + len(manifest_bytes)
+
+
+def _read(storage: Any, rel: str) -> bytes | None:
+    """A small object's bytes; None when it is gone (removed by a commit meanwhile)."""
+    try:
+        data: bytes = storage.read_small(rel)
+    except FileNotFoundError:
+        return None
+    return data
 
 
 def _objects(storage: Any, name: str) -> list[dict[str, Any]]:

@@ -90,11 +90,9 @@ def test_node_local_tier_replicates_each_ranks_files_and_commits_after_the_marke
     m2.close()
 
 
-def test_node_local_tier_refuses_async_saves_and_a_missing_remote(tmp_path):
+def test_node_local_tier_refuses_a_missing_remote(tmp_path):
     import pytest
 
-    with pytest.raises(ValueError, match="node_local=True needs synchronous saves"):
-        ucp.CheckpointManager(tmp_path / "a", async_save=True, remote="s3://b/r", node_local=True)
     with pytest.raises(ValueError, match="node_local=True is for a tiered manager"):
         ucp.CheckpointManager(tmp_path / "b", node_local=True)
 
@@ -102,7 +100,7 @@ def test_node_local_tier_refuses_async_saves_and_a_missing_remote(tmp_path):
 def test_rank_0_does_not_commit_before_every_rank_reported(s3_server, s3_bucket, tmp_path):  # noqa: F811
     """A rank whose marker never arrives: rank 0 gives up naming it, and the step stays uncommitted."""
     from ucp.format.manifest import FileInfo, parse_manifest
-    from ucp.tiered import replicate_rank
+    from ucp.tiered import replicate_rank, save_id
 
     local = tmp_path / "step-00000007"
     ucp.save(state(7), local, step=7)
@@ -120,10 +118,34 @@ def test_rank_0_does_not_commit_before_every_rank_reported(s3_server, s3_bucket,
         replicate_rank(str(local), remote, "step-00000007", 0, timeout=0.2)
     keys = object_keys(s3_server, s3_bucket, "wait/")
     assert keys == ["wait/step-00000007/.ucp-replicated-rank-00000", "wait/step-00000007/rank-00000.safetensors"]
-    # rank 1 reports a failed upload: rank 0 stops waiting at once, naming it and its error
-    s3_server.client().put_object(
-        Bucket=s3_bucket, Key="wait/step-00000007/.ucp-failed-rank-00001", Body=b"StorageError: throttled"
+    # an earlier attempt at this step left rank 1's marker, data of the right size and a failure: none is
+    # this save's (another manifest's id), so rank 0 still waits for rank 1 and commits nothing
+    client, prefix = s3_server.client(), "wait/step-00000007/"
+    client.put_object(Bucket=s3_bucket, Key=prefix + "rank-00001.safetensors", Body=b"x" * 8)
+    client.put_object(Bucket=s3_bucket, Key=prefix + ".ucp-replicated-rank-00001", Body=b"0badc0de")
+    client.put_object(Bucket=s3_bucket, Key=prefix + ".ucp-failed-rank-00001", Body=b"0badc0de\nold failure")
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] did not report their uploads"):
+        replicate_rank(str(local), remote, "step-00000007", 0, timeout=0.3)
+    # rank 1 reports a failed upload of this save: rank 0 stops waiting at once, naming it and its error
+    ident = save_id(parse_manifest((local / "manifest.json").read_bytes(), source="test"))
+    client.put_object(
+        Bucket=s3_bucket, Key=prefix + ".ucp-failed-rank-00001", Body=ident + b"\nStorageError: throttled"
     )
     with pytest.raises(CheckpointError, match=r"rank 1 failed to upload its files \(StorageError: throttled\)"):
         replicate_rank(str(local), remote, "step-00000007", 0, timeout=60)
     assert "wait/step-00000007/manifest.json" not in object_keys(s3_server, s3_bucket, "wait/")
+
+
+def test_local_retention_after_a_replication_keeps_a_newer_step_not_yet_submitted(tmp_path):
+    """Step 3 committed locally, its save not yet returned (so neither submitted nor named by ``latest``)
+    when step 2's replication finishes: the retention that follows must not delete it."""
+    from ucp.manager import write_latest
+
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        ucp.save(state(step), root / f"step-{step:08d}", step=step)
+    write_latest(root, 2, "step-00000002")
+    m = ucp.CheckpointManager(root, keep_last=1, remote="s3://bucket/run")
+    m._retire_local("step-00000002", set())  # what the Replicator calls after replicating step 2
+    m.close()
+    assert [i.step for i in m.list()] == [2, 3]

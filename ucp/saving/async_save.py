@@ -50,9 +50,10 @@ from ucp.errors import CommitError, ManifestError, NotACheckpointError, Unsuppor
 from ucp.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest, too_large
 from ucp.format.tree import Leaf, encode_state
 from ucp.saving import snapshot_modes, step_guard
+from ucp.saving.background import store_handshake
 from ucp.saving.background.handshake import identity, publish_report
 from ucp.saving.background.image import Progress
-from ucp.saving.background.job import PlanSpec, PostCommit, WriteJob, describe, next_job_id
+from ucp.saving.background.job import PlanSpec, PostCommit, StoreHandshake, WriteJob, describe, next_job_id
 from ucp.saving.background.process_backend import ProcessBackend
 from ucp.saving.background.thread_backend import ThreadBackend
 from ucp.saving.dtensor import lower_leaves, with_record
@@ -277,6 +278,7 @@ class AsyncSaver:
         mesh: dict[str, int] | None = None,
         post_commit: PostCommit | None = None,
         check_replicas: bool = False,
+        handshake: StoreHandshake | None = None,
     ) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the arguments are those of :func:`ucp.save`.
 
@@ -285,6 +287,8 @@ class AsyncSaver:
 
         Every rank of ``process_group`` calls it, in the same order. ``post_commit``
         (internal: :class:`ucp.CheckpointManager`) runs on rank 0's writer after the commit.
+        ``handshake`` (internal: a node-local tier, :mod:`ucp.tiered`): ``path`` is on each rank's own disk,
+        and the ranks meet on that object store to commit (:mod:`ucp.saving.background.store_handshake`).
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed")
@@ -336,15 +340,17 @@ class AsyncSaver:
         try:
             try:
                 temp = self._agree_on_temp(storage, name, group, local_error)
+                stub = _job_stub(storage, path, name, temp, group, job_id, handshake)
                 if local_error is not None:  # this rank failed planning: tell rank 0 so it gives up at once
-                    publish_report(
-                        storage,
-                        _job_stub(storage, path, name, temp, group, job_id),
-                        _commit.RankReport(rank=group.rank, error=describe(local_error)),
-                    )
+                    if handshake is not None:
+                        store_handshake.publish_error(stub, describe(local_error))
+                    else:
+                        publish_report(storage, stub, _commit.RankReport(rank=group.rank, error=describe(local_error)))
                     raise local_error
                 assert plan is not None
                 temp_local = storage.local_path(temp)
+                if handshake is not None and temp_local is not None:  # rank 0 made it on its own disk only
+                    os.makedirs(temp_local, exist_ok=True)
                 temp_abs = temp_local or storage.describe(temp)
                 if temp_local is not None and storage.supports_locks:
                     lock_fd = _commit.lock_dir(temp_local)
@@ -369,6 +375,7 @@ class AsyncSaver:
                     commit_timeout=self.commit_timeout,
                     post_commit=post_commit,
                     replicas=replicas,
+                    handshake=handshake,
                 )
             except BaseException:
                 if arena is not None:
@@ -490,8 +497,18 @@ def wait_all(handles: Sequence[SaveHandle]) -> None:
         raise errors[0]
 
 
-def _job_stub(storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int) -> WriteJob:
-    return WriteJob(id=job_id, path=os.fspath(path), name=name, temp=temp, rank=group.rank, world_size=group.world_size)
+def _job_stub(
+    storage: Storage, path: Any, name: str, temp: str, group: Group, job_id: int, handshake: StoreHandshake | None
+) -> WriteJob:
+    return WriteJob(
+        id=job_id,
+        path=os.fspath(path),
+        name=name,
+        temp=temp,
+        rank=group.rank,
+        world_size=group.world_size,
+        handshake=handshake,
+    )
 
 
 # -- the default saver, and the module-level functions -------------------------------------------

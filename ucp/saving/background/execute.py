@@ -72,7 +72,7 @@ def _execute(
         report = _commit.RankReport(rank=job.rank, error=describe(error))
     assert report is not None
     try:
-        manifest = HandshakeCommit(storage, job).commit(report)
+        manifest = committer(storage, job).commit(report)
     except BaseException:
         if error is None:
             raise
@@ -81,6 +81,15 @@ def _execute(
     if job.post_commit is not None:
         run_post_commit(job.post_commit, storage.describe(job.name))
     return manifest
+
+
+def committer(storage: Storage, job: WriteJob) -> _commit.Committer:
+    """The ranks meet in the temporary directory, or on the object store where they share no directory."""
+    if job.handshake is not None:
+        from ucp.saving.background.store_handshake import StoreHandshakeCommit
+
+        return StoreHandshakeCommit(storage, job)
+    return HandshakeCommit(storage, job)
 
 
 def run_post_commit(spec: PostCommit, where: str) -> None:

@@ -130,7 +130,12 @@ def identity(storage: Storage, rel: str) -> tuple[int, int] | None:
 
 def abandon(job: WriteJob, why: str = "snapshot failed") -> None:
     """A job that never reached (or never ran on) a writer: remove its temp dir (rank 0), or report the
-    failure into it (other ranks) so rank 0 gives up at once."""
+    failure into it (other ranks) so rank 0 gives up at once. A node-local tier's job reports on the store."""
+    if job.handshake is not None:
+        from ucp.saving.background import store_handshake
+
+        store_handshake.abandon(job, why)
+        return
     storage, _ = job.open_storage()
     with storage:
         if job.rank == 0:
@@ -352,6 +357,11 @@ def _manifest_holds(storage: Storage, job: WriteJob, report: _commit.RankReport)
         m = read_manifest(storage, job.name)
     except CheckpointError:
         return False
+    return manifest_holds(m, job, report)
+
+
+def manifest_holds(m: Manifest, job: WriteJob, report: _commit.RankReport) -> bool:
+    """Whether manifest ``m`` is this save's (its step) and holds exactly this rank's pieces."""
     if m.step != job.step:
         return False
     if report.file is None:

@@ -78,6 +78,15 @@ class PostCommit(BaseModel):
     kwargs: dict[str, Any] = {}
 
 
+class StoreHandshake(BaseModel):
+    """Where the ranks of a save that share no directory meet (a node-local tier's remote root):
+    :mod:`ucp.saving.background.store_handshake`."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    storage_options: dict[str, Any] | None = None
+
+
 class WriteJob(BaseModel):
     """One rank's part of one asynchronous save."""
 
@@ -102,6 +111,7 @@ class WriteJob(BaseModel):
     commit_timeout: float = DEFAULTS.commit_timeout
     post_commit: PostCommit | None = None
     replicas: list[_commit.Replica] = []  # check_replicas: checksums taken when the save was asked for
+    handshake: StoreHandshake | None = None  # ranks without a shared directory: they meet on this store
 
     def open_storage(self) -> tuple[Storage, str]:
         cfg = AioConfig.model_validate(self.aio_config) if self.aio_config is not None else None
