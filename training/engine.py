@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Any, Callable, Literal
 
 import torch
@@ -41,8 +42,9 @@ from .layout import gpt_layout, gpt_shapes
 from .mesh import ParallelMesh, build_mesh
 from .models.gpt import PRESETS, GPTConfig, batch_for_step
 from .offload import OffloadConfig
-from .offload.checkpoint import Span, TierReader, load_tier, streamed_sections
+from .offload.checkpoint import Span, TierCopy, TierReader, load_tier, streamed_sections
 from .offload.checkpoint import layout as offloaded_layout
+from .offload.store import NvmeStore
 from .parallel.gpt import build_stage
 from .parallel.pipeline import SCHEDULES
 from .zero import DynamicLossScaler, LossScaleConfig, ZeroOptimizer
@@ -187,6 +189,8 @@ class Engine:
         )
         self.step = 0  # optimizer steps completed (the next train_step's step number)
         self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
+        self._tier_copy: TierCopy | None = None  # ... and the copy of the offload tier's swap files it streams
+        self._streaming: list[ucp.SaveHandle] = []  # asynchronous saves that may still read such a copy
         self.last_stats: dict[str, Any] = {}
         self.last_checkpoint_io: dict[str, int] = {}  # offload on: what the last streamed save read from the tier
         self._spans: dict[str, list[Span]] = {}  # offload on, during a load: the optimizer states' pieces
@@ -194,7 +198,11 @@ class Engine:
 
     def close(self) -> None:
         """Release what outlives a step: the optimizer's offload tier (its swap directory is removed).
-        Idempotent; also done at interpreter exit."""
+        Idempotent; also done at interpreter exit. Waits for asynchronous saves still streaming a copy of the
+        tier's swap files (it lies in the swap directory)."""
+        streaming, self._streaming = self._streaming, []
+        for handle in streaming:
+            handle.exception()  # a failure is the save's to report (result(), the manager's wait())
         self.optimizer.close()
 
     # -- training ------------------------------------------------------------------------------
@@ -380,7 +388,27 @@ class Engine:
                         mesh=self.mesh.as_dict(),
                     )
                 self.last_checkpoint_io = {"bytes_read": reader.bytes_read, "buffer_bytes": reader.buffer_bytes}
-            else:  # an asynchronous save copies the whole state into its staging anyway: staged from the tier
+            elif offload is not None and isinstance(offload.store, NvmeStore) and _thread_saver(manager):
+                # asynchronous, still streamed: the writer thread reads a copy of the swap files (TierCopy), made
+                # behind the next forward and backward; the tier is not written before it is (wait_snapshot)
+                copy = TierCopy(offload)
+                streamer = TierReader(offload, copy=copy)
+                try:
+                    result = manager.save(
+                        self.state_dict_for_checkpoint(streamer),
+                        self.step if step is None else step,
+                        metadata=metadata,
+                        mesh=self.mesh.as_dict(),
+                    )
+                except BaseException:
+                    streamer.close()
+                    copy.close()
+                    raise
+                assert isinstance(result, ucp.SaveHandle)
+                self._tier_copy = copy
+                self._streaming = [h for h in self._streaming if not h.done()] + [result]
+                result.add_done_callback(partial(_finish_streaming, streamer, copy))
+            else:  # a process-mode writer cannot read this process's tier: staged from it, whole
                 result = manager.save(
                     self.state_dict_for_checkpoint(),
                     self.step if step is None else step,
@@ -399,6 +427,9 @@ class Engine:
         synchronous manager, which stages nothing: offloaded state is not read from its tier for it)."""
         if manager.saver is None:
             return 0
+        offload = self.optimizer.offload
+        if offload is not None and isinstance(offload.store, NvmeStore) and _thread_saver(manager):
+            return 0  # its saves stream the tier and copy the rest: no staging to allocate
         try:
             return manager.prepare(self.state_dict_for_checkpoint())
         finally:
@@ -410,6 +441,9 @@ class Engine:
         if self._snapshot is not None:
             self._snapshot.wait_snapshot()
             self._snapshot = None
+        if self._tier_copy is not None:  # the offload tier may be rewritten once its copy for the save is made
+            self._tier_copy.wait()
+            self._tier_copy = None
 
     def load(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None = None) -> int:
         """Resume from a checkpoint, whatever mesh and ZeRO stage wrote it; returns the step to train next.
@@ -523,6 +557,17 @@ class Engine:
 
 
 FAILED = -1  # the step a rank reports when it could not load (steps are >= 0)
+
+
+def _thread_saver(manager: ucp.CheckpointManager) -> bool:
+    """Whether the manager saves asynchronously on a writer thread of this process (which can stream the tier)."""
+    return manager.saver is not None and manager.saver.mode == "thread"
+
+
+def _finish_streaming(reader: TierReader, copy: TierCopy, _handle: ucp.SaveHandle) -> None:
+    """An asynchronous save that streamed a copy of the offload tier is done: free its buffers, remove the copy."""
+    reader.close()
+    copy.close()
 
 
 def _describe(source: ucp.CheckpointManager | str | os.PathLike[str]) -> str:

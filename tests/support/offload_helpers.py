@@ -1,5 +1,6 @@
 """Set-up shared by the offload tests (tests/training/offload/): the GPT engine under an offload config, the
-in-memory reference run that saves a checkpoint part way, and a small tmpfs for full or read-only swap dirs."""
+in-memory reference run that saves a checkpoint part way, a small tmpfs for full or read-only swap dirs, and the
+peak-RSS probe of the streamed checkpoint tests."""
 
 from __future__ import annotations
 
@@ -48,3 +49,27 @@ def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+class PeakRss:
+    """How far a block raises this process's peak resident set above its resident set when it began
+    (Linux: writing 5 to /proc/self/clear_refs resets the peak). ``extra``: bytes, after the block."""
+
+    def __enter__(self) -> PeakRss:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError as exc:
+            pytest.skip(f"cannot reset the peak RSS here: {exc}")
+        self.start = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.extra = _status("VmHWM") - self.start
+
+
+def _status(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")

@@ -16,16 +16,24 @@ written back to the tier while the next one is filled.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
+import tempfile
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 
+from aio.buffers import AlignedBuffer
 from aio.config import AioConfig
+from aio.engines import Engine, create_engine
+from aio.errors import is_no_space
 from reshard.box import Box, FlatRange, flat_range_to_boxes
 from ucp.errors import LayoutMismatchError
 from ucp.format.manifest import Manifest
@@ -36,6 +44,7 @@ from ucp.saving.snapshot import tensor_bytes
 from ucp.store.reader import read_manifest
 from ucp.store.storage import Storage, as_aio_config, open_storage
 
+from .errors import OffloadError
 from .store import FP32, PARTS, NvmeStore, Record, SubGroup
 from .swapdir import MIN_ALIGNMENT
 
@@ -120,6 +129,84 @@ def streamed_sections(spans_by_key: Mapping[str, list[Span]], reader: TierReader
     return out
 
 
+class TierCopy:
+    """The NVMe tier's swap files as a save found them, copied on disk, for an asynchronous save that streams
+    them on its writer thread while training goes on and rewrites the originals.
+
+    Made on the training thread once the tier is quiet (:meth:`OptimizerOffload.quiesce`: no write-back
+    running) with the records' CRC-32Cs as written; the copy (``copy_file_range``: in the kernel, no user
+    memory; a reflink where the file system shares extents) runs on a thread of its own, behind the next
+    forward and backward, and the tier must not be written before :meth:`wait` (``Engine.wait_snapshot``).
+    It costs the state's bytes on the swap device (none with a reflink) until :meth:`close`.
+    """
+
+    def __init__(self, offload: OptimizerOffload) -> None:
+        offload.quiesce()
+        store = offload.store
+        if not isinstance(store, NvmeStore):
+            raise TypeError("TierCopy copies the swap files of the NVMe tier")
+        self.store = store
+        self.subgroups = list(offload.subgroups)
+        self._crcs = store.crcs()
+        self.dir = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=store.dir.path))
+        self._paths = {sg.index: self.dir / store.path(sg).name for sg in self.subgroups}
+        self.bytes_copied = 0
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ucp-offload-copy")
+        self.copied: Future[None] = pool.submit(self._copy)
+        pool.shutdown(wait=False)
+
+    def _copy(self) -> None:
+        for sg in self.subgroups:
+            src, dst = self.store.path(sg), self._paths[sg.index]
+            if self._crcs[sg.index] is None:
+                raise OffloadError(f"{sg.describe()} has no record in {src}: it was never written whole")
+            try:
+                self.bytes_copied += copy_file(src, dst)
+            except OSError as exc:
+                why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+                raise OffloadError(
+                    f"copying swap file {src} of {sg.describe()} to {dst} for a checkpoint failed: {why}"
+                ) from exc
+
+    def wait(self) -> None:
+        """Wait until the copy is made (or failed: the save reports it); the tier may change from then on."""
+        _ = self.copied.exception()
+
+    def source(self, sg: SubGroup, engine: Engine) -> tuple[Path, Engine, tuple[int, ...]]:
+        """Where to read ``sg``'s record as copied (for :meth:`NvmeStore.read_part`); waits for the copy, raises
+        its error."""
+        self.copied.result()
+        crcs = self._crcs[sg.index]
+        assert crcs is not None  # checked by the copy
+        return self._paths[sg.index], engine, crcs
+
+    def close(self) -> None:
+        """Remove the copy (after the save that reads it is done)."""
+        self.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def copy_file(src: Path, dst: Path) -> int:
+    """Copy ``src`` to a new file ``dst`` in the kernel: ``copy_file_range`` (a reflink where the file system
+    shares extents), else ``sendfile`` through :func:`shutil.copyfile`; no user memory either way. Returns
+    the bytes copied."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        except OSError as exc:
+            if done or exc.errno not in (errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    shutil.copyfile(src, dst)
+    return os.path.getsize(dst)
+
+
 class TierReader:
     """Reads runs of the offloaded partitions from the tier for a save, part by part.
 
@@ -128,12 +215,20 @@ class TierReader:
     checked; an LRU keeps the most recent ones, since the writer asks for the pieces of one part in name
     order, not partition order. CPU tier: views of the resident records, no copy. Use as a context
     manager (the slots go back to the pool at exit).
+
+    ``copy`` (an asynchronous save, training going on): the parts are read from that copy of the swap
+    files, with an aio engine of the reader's own, into ``copy_slots`` slots' worth of buffers of its own
+    (the steps keep the pool), checked against the CRCs the records had when copied.
     """
 
-    def __init__(self, offload: OptimizerOffload) -> None:
+    def __init__(self, offload: OptimizerOffload, *, copy: TierCopy | None = None, copy_slots: int = 1) -> None:
         offload.quiesce()  # no write-back still running, no read ahead holding a slot; not broken
         self.offload = offload
         self.store = offload.store
+        self.copy = copy
+        self._copy_slots = copy_slots
+        self._engine: Engine | None = create_engine(copy.store.aio) if copy is not None else None
+        self._own: list[AlignedBuffer] = []  # with a copy: its buffers
         self._groups = {g: offload.of_group(g) for g in range(len(offload.sizes))}
         self._records: list[Record] = []  # slots taken from the pool
         self._free: list[memoryview] = []  # one part's worth each, carved from those slots
@@ -170,27 +265,41 @@ class TierReader:
         if view is not None:
             self._cache.move_to_end(key)
             return view
-        if not self._free and len(self._records) < self.store.slots:
+        stride = self.store.slot_bytes // len(PARTS)
+        if self.copy is not None:
+            if not self._free and len(self._own) < self._copy_slots:
+                buf = AlignedBuffer(self.store.slot_bytes)
+                self._own.append(buf)
+                self.buffer_bytes += buf.nbytes
+                self._free += [buf.view(stride, k * stride) for k in range(len(PARTS))]
+        elif not self._free and len(self._records) < self.store.slots:
             rec = self.store.acquire(sg, block=True)  # every slot is free after settle()
             assert rec is not None
             self._records.append(rec)
             self.buffer_bytes += rec.buf.nbytes
-            stride = self.store.slot_bytes // len(PARTS)
             self._free += [rec.buf.view(stride, k * stride) for k in range(len(PARTS))]
         view = self._free.pop() if self._free else self._cache.popitem(last=False)[1]
-        self.store.read_part(sg, part, view)
+        if self.copy is not None:
+            assert self._engine is not None
+            self.store.read_part(sg, part, view, copy=self.copy.source(sg, self._engine))
+        else:
+            self.store.read_part(sg, part, view)
         self.bytes_read += self.store.stride(sg)
         self.reads += 1
         self._cache[key] = view
         return view
 
     def close(self) -> None:
-        """Give the slots back to the pool."""
+        """Give the slots back to the pool (with a copy: free the buffers, close the engine); idempotent."""
         self._cache.clear()
         self._free.clear()
+        self._own.clear()
         records, self._records = self._records, []
         for rec in records:
             self.store.release(rec)
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
 
 def stored_names(manifest: Manifest, where: str, spans_by_key: Mapping[str, list[Span]]) -> dict[str, dict[str, str]]:
@@ -301,7 +410,9 @@ def _targets(stored: str, s: Span, buf: torch.Tensor, first: int, stop: int) -> 
 __all__ = [
     "STATE_KEYS",
     "Span",
+    "TierCopy",
     "TierReader",
+    "copy_file",
     "stored_names",
     "fill_tier",
     "layout",

@@ -236,24 +236,40 @@ class NvmeStore:
         """Fill ``rec`` from ``sg``'s swap file and check it is whole and unchanged."""
         self._read(sg, rec.buf.view(rec.nbytes), 0, len(PARTS))
 
-    def read_part(self, sg: SubGroup, part: int, into: memoryview) -> None:
+    def read_part(
+        self, sg: SubGroup, part: int, into: memoryview, *, copy: tuple[Path, Engine, tuple[int, ...]] | None = None
+    ) -> None:
         """Fill ``into`` (aligned, at least :meth:`stride` bytes) with part ``part`` of ``sg``'s record (an index
         of :data:`PARTS`, padded to the stride), checked like :meth:`read`: a checkpoint reads only the part
-        it writes (training.offload.checkpoint)."""
-        self._read(sg, into[: self.stride(sg)], part, part + 1)
+        it writes (training.offload.checkpoint). ``copy``: read it from a copy of the swap file instead
+        ``(its path, the engine to read it with, the record's CRCs as copied)``; not counted in the tier's figures."""
+        self._read(sg, into[: self.stride(sg)], part, part + 1, copy=copy)
 
-    def _read(self, sg: SubGroup, view: memoryview, first: int, stop: int) -> None:
+    def crcs(self) -> list[tuple[int, ...] | None]:
+        """Each sub-group's CRC-32C per part as last written (None: never written whole): what a copy of the swap
+        files is checked against."""
+        return list(self._crc)
+
+    def _read(
+        self,
+        sg: SubGroup,
+        view: memoryview,
+        first: int,
+        stop: int,
+        *,
+        copy: tuple[Path, Engine, tuple[int, ...]] | None = None,
+    ) -> None:
         """Read parts ``[first, stop)`` of ``sg``'s record into ``view``; check it came back whole and each
         part's CRC-32C."""
         t0 = time.perf_counter()
-        expected = self._crc[sg.index]
+        expected = self._crc[sg.index] if copy is None else copy[2]
         if expected is None:
             raise OffloadError(f"{sg.describe()} has no record in {self.path(sg)}: it was never written whole")
         stride = self.stride(sg)
-        path = self._paths[sg.index]
+        path = self._paths[sg.index] if copy is None else copy[0]
         try:
             error, whole, size = transfer(
-                self._engine,
+                self._engine if copy is None else copy[1],
                 path,
                 view,
                 write=False,
@@ -262,27 +278,30 @@ class NvmeStore:
                 offset=first * stride,
             )
         except AioError as exc:  # opening it (the file was removed under the run)
-            raise self._io_error("reading", sg, exc) from exc
+            raise self._io_error("reading", sg, exc, path) from exc
         if error is not None:
-            raise self._io_error("reading", sg, error) from error
+            raise self._io_error("reading", sg, error, path) from error
+        what = "swap file" if copy is None else "copy of the swap file"
         if not whole:
             raise OffloadError(
-                f"swap file {path} of {sg.describe()} is truncated: {size} bytes, its record needs "
+                f"{what} {path} of {sg.describe()} is truncated: {size} bytes, its record needs "
                 f"{self.record_bytes(sg)} (changed under the run; the optimizer state is lost)"
             )
         for k in range(first, stop):
             got = crc32c.crc32c(view[(k - first) * stride : (k - first + 1) * stride])
             if got != expected[k]:
                 raise OffloadError(
-                    f"swap file {path} of {sg.describe()} is corrupt: CRC-32C {got:#010x} of its {PARTS[k]}, "
+                    f"{what} {path} of {sg.describe()} is corrupt: CRC-32C {got:#010x} of its {PARTS[k]}, "
                     f"written as {expected[k]:#010x} (changed under the run; the optimizer state is lost)"
                 )
+        if copy is not None:
+            return
         with self._count:
             self.bytes_read += view.nbytes
             self.read_seconds += time.perf_counter() - t0
 
-    def _io_error(self, doing: str, sg: SubGroup, exc: BaseException) -> OffloadError:
-        path = getattr(exc, "filename", None) or self.path(sg)
+    def _io_error(self, doing: str, sg: SubGroup, exc: BaseException, path: Path | None = None) -> OffloadError:
+        path = getattr(exc, "filename", None) or path or self.path(sg)
         if is_no_space(exc):
             why = f"the device is full ({os.strerror(exc.errno or 28)})"  # type: ignore[attr-defined]
         else:

@@ -114,8 +114,11 @@ class StreamedShard:
     by the writer, and yields consecutive byte views that together hold ``region``'s elements in
     row-major order as ``dtype``. The producer may reuse a part's memory as soon as the next part is
     asked for: the writer writes and checksums each part before that. The piece it becomes is an
-    ordinary one (the manifest cannot tell). Only a synchronous save writes one (``ucp.save``, a
-    ``CheckpointManager`` without ``async_save``); it is never a load target.
+    ordinary one (the manifest cannot tell). A synchronous save writes one (``ucp.save``, a
+    ``CheckpointManager`` without ``async_save``), and so does an asynchronous save in thread mode: its
+    writer thread calls ``parts()`` after the save returned, so the producer keeps the bytes as they
+    were at the save until then (training.offload streams a copy of its swap files). It is never a load
+    target.
 
     ``phase``: where the first part's bytes sit within a 4 KiB page (its address mod 4096), when every
     later part starts where the previous one ends modulo 4096 (page-aligned buffers cut at page

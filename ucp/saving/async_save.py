@@ -59,7 +59,7 @@ from ucp.saving.background.thread_backend import ThreadBackend
 from ucp.saving.dtensor import lower_leaves, with_record
 from ucp.saving.options import AsyncSaveOptions, Mode, Snapshot
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
-from ucp.saving.snapshot import replica_checksums
+from ucp.saving.snapshot import replica_checksums, streams
 from ucp.saving.staging import Arena, StagingPool
 from ucp.saving.sync_save import _check_args, save
 from ucp.store import commit as _commit
@@ -176,6 +176,10 @@ class AsyncSaver:
     With ``hold_optimizer_steps`` (default) every ``torch.optim`` optimizer's ``step()`` waits
     until the deferred snapshots running have read the tensors (:mod:`ucp.saving.step_guard`), so a
     training loop saves the state it asked for even without ``wait_snapshot()``.
+
+    A state dict holding :class:`ucp.StreamedShard` pieces (thread mode only) stages none of it: the other
+    pieces are copied before ``save`` returns and the writer thread pulls the streamed parts as it writes
+    them (:func:`ucp.saving.snapshot_modes.start_streamed`), whatever ``snapshot`` says.
 
     ``pipeline=True``: the writer starts writing the chunks already copied while
     the snapshot is still running — durable 5–9% sooner, but the copy then shares
@@ -322,7 +326,13 @@ class AsyncSaver:
                 if check_replicas
                 else []
             )
-            if plan.file is not None and self._snapshot_mode.copies:
+            streamed = plan.file is not None and streams(plan, leaves)
+            if streamed and self.mode != "thread":
+                raise UnsupportedStateError(
+                    "a StreamedShard's parts are pulled by the writer from this process: an asynchronous save "
+                    "of one needs mode='thread' (this saver's mode is 'process')"
+                )
+            if plan.file is not None and self._snapshot_mode.copies and not streamed:
                 arena = self.pool.acquire(plan.file_size)
         except BaseException as exc:
             local_error = exc
@@ -383,9 +393,12 @@ class AsyncSaver:
                 _commit.close_fd(lock_fd)
                 raise
             progress = Progress(plan.file_size if plan.file is not None else 0)
-            future, copying, protected = self._snapshot_mode.start(  # owns the arena and lock
-                self._writer, job, plan, leaves, arena, lock_fd, progress
-            )
+            if streamed:  # no arena: the writer thread pulls the streamed parts (snapshot_modes.start_streamed)
+                future, copying, protected = snapshot_modes.start_streamed(self._writer, job, plan, leaves, lock_fd)
+            else:
+                future, copying, protected = self._snapshot_mode.start(  # owns the arena and lock
+                    self._writer, job, plan, leaves, arena, lock_fd, progress
+                )
             if copying is not None and not protected and self.hold_optimizer_steps:
                 step_guard.hold_steps_until(copying)
         finally:
@@ -415,7 +428,7 @@ class AsyncSaver:
         group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
         leaves, _ = lower_leaves(encode_state(state_dict).leaves, group)
         plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
-        if plan.file is None:
+        if plan.file is None or (self.mode == "thread" and streams(plan, leaves)):  # streamed: no arena
             return 0
         arena = self.pool.acquire(plan.file_size)
         try:

@@ -37,12 +37,14 @@ def leaf_part(leaf: Leaf, part: int | None = None) -> torch.Tensor | ShardedTens
 def local_tensor(leaf: Leaf, part: int | None = None) -> torch.Tensor:
     """The tensor a leaf's piece is made of (the local part of a sharded leaf, or of part ``part`` of a Shards).
 
-    A :class:`StreamedShard` has none: an UnsupportedStateError (only a synchronous save writes one)."""
+    A :class:`StreamedShard` has none: an UnsupportedStateError (a synchronous save, or an asynchronous one in
+    thread mode, pulls its parts instead: :func:`write_views`, :func:`streamed_views`)."""
     value = leaf_part(leaf, part)
     if isinstance(value, StreamedShard):
         raise UnsupportedStateError(
             f"tensor {leaf.name!r} is a StreamedShard, whose bytes are produced while they are written: "
-            "only a synchronous save (ucp.save, a CheckpointManager without async_save) writes one"
+            "only a synchronous save (ucp.save, a CheckpointManager without async_save) or an asynchronous one "
+            "in thread mode writes one"
         )
     return value.local if isinstance(value, (ShardedTensor, FlatShard)) else value
 
@@ -111,6 +113,25 @@ def write_views(plan: SavePlan, leaves: Sequence[Leaf]) -> list[PieceBytes]:
     for p in plan.pieces:
         value = leaf_part(leaves[p.leaf], p.part)
         out.append(StreamedParts(value.parts) if isinstance(value, StreamedShard) else piece_bytes(p, leaves[p.leaf]))
+    return out
+
+
+def streams(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
+    """Whether the plan writes a :class:`StreamedShard` (its bytes are pulled while the file is written)."""
+    return any(isinstance(leaf_part(leaves[p.leaf], p.part), StreamedShard) for p in plan.pieces)
+
+
+def streamed_views(plan: SavePlan, leaves: Sequence[Leaf]) -> list[PieceBytes]:
+    """What an asynchronous save that streams hands its writer thread: each :class:`StreamedShard`'s parts,
+    pulled as the writer goes (the producer keeps them consistent until then), and a private copy of every
+    other piece's bytes, made now, so the caller may change those tensors once the save returns."""
+    out: list[PieceBytes] = []
+    for p in plan.pieces:
+        value = leaf_part(leaves[p.leaf], p.part)
+        if isinstance(value, StreamedShard):
+            out.append(StreamedParts(value.parts))
+        else:
+            out.append(memoryview(bytearray(piece_bytes(p, leaves[p.leaf]))))
     return out
 
 

@@ -12,6 +12,8 @@ staging arena ahead of the first save, :meth:`~SnapshotMode.close` stops what th
   (:mod:`ucp.saving.cow.snapshot`);
 * :class:`DirectSnapshot` ("none") — no copy: the writer writes straight from the tensors.
 
+A save of :class:`ucp.StreamedShard` pieces (thread mode) takes none of them: :func:`start_streamed`.
+
 A mode that cannot apply to one save (CUDA tensors for "background"/"cow", a rank with no file)
 falls back to the copying snapshot of :class:`SyncSnapshot` for that save.
 """
@@ -274,6 +276,23 @@ class DirectSnapshot(SnapshotMode):
             _give_back(writer, job, None, lock_fd)
             raise
         return Started(future, image.written, False)
+
+
+def start_streamed(
+    writer: Writer, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None
+) -> Started:
+    """A save whose plan holds :class:`ucp.StreamedShard` pieces, whatever the mode (thread mode only): no staging
+    arena; the other pieces are copied now (:func:`ucp.saving.snapshot.streamed_views`) and the writer thread pulls
+    the streamed parts as it writes them, so the state behind them is never all in memory. Their producer keeps
+    them consistent until it is asked for them (training.offload: a copy of its swap files)."""
+    try:
+        image = DirectImage(plan, _snap.streamed_views(plan, leaves))
+        assert isinstance(writer.backend, ThreadBackend)  # the saver refuses a StreamedShard in process mode
+        future = writer.backend.submit(job, image, Progress(plan.file_size), lock_fd)
+    except BaseException:
+        _give_back(writer, job, None, lock_fd)
+        raise
+    return Started(future, None, False)
 
 
 MODES: dict[str, type[SnapshotMode]] = {

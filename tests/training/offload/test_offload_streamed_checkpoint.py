@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from offload_helpers import PeakRss
 
 import ucp
 from training import Engine
@@ -50,30 +51,6 @@ def state_bytes(e: Engine) -> int:
 def tier(e: Engine) -> list[tuple[torch.Tensor, ...]]:
     assert e.optimizer.offload is not None
     return [e.optimizer.offload.gather_group(g) for g in range(len(e.optimizer.plans))]
-
-
-class PeakRss:
-    """How far a block raises this process's peak resident set above its resident set when it began
-    (Linux: writing 5 to /proc/self/clear_refs resets the peak)."""
-
-    def __enter__(self) -> PeakRss:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError as exc:
-            pytest.skip(f"cannot reset the peak RSS here: {exc}")
-        self.start = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.extra = _status("VmHWM") - self.start
-
-
-def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")
 
 
 def test_save_and_load_are_streamed_in_bounded_memory_and_bit_exact(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """A StreamedShard is saved as the ordinary piece its bytes make: the same manifest pieces and CRCs as the
-tensor it stands for, even when every part comes from one reused buffer; an asynchronous save refuses one,
-naming the tensor."""
+tensor it stands for, even when every part comes from one reused buffer; an asynchronous save in thread mode
+pulls its parts on the writer thread (the other tensors copied before it returns), one in process mode refuses it."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -73,9 +74,30 @@ def test_a_streamed_shard_with_too_few_bytes_fails_the_save(tmp_path: Path) -> N
     assert not (tmp_path / "c").exists()
 
 
-def test_an_async_save_refuses_a_streamed_shard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("snapshot", ["sync", "none"])
+def test_a_thread_mode_async_save_pulls_a_streamed_shard_on_its_writer(tmp_path: Path, snapshot: str) -> None:
+    big = torch.arange(300_000, dtype=torch.float32)
+    plain = torch.arange(1000, dtype=torch.float32)
+    pulled: list[str] = []
+
+    def parts() -> Iterator[memoryview]:
+        pulled.append(threading.current_thread().name)
+        yield from reused(big)
+
+    shard = StreamedShard(torch.float32, (300_000,), FlatRange(0, 300_000), parts)
+    with ucp.AsyncSaver(snapshot=snapshot) as saver:  # type: ignore[arg-type]
+        handle = saver.save({"w": shard, "p": plain}, tmp_path / "async")
+        plain += 1  # the plain tensor was copied before save returned
+        handle.result()
+    assert pulled == ["ucp-async-writer"]  # on the writer thread, once
+    loaded = ucp.load(tmp_path / "async")
+    assert torch.equal(loaded["w"], big) and torch.equal(loaded["p"], plain - 1)
+    assert ucp.verify(tmp_path / "async").ok
+
+
+def test_a_process_mode_async_save_refuses_a_streamed_shard(tmp_path: Path) -> None:
     shard = StreamedShard(torch.float32, (8,), FlatRange(0, 8), lambda: reused(torch.ones(8)))
-    with ucp.AsyncSaver() as saver, pytest.raises(UnsupportedStateError, match="tensor 'w' is a StreamedShard"):
+    with ucp.AsyncSaver(mode="process") as saver, pytest.raises(UnsupportedStateError, match="needs mode='thread'"):
         saver.save({"w": shard}, tmp_path / "async").result()
 
 

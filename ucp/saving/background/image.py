@@ -16,7 +16,7 @@ from ucp.saving.background.job import PlanSpec
 from ucp.saving.plan import SavePlan
 from ucp.saving.staging import Arena
 from ucp.store.storage import Storage
-from ucp.store.writer import CrcChain
+from ucp.store.writer import CrcChain, PieceBytes
 
 if TYPE_CHECKING:
     from ucp.saving.snapshot import ChangeWatch
@@ -31,7 +31,7 @@ class DirectImage:
     failed): until then the caller must not change the tensors."""
 
     plan: SavePlan
-    views: list[memoryview]
+    views: "Sequence[PieceBytes]"  # a StreamedShard's parts are pulled as the file is written
     watch: "ChangeWatch | None" = None  # checked once the file is written, before the commit
 
     written: Future = field(default_factory=Future)
