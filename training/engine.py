@@ -390,7 +390,13 @@ class Engine:
                 self.last_checkpoint_io = {"bytes_read": reader.bytes_read, "buffer_bytes": reader.buffer_bytes}
             elif offload is not None and isinstance(offload.store, NvmeStore) and _thread_saver(manager):
                 # asynchronous, still streamed: the writer thread reads a copy of the swap files (TierCopy), made
-                # behind the next forward and backward; the tier is not written before it is (wait_snapshot)
+                # behind the next forward and backward; the tier is not written before it is (wait_snapshot).
+                # Such a save takes no staging arena, so the saver's max_in_flight bounds them here (and the
+                # copies on the swap device with them): the oldest is waited for.
+                self._streaming = [h for h in self._streaming if not h.done()]
+                assert manager.saver is not None
+                while len(self._streaming) >= manager.saver.options.max_in_flight:
+                    self._streaming.pop(0).exception()  # its failure is the save's to report
                 copy = TierCopy(offload)
                 streamer = TierReader(offload, copy=copy)
                 try:
