@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,6 +45,7 @@ def infer(
     pin_layers: bool = True,
     device: str | torch.device = "cpu",
     read_path: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> InferResult:
     """Generate for ``prompts`` (text, tokenized by the weights' tokenizer.json, or lists of ids) with
     weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch.
@@ -54,10 +55,12 @@ def infer(
     ring (``prefetch + 1`` buffers). ``progress(done, total)`` counts token steps over all batches.
     ``device``: where compute runs (``cuda``: the budget counts GPU memory, the KV cache lives there);
     ``read_path`` (``cpu``, ``staged``, ``gds``; None: chosen for the device, see
-    :mod:`training.inference.device`) says how weights reach it; the metrics record both."""
-    source = open_weights(path)
+    :mod:`training.inference.device`) says how weights reach it; the metrics record both. ``path`` may be an
+    ``s3://`` URL (``storage_options``: :class:`ucp.store.s3.S3Options`; default the AWS variables): weights
+    then stream through ranged GETs into the same ring (:mod:`training.inference.files`)."""
+    source = open_weights(path, storage_options)
     model, source = load_model(source, config)
-    tok = Tokenizer.for_weights(source.root)
+    tok = Tokenizer.for_weights(source.root, source.files)
     ids = [p if isinstance(p, list) else tok.encode(p) for p in prompts]
     vocab = getattr(getattr(model, "args", None), "vocab_size", None) or getattr(
         getattr(model, "cfg", None), "vocab_size", None

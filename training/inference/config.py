@@ -40,7 +40,7 @@ def strip_prefix(source: WeightSource, prefix: str) -> WeightSource:
     tensors = {
         n[len(prefix) :]: replace(t, name=n[len(prefix) :]) for n, t in source.tensors.items() if n.startswith(prefix)
     }
-    return WeightSource(source.root, tensors, source.kind)
+    return WeightSource(source.root, tensors, source.kind, files=source.files, metadata=source.metadata)
 
 
 def load_model(source: WeightSource, config: str | os.PathLike[str] | None = None) -> tuple[StreamModel, WeightSource]:
@@ -58,13 +58,16 @@ def load_model(source: WeightSource, config: str | os.PathLike[str] | None = Non
                     doc = json.load(fh)
             except (OSError, ValueError) as exc:
                 raise ModelConfigError(f"{where}: unreadable ({exc})") from None
-    elif os.path.isfile(os.path.join(source.root, "config.json")):
+    elif source.files.isfile(os.path.join(source.root, "config.json")):
         where = os.path.join(source.root, "config.json")
-        doc = read_config(source.root)
+        doc = read_config(source.root, source.files)
     elif source.kind == "UCP checkpoint":
-        from ucp.store.reader import read_checkpoint_manifest
+        if source.metadata is not None:
+            meta = source.metadata
+        else:
+            from ucp.store.reader import read_checkpoint_manifest
 
-        meta = read_checkpoint_manifest(source.root).metadata
+            meta = read_checkpoint_manifest(source.root).metadata
         where = os.path.join(source.root, "manifest.json")
         if isinstance(meta.get("hf_config"), dict):
             doc = dict(meta["hf_config"])

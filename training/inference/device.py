@@ -26,8 +26,9 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from aio import AioHandle, AlignedBuffer
+from aio import AlignedBuffer
 from training.inference.errors import InferenceError
+from training.inference.files import RangeReader
 from training.inference.layout import GroupLayout, Placed
 from ucp.format.dtypes import itemsize, torch_dtype
 
@@ -228,7 +229,7 @@ class DeviceRing:
         slot_bytes: int,
         lane: Lane,
         *,
-        handle: AioHandle | None = None,
+        handle: RangeReader | None = None,
         kvikio: KvikioReader | None = None,
     ) -> None:
         from training.inference.executor import ReadStats, load_group

@@ -28,7 +28,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from aio import AioConfig, AioHandle, AlignedBuffer
+from aio import AioConfig, AlignedBuffer
 from aio.sizes import format_size
 from training.inference.device import (
     DeviceRing,
@@ -41,6 +41,7 @@ from training.inference.device import (
     resolve_device,
 )
 from training.inference.errors import BudgetError, InferenceError
+from training.inference.files import RangeReader
 from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
 from training.inference.model import Step, StreamModel
 from training.inference.sources import TensorSource, WeightSource
@@ -159,7 +160,7 @@ def tensor_views(buf: AlignedBuffer, placed: list[Placed], dtype: torch.dtype) -
 class _Ring:
     """Buffers cycling between a reader thread (fills) and the compute thread (uses, then releases)."""
 
-    def __init__(self, groups: list[GroupLayout], slots: int, slot_bytes: int, handle: AioHandle) -> None:
+    def __init__(self, groups: list[GroupLayout], slots: int, slot_bytes: int, handle: RangeReader) -> None:
         self.groups, self.handle, self.stats = groups, handle, ReadStats()
         self._free: queue.Queue[AlignedBuffer | None] = queue.Queue()
         self._ready: queue.Queue[tuple[int, AlignedBuffer, BaseException | None]] = queue.Queue()
@@ -220,8 +221,9 @@ def held_bytes(tensors: Sequence[Placed | TensorSource], dtype: torch.dtype, as_
     return sum((t.nbytes // itemsize(t.dtype)) * (size if f else itemsize(t.dtype)) for t, f in zip(tensors, floats))
 
 
-def load_group(handle: AioHandle, g: GroupLayout, buf: AlignedBuffer) -> None:
-    """Read every range of ``g`` into ``buf`` (all ranges of a file in flight together)."""
+def load_group(handle: RangeReader, g: GroupLayout, buf: AlignedBuffer) -> None:
+    """Read every range of ``g`` into ``buf`` (all ranges of a file in flight together): through ``aio``
+    for local files, ranged GETs for an object store's (:mod:`training.inference.files`)."""
     for file, reads in g.reads.items():
         handle.read_ranges(file, [(off, buf.view(n, at)) for off, at, n in reads])
 
@@ -253,13 +255,23 @@ class Executor:
         self.read_path: ReadPath = choose_read_path(self.device, read_path, gds.capabilities())
         self.read_path_reason = "asked for" if read_path not in (None, "auto") else f"auto on {self.device}"
         model.check_weights(source)
+        if self.read_path == "gds" and source.files.remote:
+            if read_path not in (None, "auto"):
+                raise InferenceError(
+                    f"{source.root}: read path 'gds' reads local files (KvikIO); weights on an object store "
+                    "take 'staged' or 'cpu'"
+                )
+            self.read_path, self.read_path_reason = (
+                "staged",
+                "auto: weights on an object store (KvikIO reads local files)",
+            )
         if self.read_path == "gds" and read_path in (None, "auto"):
             first = next(r.file for t in source.tensors.values() for r in t.runs)
             why = probe_kvikio_read(first, self.device, kvikio)
             if why is not None:
                 self.read_path, self.read_path_reason = "staged", f"auto: KvikIO could not read {first} ({why})"
         self.model, self.source, self.dtype = model, source, dtype
-        sizes = FileSizes()
+        sizes = FileSizes(source.files.size)
         pre = layout_group("embedding", model.pre_names(), source, sizes)
         layers = [layout_group(f"layer {i}", model.layer_names(i), source, sizes) for i in range(model.n_layers)]
         post = layout_group("final norm and head", model.post_names(), source, sizes)
@@ -274,7 +286,7 @@ class Executor:
             prefetch=prefetch,
             layer_resident_bytes=[held_bytes(g.tensors, dtype, g.nbytes) for g in layers] if pin_layers else None,
         )
-        self.handle = AioHandle(aio_config or READ_CONFIG)
+        self.handle = source.files.reader(aio_config or READ_CONFIG)
         self.resident: dict[str, torch.Tensor] = {}
         self.resident_stats = ReadStats()
         if self.plan.resident:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from training.inference.sources import TensorSource, WeightSource
 
@@ -64,10 +64,15 @@ class GroupLayout:
 
 
 class FileSizes(dict[str, int]):
-    """File sizes, stat'ed once."""
+    """File sizes, looked up once each (``size``: of a local file by default; the source's ``files.size``
+    for weights on an object store)."""
+
+    def __init__(self, size: Callable[[str], int] = os.path.getsize) -> None:
+        super().__init__()
+        self._size = size
 
     def __missing__(self, path: str) -> int:
-        size = os.path.getsize(path)
+        size = self._size(path)
         self[path] = size
         return size
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from training.inference.errors import ModelConfigError
+from training.inference.files import LOCAL, Files
 from training.inference.model import Step, StreamModel, apply_rope, attend
 
 
@@ -73,12 +74,12 @@ class LlamaArgs(BaseModel):
         return self.rope_theta
 
 
-def read_config(root: str) -> dict[str, Any]:
-    """config.json of a weights directory as a dict; ModelConfigError naming the file otherwise."""
+def read_config(root: str, files: Files = LOCAL) -> dict[str, Any]:
+    """config.json of a weights directory (or URL prefix, read through ``files``) as a dict;
+    ModelConfigError naming the file otherwise."""
     path = os.path.join(root, "config.json")
     try:
-        with open(path, "rb") as fh:
-            doc = json.load(fh)
+        doc = json.loads(files.read(path))
     except FileNotFoundError:
         raise ModelConfigError(f"{path}: missing (the model's config.json is needed to run it)") from None
     except (OSError, ValueError) as exc:

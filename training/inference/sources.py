@@ -3,7 +3,8 @@
 A source answers, per tensor, its dtype, shape and the byte *runs* that make it up: (file, offset,
 length, destination offset in the consolidated row-major tensor). A safetensors tensor is one run;
 a UCP tensor saved in pieces (sharded ranks, boxes) is the planner's coalesced copies. Nothing is
-read but headers and manifests: the executor issues O_DIRECT reads of the runs.
+read but headers and manifests: the executor issues O_DIRECT reads of the runs (or, for weights on
+an object store, ranged GETs: :mod:`training.inference.files`).
 
 Every header is checked against the file it heads (offsets inside the file, lengths matching shape
 times item size) before any read, so a header that lies fails here, naming the file and tensor.
@@ -11,6 +12,7 @@ times item size) before any read, so a header that lies fails here, naming the f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from training.inference.errors import WeightSourceError
+from training.inference.files import LOCAL, Files, files_for
 from ucp.format.dtypes import DTYPE_NAMES, itemsize
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -58,12 +61,24 @@ class TensorSource:
 
 
 class WeightSource:
-    """A mapping of tensor name to :class:`TensorSource`, plus the directory holding config files."""
+    """A mapping of tensor name to :class:`TensorSource`, plus the directory (or URL prefix) holding config
+    files, the :class:`~training.inference.files.Files` its runs are read through and, for a UCP
+    checkpoint, its manifest's metadata."""
 
-    def __init__(self, root: str, tensors: Mapping[str, TensorSource], kind: str) -> None:
+    def __init__(
+        self,
+        root: str,
+        tensors: Mapping[str, TensorSource],
+        kind: str,
+        *,
+        files: Files = LOCAL,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
         self.root = root
         self.tensors = dict(tensors)
         self.kind = kind
+        self.files = files
+        self.metadata = metadata
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensors
@@ -79,33 +94,41 @@ class WeightSource:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def open_weights(path: str | os.PathLike[str]) -> WeightSource:
-    """The weights at ``path``: a UCP checkpoint (has manifest.json) or a safetensors directory/file."""
-    root = os.path.abspath(os.fspath(path))
-    if not os.path.exists(root):
-        raise WeightSourceError(f"{root}: no such file or directory")
-    if os.path.isdir(root) and os.path.exists(os.path.join(root, "manifest.json")):
-        return ucp_source(root)
-    return safetensors_source(root)
+def open_weights(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> WeightSource:
+    """The weights at ``path``: a UCP checkpoint (has manifest.json) or a safetensors directory/file; a local
+    path or an ``s3://`` URL (``storage_options``: :class:`ucp.store.s3.S3Options`)."""
+    text = os.fspath(path)
+    try:
+        files = files_for(text, storage_options)
+    except ValueError as exc:
+        raise WeightSourceError(str(exc)) from None
+    root = text.rstrip("/") if files.remote else os.path.abspath(text)
+    if not files.exists(root):
+        raise WeightSourceError(
+            f"{root}: no such object or prefix" if files.remote else f"{root}: no such file or directory"
+        )
+    if files.isfile(os.path.join(root, "manifest.json")):
+        return ucp_source(root, storage_options)
+    return safetensors_source(root, files)
 
 
 # -- Hugging Face safetensors -------------------------------------------------------------------
 
 
-def safetensors_source(path: str) -> WeightSource:
+def safetensors_source(path: str, fs: Files = LOCAL) -> WeightSource:
     """A single ``.safetensors`` file, a directory with ``model.safetensors``, or a sharded directory
     whose ``model.safetensors.index.json`` maps tensors to shard files."""
-    if os.path.isfile(path):
+    if fs.isfile(path):
         root, files = os.path.dirname(path), [path]
         expected: dict[str, set[str]] | None = None
     else:
         root = path
         index = os.path.join(root, INDEX_NAME)
-        if os.path.exists(index):
-            expected = _read_index(index)
+        if fs.isfile(index):
+            expected = _read_index(index, fs)
             files = [os.path.join(root, f) for f in sorted(expected)]
             for f in files:
-                if not os.path.isfile(f):
+                if not fs.isfile(f):
                     raise WeightSourceError(
                         f"{f}: shard named in {index} is missing (it holds {len(expected[os.path.basename(f)])} tensors, "
                         f"e.g. {sorted(expected[os.path.basename(f)])[0]!r})"
@@ -115,14 +138,14 @@ def safetensors_source(path: str) -> WeightSource:
             single = os.path.join(root, SINGLE_NAME)
             files = (
                 [single]
-                if os.path.isfile(single)
-                else sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".safetensors"))
+                if fs.isfile(single)
+                else sorted(os.path.join(root, f) for f in fs.listdir(root) if f.endswith(".safetensors"))
             )
             if not files:
                 raise WeightSourceError(f"{root}: no {SINGLE_NAME}, {INDEX_NAME} or other .safetensors file")
     tensors: dict[str, TensorSource] = {}
     for f in files:
-        for t in read_safetensors_header(f):
+        for t in read_safetensors_header(f, fs):
             if t.name in tensors:
                 raise WeightSourceError(f"{f}: tensor {t.name!r} also stored in {tensors[t.name].runs[0].file}")
             tensors[t.name] = t
@@ -133,14 +156,13 @@ def safetensors_source(path: str) -> WeightSource:
                 raise WeightSourceError(
                     f"{f}: the index maps {sorted(want - have)[:3]} to this shard, whose header lacks them"
                 )
-    return WeightSource(root, tensors, "safetensors")
+    return WeightSource(root, tensors, "safetensors", files=fs)
 
 
-def _read_index(index: str) -> dict[str, set[str]]:
+def _read_index(index: str, fs: Files = LOCAL) -> dict[str, set[str]]:
     """Shard file -> the tensor names the index maps to it."""
     try:
-        with open(index, "rb") as fh:
-            doc = json.loads(fh.read(MAX_HEADER_BYTES))
+        doc = json.loads(fs.read(index, 0, MAX_HEADER_BYTES) if not fs.remote else fs.read(index))
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
@@ -154,18 +176,18 @@ def _read_index(index: str) -> dict[str, set[str]]:
     return out
 
 
-def read_safetensors_header(file: str) -> list[TensorSource]:
+def read_safetensors_header(file: str, fs: Files = LOCAL) -> list[TensorSource]:
     """The tensors of one safetensors file, every entry checked against the file's size."""
     try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as fh:
-            head = fh.read(8)
+        size = fs.size(file)
+        with contextlib.nullcontext() if fs.remote else open(file, "rb") as fh:  # a local file: opened once
+            head = fs.read(file, 0, 8) if fh is None else fh.read(8)
             if len(head) < 8:
                 raise WeightSourceError(f"{file}: {size} bytes, too short for a safetensors header")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise WeightSourceError(f"{file}: header length {n} runs past the end of the file ({size} bytes)")
-            raw = fh.read(n)
+            raw = fs.read(file, 8, n) if fh is None else fh.read(n)
     except OSError as exc:
         raise WeightSourceError(f"{file}: cannot read ({exc.strerror})") from None
     try:
@@ -216,7 +238,7 @@ def _entry(file: str, name: str, entry: Any, data_start: int, size: int) -> Tens
 # -- UCP checkpoints ----------------------------------------------------------------------------
 
 
-def ucp_source(path: str) -> WeightSource:
+def ucp_source(path: str, storage_options: dict[str, Any] | None = None) -> WeightSource:
     """Consolidated tensors of a UCP checkpoint in any layout, through the reshard planner.
 
     Every data file must exist with the manifest's size and its safetensors header must agree with
@@ -229,7 +251,7 @@ def ucp_source(path: str) -> WeightSource:
     from ucp.store.reader import check_data_files, pieces_by_file, read_and_check_header, read_manifest
     from ucp.store.storage import open_storage
 
-    storage, name = open_storage(path)
+    storage, name = open_storage(path, storage_options=storage_options)
     try:
         with storage:
             manifest = read_manifest(storage, name)
@@ -252,4 +274,5 @@ def ucp_source(path: str) -> WeightSource:
             raise WeightSourceError(f"{path}: tensor {tname!r}: stored pieces leave elements unfilled ({p.fills[0]})")
         runs = tuple(Run(c.file, c.offset, c.nbytes, c.start * size) for c in p.copies)
         tensors[tname] = TensorSource(tname, entry.dtype, shape, runs)
-    return WeightSource(path, tensors, "UCP checkpoint")
+    files = files_for(path, storage_options)
+    return WeightSource(path, tensors, "UCP checkpoint", files=files, metadata=manifest.metadata)

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from training.inference.errors import TokenizerError
+from training.inference.files import LOCAL, Files
 
 TOKENIZER_NAME = "tokenizer.json"
 
@@ -18,9 +19,10 @@ class Tokenizer:
         self.impl, self.path = impl, path
 
     @classmethod
-    def for_weights(cls, root: str) -> "Tokenizer":
+    def for_weights(cls, root: str, files: Files = LOCAL) -> "Tokenizer":
+        """The tokenizer.json beside the weights (local, or read through ``files`` from an object store)."""
         path = os.path.join(root, TOKENIZER_NAME)
-        if not os.path.exists(path):
+        if not files.isfile(path):
             return cls(None, None)
         try:
             from tokenizers import Tokenizer as Fast
@@ -29,6 +31,8 @@ class Tokenizer:
                 f"{path}: reading it needs the 'tokenizers' package (pip install tokenizers)"
             ) from None
         try:
+            if files.remote:
+                return cls(Fast.from_str(files.read(path).decode()), path)
             return cls(Fast.from_file(path), path)
         except Exception as exc:  # tokenizers raises its own Exception subclass on a bad file
             raise TokenizerError(f"{path}: unreadable tokenizer ({exc})") from None

@@ -1,7 +1,9 @@
 """``ucp infer PATH``: generate with a model larger than memory, its weights streamed from disk.
 
 PATH is a Hugging Face ``save_pretrained`` directory (safetensors, single or sharded, with config.json)
-or a UCP checkpoint (its metadata or a config.json saying which model). Prompts are text when the
+or a UCP checkpoint (its metadata or a config.json saying which model), local or on an S3-compatible
+object store (``s3://bucket/prefix``, ``--storage-options`` or the AWS variables: weights stream through
+parallel ranged GETs into the same ring buffers). Prompts are text when the
 weights come with a tokenizer.json, else token ids ("1 2 3"). ``--json`` prints the tokens and the
 run's metrics (time to first token, decode tokens/s, bytes read per token, read GB/s, the share of
 read time hidden behind compute, peak RSS, resident bytes against the budget). Whole layers are pinned
@@ -25,7 +27,7 @@ import typer
 from rich.markup import escape
 
 from aio.sizes import SIZE_HELP, format_size, parse_size
-from ucp.cli.common import fail_with, out, progress_bar
+from ucp.cli.common import STORAGE_OPTIONS_HELP, fail_with, out, parse_storage_options, progress_bar
 from ucp.cli.inspect import bad_input
 
 
@@ -45,7 +47,10 @@ def _prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
 
 
 def infer_cmd(
-    path: Annotated[str, typer.Argument(help="Weights: a Hugging Face safetensors directory or a UCP checkpoint.")],
+    path: Annotated[
+        str,
+        typer.Argument(help="Weights: a Hugging Face safetensors directory or a UCP checkpoint (a path or s3:// URL)."),
+    ],
     prompt: Annotated[
         Optional[list[str]],
         typer.Option("--prompt", help="A prompt (repeatable): text, or token ids without a tokenizer."),
@@ -106,9 +111,11 @@ def infer_cmd(
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object: outputs and metrics.")] = False,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_OPTIONS_HELP)] = None,
 ) -> None:
-    """Generate text with weights streamed from disk, layer by layer, within a memory budget."""
+    """Generate text with weights streamed from disk (or an object store), layer by layer, within a memory budget."""
     texts = _prompts(prompt, prompts_file)
+    options = parse_storage_options(storage_options)
     try:
         budget = parse_size(memory_budget, what="--memory-budget")
         kv_bytes = None if kv_budget is None else parse_size(kv_budget, what="--kv-budget")
@@ -141,6 +148,7 @@ def infer_cmd(
                 kv_dir=kv_dir,
                 device=device,
                 read_path=read_path,
+                storage_options=options,
                 progress=lambda done, total: update(done, total, "tokens"),
             )
     except (ValueError, OSError) as exc:

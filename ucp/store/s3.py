@@ -543,15 +543,20 @@ class S3Writer(ClosingWriter):
             pass
 
 
-def open_s3(url: str, storage_options: dict[str, Any] | None) -> tuple[S3Storage, str]:
-    """The storage holding checkpoint ``url`` (its parent prefix) and the checkpoint's name in it."""
+def parse_options(url: str, storage_options: dict[str, Any] | None) -> S3Options:
+    """``storage_options`` of ``url`` checked; StorageError naming the URL and each bad field."""
     from pydantic import ValidationError
 
     try:
-        opts = S3Options.model_validate(storage_options or {})
+        return S3Options.model_validate(storage_options or {})
     except ValidationError as exc:
         detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in exc.errors())
         raise StorageError(f"bad storage options for {url}: {detail}") from None
+
+
+def open_s3(url: str, storage_options: dict[str, Any] | None) -> tuple[S3Storage, str]:
+    """The storage holding checkpoint ``url`` (its parent prefix) and the checkpoint's name in it."""
+    opts = parse_options(url, storage_options)
     bucket, key = split_url(url)
     parent, _, name = key.rpartition("/")
     if not name:
