@@ -25,7 +25,8 @@ from ucp.store import commit as _commit
 
 log = logging.getLogger(__name__)
 
-CHUNK = 16 << 20  # bytes read from a local data file per write to the upload
+CHUNK = 16 << 20  # bytes read from a local data file per write to the upload (storages without put_file)
+CONCURRENCY = 4  # parts of one file uploaded at once behind training (S3Options.concurrency is for saves and loads)
 
 
 def replicate(local_dir: str, remote_root: str, name: str, storage_options: dict[str, Any] | None = None) -> int:
@@ -45,29 +46,7 @@ def replicate(local_dir: str, remote_root: str, name: str, storage_options: dict
         temp = _commit.make_temp_dir(storage, name)  # an object store: the final prefix, marked in progress
         try:
             for file, info in manifest.files.items():
-                path = os.path.join(local_dir, file)
-                writer = storage.open_writer(f"{temp}/{file}", info.size)
-                try:
-                    with open(path, "rb", buffering=0) as src:
-                        buf = bytearray(min(CHUNK, max(info.size, 1)))
-                        view = memoryview(buf)
-                        sent = 0
-                        while True:
-                            n = src.readinto(buf)
-                            if not n:
-                                break
-                            writer.write(view[:n])  # not borrowed: copied before the buffer is refilled
-                            sent += n
-                    if sent != info.size:
-                        raise CheckpointError(
-                            f"{path} has {sent} bytes, its manifest says {info.size}: changed while replicating",
-                            file=file,
-                        )
-                    writer.close()
-                except BaseException:
-                    writer.abort()
-                    raise
-                total += info.size
+                total += upload_file(storage, os.path.join(local_dir, file), f"{temp}/{file}", info.size)
             if temp == name:
                 storage.write_small(f"{name}/{MANIFEST_NAME}", manifest_bytes)
                 try:
@@ -81,6 +60,43 @@ def replicate(local_dir: str, remote_root: str, name: str, storage_options: dict
             _commit.abort(storage, temp)
             raise
     return total + len(manifest_bytes)
+
+
+def upload_file(storage: Any, path: str, rel: str, size: int) -> int:
+    """Copy the committed local file ``path`` (``size`` bytes, as its manifest says) to ``rel`` of ``storage``;
+    its size. An object store reads the file itself (:meth:`ucp.store.s3.S3Storage.put_file`), ``CONCURRENCY``
+    parts at once: no Python loop or copy of the bytes on the training process's GIL, and no checksum of
+    them here (their CRC-32Cs are in the manifest, checked by every load). Other storages get it streamed
+    through their writer in ``CHUNK`` reads. A file whose size is not ``size`` fails the copy (replaced
+    meanwhile), and a failed upload leaves no partial object behind."""
+    if os.path.getsize(path) != size:
+        raise CheckpointError(
+            f"{path} has {os.path.getsize(path)} bytes, its manifest says {size}: changed since its commit",
+            file=os.path.basename(path),
+        )
+    put_file = getattr(storage, "put_file", None)
+    if put_file is not None:
+        put_file(rel, path, concurrency=CONCURRENCY)
+        return size
+    writer = storage.open_writer(rel, size)
+    try:
+        with open(path, "rb", buffering=0) as src:
+            buf = bytearray(min(CHUNK, max(size, 1)))
+            view = memoryview(buf)
+            sent = 0
+            while n := src.readinto(buf):
+                writer.write(view[:n])  # not borrowed: copied before the buffer is refilled
+                sent += n
+        if sent != size:
+            raise CheckpointError(
+                f"{path} has {sent} bytes, its manifest says {size}: changed while replicating",
+                file=os.path.basename(path),
+            )
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return size
 
 
 class Replicator:

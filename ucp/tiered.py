@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 MARKER_RE = re.compile(r"^\.ucp-replicated-rank-(\d+)$")
 FAILED_RE = re.compile(r"^\.ucp-failed-rank-(\d+)$")
 POLL = 0.05  # seconds between rank 0's listings of the markers
-CHUNK = 16 << 20  # bytes read from a local data file per write to the upload
 
 
 def save_id(manifest: Manifest) -> bytes:
@@ -156,6 +155,7 @@ def replicate_rank(
     write its marker; rank 0 then commits once every rank's marker is there. Returns the bytes sent.
     A step whose remote manifest exists already is complete there: nothing is sent."""
     from ucp.manager_remote import open_root
+    from ucp.replicate import upload_file
 
     manifest_path = os.path.join(local_dir, MANIFEST_NAME)
     with open(manifest_path, "rb") as f:
@@ -241,29 +241,6 @@ def _objects(storage: Any, name: str) -> list[dict[str, Any]]:
         return [{"rel": f"{name}/{n}", "size": storage.size(f"{name}/{n}")} for n in storage.listdir(name)]
     except FileNotFoundError:
         return []
-
-
-def upload_file(storage: Any, path: str, rel: str, size: int) -> int:
-    """Stream local file ``path`` to ``rel`` of ``storage`` (aborting the upload on failure); its size."""
-    writer = storage.open_writer(rel, size)
-    try:
-        with open(path, "rb", buffering=0) as src:
-            buf = bytearray(min(CHUNK, max(size, 1)))
-            view = memoryview(buf)
-            sent = 0
-            while n := src.readinto(buf):
-                writer.write(view[:n])  # not borrowed: copied before the buffer is refilled
-                sent += n
-        if sent != size:
-            raise CheckpointError(
-                f"{path} has {sent} bytes, its manifest says {size}: changed while replicating",
-                file=os.path.basename(path),
-            )
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return size
 
 
 def retire_local(root: str, keep_last: int, *, protect: set[str]) -> list[str]:

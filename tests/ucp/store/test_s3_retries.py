@@ -68,3 +68,35 @@ def test_reads_whose_retries_run_out_name_the_object(s3_server, s3_bucket, proxy
     proxy.plan = lambda method, target, n: "drop" if method == "GET" and "rank-00000" in target else None
     with pytest.raises(StorageError, match=rf"reading s3://{s3_bucket}/ck/rank-00000.safetensors failed"):
         ucp.load(url, storage_options={**OPTS, "max_retries": 1})
+
+
+def test_a_replication_survives_a_fault_and_one_out_of_retries_names_the_object(  # noqa: F811
+    s3_server,  # noqa: F811
+    s3_bucket,  # noqa: F811
+    proxy,
+    tmp_path,
+):
+    """A tiered manager's copy of a committed local checkpoint (the client library reads the file itself):
+    a 503 on a part is retried; retries run out -> the error names the object, no upload or manifest is left."""
+    from ucp.replicate import replicate
+
+    local, remote = tmp_path / "step-00000001", f"s3://{s3_bucket}/run"
+    sd = state()
+    ucp.save(sd, local, step=1)
+    hits: list[str] = []
+
+    def once(method: str, target: str, n: int) -> str | None:  # the first try of part 2 fails
+        if "partNumber=2" not in target:
+            return None
+        hits.append(target)
+        return "503" if len(hits) == 1 else None
+
+    proxy.plan = once
+    replicate(str(local), remote, "step-00000001", OPTS)
+    assert len(hits) == 2  # the part failed once, then went through
+    assert torch.equal(ucp.load(f"{remote}/step-00000001", storage_options=OPTS)["w"], sd["w"])
+    proxy.plan = lambda method, target, n: "503" if method == "PUT" and "partNumber=2" in target else None
+    with pytest.raises(StorageError, match=rf"uploading s3://{s3_bucket}/run/step-00000002/rank-00000.safetensors"):
+        replicate(str(local), remote, "step-00000002", {**OPTS, "max_retries": 1})
+    assert multipart_uploads(s3_server, s3_bucket) == []
+    assert not [k for k in object_keys(s3_server, s3_bucket, "run/step-00000002/")]
