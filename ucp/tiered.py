@@ -8,13 +8,15 @@
   committed manifest (every rank receives it from the commit's broadcast) beside it and renames that
   directory into place. A node's ``step-NNNNNNNN`` thus holds the manifest and only the data files of
   the ranks it runs: locally it lists as ``corrupt`` (files of other nodes missing) unless one
-  node holds every rank;
+  node holds every rank. With ``async_save=True`` the save returns after the snapshot and the ranks,
+  sharing no directory, commit their local copies through the store in the background
+  (:mod:`ucp.saving.background.store_handshake`, through :func:`settle` on the other ranks);
 * **replication** (:func:`replicate_rank`): every rank uploads the data files the manifest assigns
   to it (replicated tensors were written once, by one rank, so every piece reaches the store
-  once), then writes a marker object ``<step>/.ucp-replicated-rank-NNNNN``. Rank 0 waits until the
-  store holds the marker of every rank owning a file (a listing every ``POLL`` seconds, up to
+  once), then writes a marker object ``<step>/.ucp-replicated-rank-NNNNN`` holding the save's id
+  (:func:`save_id`). Rank 0 waits until the store holds this save's marker of every rank owning a file (a listing every ``POLL`` seconds, up to
   ``timeout``), checks the data objects' sizes against the manifest, writes the manifest (the
-  commit), deletes the markers, and then moves ``latest`` (``ucp.manager_remote.after_commit``).
+  commit), deletes the markers (every ``.ucp-`` object of the step), and then moves ``latest`` (``ucp.manager_remote.after_commit``).
   Markers on the store, not a collective: the uploads run on background threads, which must not
   issue collectives on the training's process group, and a marker survives the process that wrote
   it, so rank 0 needs nothing from the other ranks but the store.
