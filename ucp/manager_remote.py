@@ -202,6 +202,40 @@ def apply_retention(storage: Storage, keep_last: int, *, protect: set[str] = fro
     return removed
 
 
+def discard_failed(root: str, name: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Delete every object a failed save or replication left under step prefix ``name`` of ``root``, unless
+    the prefix holds a complete checkpoint (the failure came after its commit: it stays). When ``latest``
+    names the discarded step (a step saved again in place, which failed), it is pointed back at the newest
+    complete checkpoint, or deleted when there is none, so it never names a partial one. True when
+    something was deleted; errors (the store unreachable) propagate, for the caller to retry later.
+
+    Multipart uploads are not listed here: ``obstore`` cannot list them. It aborts its own upload when an
+    upload fails; where that abort fails too (the store unreachable), only a bucket lifecycle rule
+    (``AbortIncompleteMultipartUpload``) removes the parts (docs/object-stores.md)."""
+    with open_root(root, storage_options) as storage:
+        list_objects = getattr(storage, "list_objects", None)
+        objects = None
+        if list_objects is not None:  # this prefix only, not the whole root
+            objects = {}
+            for o in list_objects(name):
+                rest = o["rel"].partition("/")[2]
+                if rest and "/" not in rest:
+                    objects[rest] = int(o["size"])
+        status, _, _, _ = check_complete(storage, name, objects)
+        if status == "complete":
+            return False
+        storage.remove_tree(name)
+        pointer = read_latest(storage)
+        if pointer is not None and pointer[1] == name:
+            complete = [i for i in list_checkpoints(storage) if i.status == "complete"]
+            if complete:
+                newest = max(complete, key=lambda i: i.step)
+                storage.write_small(LATEST, (json.dumps({"step": newest.step, "name": newest.name}) + "\n").encode())
+            else:
+                storage.remove_file(LATEST)
+        return True
+
+
 def after_commit(
     root: str, step: int, name: str, keep_last: int | None, storage_options: dict[str, Any] | None = None
 ) -> None:

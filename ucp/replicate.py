@@ -6,8 +6,10 @@ checkpoint to ``<remote>/step-NNNNNNNN`` with the object-store commit (data file
 ``ucp.store.commit``), moves the remote ``latest`` and applies the remote retention
 (``ucp.manager_remote``). Local retention runs only after a checkpoint is replicated, so a step is
 never deleted locally before its remote copy is complete. A node that dies loses nothing that had
-been replicated; a replication that fails is logged and raised by :meth:`Replicator.wait` (the local
-checkpoint stays, and later steps replicate as usual).
+been replicated; a replication that fails is logged, recorded in :attr:`Replicator.failed` and raised
+by :meth:`Replicator.wait` (the local checkpoint stays, and later steps replicate as usual); what it
+left under its remote prefix is deleted, at once or, where the store was unreachable, after the next
+step commits (:func:`ucp.manager_remote.discard_failed`).
 """
 
 from __future__ import annotations
@@ -100,7 +102,15 @@ def upload_file(storage: Any, path: str, rel: str, size: int) -> int:
 
 
 class Replicator:
-    """One background thread replicating committed steps in the order they were committed."""
+    """One background thread replicating committed steps in the order they were committed.
+
+    Each step's outcome: :attr:`replicated` (name -> seconds) or :attr:`failed` (name -> the error, one
+    line); :meth:`wait` raises the first failure since the last wait. A failed step's remote prefix is
+    discarded (:func:`ucp.manager_remote.discard_failed`: every object under it, ``latest`` never left
+    naming it) by the thread on which the replication failed (rank 0's, for a node-local tier), and again
+    after each later step commits, until a discard succeeds: an unreachable store is cleaned once it is
+    back, and an upload another rank still had in flight for the failed step is removed too.
+    """
 
     def __init__(
         self,
@@ -127,6 +137,8 @@ class Replicator:
         self._idle = threading.Condition(self._lock)
         self._errors: list[BaseException] = []
         self.replicated: dict[str, float] = {}  # name -> seconds its replication took
+        self.failed: dict[str, str] = {}  # name -> why its replication failed (until it replicates)
+        self._unclean: set[str] = set()  # failed names whose remote prefix may still hold objects
         self._thread = threading.Thread(target=self._run, name="ucp-replicate", daemon=True)
         self._thread.start()
 
@@ -157,7 +169,9 @@ class Replicator:
                     )
                 if not self.rank:
                     remote_after_commit(self.remote_root, step, name, self.remote_keep_last, self.storage_options)
+                    self._discard(drop=True)
                 self.replicated[name] = time.perf_counter() - t0
+                self.failed.pop(name, None)
                 with self._lock:
                     self._waiting.remove(name)
                     waiting = set(self._waiting)
@@ -165,6 +179,10 @@ class Replicator:
                     self.after_local(name, waiting)
             except BaseException as exc:  # noqa: BLE001 - kept for wait(); the local checkpoint stays
                 log.error("replicating %s to %s failed: %s", name, self.remote_root, exc)
+                self.failed[name] = f"{type(exc).__name__}: {exc}"
+                if not self.rank:
+                    self._unclean.add(name)
+                    self._discard(drop=self.rank is None)  # other ranks may still upload: swept again later
                 with self._lock:
                     self._errors.append(exc)
             finally:
@@ -173,6 +191,22 @@ class Replicator:
                         self._waiting.remove(name)
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _discard(self, *, drop: bool) -> None:
+        """Discard the remote prefixes of failed steps (best effort: logged); ``drop``: forget those done."""
+        from ucp.manager_remote import discard_failed
+
+        for name in sorted(self._unclean):
+            try:
+                if discard_failed(self.remote_root, name, self.storage_options):
+                    log.info("removed what the failed replication of %s left under %s", name, self.remote_root)
+            except Exception as exc:  # noqa: BLE001 - the store may be unreachable: tried again later
+                log.warning(
+                    "could not yet remove %s/%s (tried again after the next step): %s", self.remote_root, name, exc
+                )
+                continue
+            if drop:
+                self._unclean.discard(name)
 
     def wait(self) -> None:
         """Wait until every submitted step is replicated; raise the first failure since the last wait."""
