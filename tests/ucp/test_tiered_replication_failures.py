@@ -95,3 +95,44 @@ def test_a_store_down_mid_upload_is_cleaned_once_it_is_back(s3_server, s3_bucket
         assert object_keys(s3_server, s3_bucket, "run/step-00000001/") == []
         assert [(i.step, i.status) for i in m.remote_manager().list()] == [(2, "complete")]
         assert m.remote_manager().latest() == 2 and m.remote_manager().load()["step"] == 2
+
+
+def test_node_local_rank_0_discards_a_step_another_rank_failed(s3_server, s3_bucket, tmp_path):  # noqa: F811
+    """Rank 1 reports a failed upload: rank 0's replicator discards the step's prefix (its own file, its
+    marker, rank 1's report); a file rank 1 still had in flight lands later and goes once the next step
+    commits."""
+    from ucp.errors import CheckpointError
+    from ucp.format.manifest import FileInfo, parse_manifest
+    from ucp.replicate import Replicator
+    from ucp.tiered import failed_name, save_id
+
+    root = tmp_path / "n"
+    local = root / "step-00000007"
+    ucp.save({"w": torch.ones(1000)}, local, step=7)
+    manifest = parse_manifest((local / "manifest.json").read_bytes(), source="test")
+    files = {**manifest.files, "rank-00001.safetensors": FileInfo(rank=1, size=8)}
+    topology = manifest.topology.model_copy(update={"world_size": 2})
+    (local / "manifest.json").write_bytes(manifest.model_copy(update={"files": files, "topology": topology}).to_json())
+    ident = save_id(parse_manifest((local / "manifest.json").read_bytes(), source="test"))
+    client, prefix = s3_server.client(), "nl/step-00000007/"
+    client.put_object(Bucket=s3_bucket, Key=prefix + failed_name(1), Body=ident + b"\nStorageError: throttled")
+
+    r = Replicator(str(root), f"s3://{s3_bucket}/nl", remote_keep_last=None, storage_options=None, rank=0, timeout=30)
+    try:
+        r.submit(7, "step-00000007")
+        with pytest.raises(CheckpointError, match=r"rank 1 failed to upload its files"):
+            r.wait()
+        assert list(r.failed) == ["step-00000007"] and object_keys(s3_server, s3_bucket, prefix) == []
+        client.put_object(Bucket=s3_bucket, Key=prefix + "rank-00001.safetensors", Body=b"x" * 8)  # rank 1, late
+
+        ucp.save({"w": torch.ones(1000)}, root / "step-00000008", step=8)
+        r.submit(8, "step-00000008")
+        r.wait()
+        assert object_keys(s3_server, s3_bucket, prefix) == []
+        assert object_keys(s3_server, s3_bucket, "nl/step-00000008/") == [
+            "nl/step-00000008/manifest.json",
+            "nl/step-00000008/rank-00000.safetensors",
+        ]
+        assert ucp.CheckpointManager(f"s3://{s3_bucket}/nl").latest() == 8
+    finally:
+        r.close()
