@@ -33,11 +33,11 @@ def upload_dir(server: Any, bucket: str, local: Path, prefix: str) -> str:
 
 
 def run(
-    path: str | Path, prompts: list[list[int]] = PROMPTS, n: int = 5, **kw: Any
+    path: str | Path, prompts: list[list[int]] = PROMPTS, n: int = 5, read_path: str | None = None, **kw: Any
 ) -> tuple[list[list[int]], Any, int]:
     """Greedy tokens, the first step's logits and the bytes a pass streams, every layer read through the ring."""
     model, source = load_model(open_weights(path, **kw))
-    with Executor(model, source, 1 << 20, pin_layers=False) as ex:
+    with Executor(model, source, 1 << 20, pin_layers=False, read_path=read_path) as ex:
         got = generate(ex, prompts, n, keep_logits=True)
         assert ex.plan.streamed and ex.stats.groups_read > 0
         return got.tokens, got.logits[0], ex.plan.streamed_bytes_per_pass
@@ -75,6 +75,8 @@ def test_sharded_safetensors_on_s3_streams_to_the_local_logits_and_tokens(s3_ser
     assert tokens == local_tokens
     assert torch.equal(logits, local_logits)
     assert streamed == local_bytes > 0  # the same aligned spans, fetched by ranged GETs
+    staged_tokens, staged_logits, _ = run(url, read_path="staged")  # the device ring's host staging, on the CPU
+    assert staged_tokens == local_tokens and torch.equal(staged_logits, local_logits)
 
     res = infer_cli(url)
     assert cli_tokens(res) == run(hf_dir, [[5, 9, 2, 77]], 4)[0][0]
@@ -96,7 +98,7 @@ def test_ucp_checkpoint_on_s3_with_storage_options(s3_server, s3_bucket, tmp_pat
     assert cli_tokens(infer_cli(url, "--storage-options", json.dumps(opts))) == run(local, [[5, 9, 2, 77]], 4)[0][0]
 
 
-def test_bad_urls_fail_naming_the_url(s3_server, s3_bucket, hf_dir, llama):  # noqa: F811
+def test_bad_urls_fail_naming_the_url(s3_server, s3_bucket, hf_dir, llama, monkeypatch):  # noqa: F811
     missing_bucket = f"s3://{s3_bucket}-absent/hf"
     res = infer_cli(missing_bucket)
     assert res.exit_code != 0 and f"{s3_bucket}-absent" in res.output and "does not exist" in res.output
@@ -105,6 +107,16 @@ def test_bad_urls_fail_naming_the_url(s3_server, s3_bucket, hf_dir, llama):  # n
     assert res.exit_code == 2 and f"s3://{s3_bucket}/nothing/here: no such object or prefix" in res.output
 
     url = upload_dir(s3_server, s3_bucket, hf_dir, "broken")
+    # KvikIO reads local files: asked for, the gds read path is refused for a URL, naming it
+    from training.inference import executor as executor_mod
+    from training.inference.errors import InferenceError
+
+    with monkeypatch.context() as mp:
+        mp.setattr(executor_mod, "choose_read_path", lambda device, asked, caps: asked)
+        model, source = load_model(open_weights(f"s3://{s3_bucket}/broken"))
+        with pytest.raises(InferenceError, match=rf"s3://{s3_bucket}/broken: read path 'gds' reads local files"):
+            Executor(model, source, 1 << 20, read_path="gds")
+
     shard = sorted(k for k in object_keys(s3_server, s3_bucket, "broken/") if k.endswith(".safetensors"))[-1]
     s3_server.client().delete_object(Bucket=s3_bucket, Key=shard)
     res = infer_cli(url)
@@ -117,6 +129,10 @@ def test_bad_urls_fail_naming_the_url(s3_server, s3_bucket, hf_dir, llama):  # n
     s3_server.client().delete_object(Bucket=s3_bucket, Key=data)
     res = infer_cli(ckpt)
     assert res.exit_code != 0 and f"s3://{s3_bucket}/{data}" in res.output, res.output
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    res = infer_cli(url)
+    assert res.exit_code != 0 and "access denied" in res.output and url in res.output, res.output
 
 
 def test_an_object_deleted_mid_run_fails_naming_it(s3_server, s3_bucket, hf_dir):  # noqa: F811
