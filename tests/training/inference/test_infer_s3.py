@@ -43,8 +43,8 @@ def run(
         return got.tokens, got.logits[0], ex.plan.streamed_bytes_per_pass
 
 
-def infer_cli(path: str, *extra: str) -> Any:
-    args = ["infer", path, "--prompt", "5 9 2 77", "--max-new-tokens", "4", "--no-pin-layers", "--json", *extra]
+def infer_cli(path: str, *extra: str, prompt: str = "5 9 2 77") -> Any:
+    args = ["infer", path, "--prompt", prompt, "--max-new-tokens", "4", "--no-pin-layers", "--json", *extra]
     return CliRunner().invoke(app, args)
 
 
@@ -61,7 +61,12 @@ def llama() -> Any:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory, llama: Any) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     path = save_hf(llama, tmp_path_factory.mktemp("s3infer") / "hf", max_shard_size="60KB")
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
     assert (path / "model.safetensors.index.json").exists()
     return path
 
@@ -78,8 +83,10 @@ def test_sharded_safetensors_on_s3_streams_to_the_local_logits_and_tokens(s3_ser
     staged_tokens, staged_logits, _ = run(url, read_path="staged")  # the device ring's host staging, on the CPU
     assert staged_tokens == local_tokens and torch.equal(staged_logits, local_logits)
 
-    res = infer_cli(url)
-    assert cli_tokens(res) == run(hf_dir, [[5, 9, 2, 77]], 4)[0][0]
+    res = infer_cli(url, prompt="w5 w9 w2 w77")  # text, through the tokenizer.json on the store
+    expected = run(hf_dir, [[5, 9, 2, 77]], 4)[0][0]
+    assert cli_tokens(res) == expected
+    assert json.loads(res.stdout)["outputs"][0]["text"] == " ".join(f"w{t}" for t in expected)
     metrics = json.loads(res.stdout)["metrics"]
     assert metrics["engine"] == "s3" and metrics["bytes_read"] > 0 and metrics["streamed_layers"] == 2
 
