@@ -104,7 +104,8 @@ class StoreHandshakeCommit(_commit.Committer):
             )
             drop_alive_files(self.storage, job)
             data = _commit.commit(self.storage, job.temp, job.name, manifest)  # the local commit
-            remote.write_small(f"{job.name}/{manifest_name(job)}", data)  # the other ranks' go-ahead
+            if job.world_size > 1:
+                remote.write_small(f"{job.name}/{manifest_name(job)}", data)  # the other ranks' go-ahead
         except BaseException as exc:
             self._give_up(remote, describe(exc))
             raise
@@ -196,10 +197,7 @@ class StoreHandshakeCommit(_commit.Committer):
             )
         from ucp.tiered import settle
 
-        try:
-            self.storage.remove_file(f"{job.temp}/.alive-rank-{job.rank:05d}")
-        except OSError:
-            pass
+        drop_alive_files(self.storage, job)  # every rank of this node reported: none is needed any more
         local = self.storage.local_path(job.name)
         assert local is not None  # a node-local tier is a local directory
         settle(os.path.dirname(local), job.name, manifest, job.rank, temp=self.storage.local_path(job.temp))
