@@ -1,7 +1,8 @@
 """A rank of tests/ucp/test_tiered_node_local_async.py: asynchronous saves to a node-local tier (each rank
-its own directory ``OUT/node<rank>``) replicated to the loopback S3 server, through
+its own directory ``OUT/<kind>/node<rank>``) replicated to the loopback S3 server, through
 :func:`world.serve_scenarios`. A scenario is ``{"kind": "ok"|"upload-fails", "remote": URL, "steps": [...],
-"options": {rank: storage options}}``; each rank writes what it saw to ``OUT/<kind>-rank<rank>.json``."""
+"options": {rank: storage options},
+"commit_timeout": s}``; each rank writes what it saw to ``OUT/<kind>-rank<rank>.json``."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ def state(step: int, rank: int) -> dict[str, Any]:
 
 def run(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
     opts = sc.get("options", {}).get(str(rank))
+    node = out / sc["kind"] / f"node{rank}"
     manager = ucp.CheckpointManager(
-        out / f"node{rank}",
+        node,
         keep_last=1,
         async_save=True,
         remote=sc["remote"],
         remote_storage_options=opts,
         node_local=True,
-        commit_timeout=60,
+        commit_timeout=sc.get("commit_timeout", 60),
         replicate_timeout=60,
     )
     seen: dict[str, Any] = {"handles": [], "errors": []}
@@ -49,7 +51,6 @@ def run(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - what the test asserts on
         seen["errors"].append(f"{type(exc).__name__}: {exc}")
     manager.close()
-    node = out / f"node{rank}"
     seen["local"] = sorted(str(p.relative_to(node)) for p in node.rglob("*") if p.is_file())
     (out / f"{sc['kind']}-rank{rank}.json").write_text(json.dumps(seen))
 

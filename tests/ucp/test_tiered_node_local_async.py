@@ -27,7 +27,7 @@ def test_async_node_local_saves_commit_remotely_after_every_ranks_upload(s3_serv
     # nothing else: its handshake and marker requests pass), with no retries
     proxy = FaultProxy(port).start()
     proxy.plan = lambda method, target, n: "503" if "bad/step-00000003/rank-00001" in target else None
-    ok, bad = f"s3://{s3_bucket}/ok", f"s3://{s3_bucket}/bad"
+    ok, bad, lost = f"s3://{s3_bucket}/ok", f"s3://{s3_bucket}/bad", f"s3://{s3_bucket}/lost"
     scenarios = [
         {"kind": "ok", "remote": ok, "steps": [1, 2]},
         {
@@ -35,6 +35,13 @@ def test_async_node_local_saves_commit_remotely_after_every_ranks_upload(s3_serv
             "remote": bad,
             "steps": [3],
             "options": {"1": {"endpoint_url": proxy.url, "max_retries": 0}},
+        },
+        {  # rank 1 cannot reach the store at all: neither local copy is committed
+            "kind": "unreachable",
+            "remote": lost,
+            "steps": [4],
+            "options": {"1": {"endpoint_url": "http://127.0.0.1:9", "max_retries": 0, "connect_timeout": 1}},
+            "commit_timeout": 3,
         },
     ]
     try:
@@ -63,3 +70,11 @@ def test_async_node_local_saves_commit_remotely_after_every_ranks_upload(s3_serv
     assert len(err1) == 1 and "bad/step-00000003/rank-00001.safetensors" in err1[0]
     for rank in (0, 1):
         assert "step-00000003/manifest.json" in seen(tmp_path, "upload-fails", rank)["local"]
+
+    # rank 1 could not hand in its report: rank 0 gives up naming it, rank 1 names the object; nothing committed
+    err0, err1 = seen(tmp_path, "unreachable", 0)["errors"], seen(tmp_path, "unreachable", 1)["errors"]
+    assert len(err0) == 1 and f"rank(s) [1] did not report to {lost}/step-00000004 within 3s" in err0[0]
+    assert len(err1) == 1 and f"{lost}/step-00000004/.ucp-report-" in err1[0]
+    for rank in (0, 1):  # no step directory, and no temporary one left
+        assert [f for f in seen(tmp_path, "unreachable", rank)["local"] if "step-00000004" in f] == []
+    assert not [k for k in object_keys(s3_server, s3_bucket, "lost/") if k.endswith("manifest.json")]
