@@ -6,8 +6,8 @@
 One run, interleaved over ``--rounds``; before every measurement the page cache is dropped (root;
 otherwise the files are evicted) and each method runs in a fresh process:
 
-* ``fio``: sequential O_DIRECT reads (libaio; 8 MiB x 8, 1 MiB x 32 and ucp's 4 MiB x 32, the fastest) of the
-  weights file.
+* ``fio``: sequential O_DIRECT reads (libaio; 8 MiB x 8, 1 MiB x 32, ucp's 4 MiB x 32 and 16 MiB x 16, the
+  fastest) of the weights file.
   The *physical limit* of batch-1 decode is fio's GB/s / the bytes streamed per token;
 * ``ucp``: :func:`training.inference.api.infer` on the ``save_pretrained`` directory (and ``ucp-ckpt``
   on the same weights saved as a UCP checkpoint), within ``--budget``;
@@ -25,6 +25,11 @@ limited to its budget + ``--overhead`` (the interpreter, torch and the KV cache)
 runs as root and cgroups are writable; the report says what was enforced and each row's peak cgroup
 memory (resident set *and* page cache). Greedy tokens of every method are compared with ``ucp``'s of
 the same dtype. The physical limit of each row is fio's GB/s / the bytes it streams per token.
+
+Every method's child also counts the bytes the block layer read for it while it generated
+(``/proc/self/io`` ``read_bytes``: O_DIRECT reads, page faults and readahead alike; page-cache hits
+do not count), per forward pass: "disk read / pass" says whether a method's weights really came from the
+disk on every pass, or partly from page cache that survived inside its memory limit.
 """
 
 from __future__ import annotations
@@ -55,23 +60,58 @@ method, path, a = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if a.get("cgroup_procs"):
     with open(a["cgroup_procs"], "w") as fh:
         fh.write(str(os.getpid()))
+sys.path.insert(0, a["root"])
 import torch
 torch.set_num_threads(a["threads"])
 prompts = [[(7 * i + j) % 1000 + 1 for j in range(a["prompt_len"])] for i in range(a["batch"])]
 dtype = torch.bfloat16 if a["dtype"] == "bf16" else torch.float32
 if method in ("ucp", "ucp-ckpt", "ucp-acc"):
-    from training.inference.api import infer
-    r = infer(path, prompts, max_new_tokens=a["new_tokens"], memory_budget=a["budget_bytes"], dtype=dtype)
-    print(json.dumps({"tokens": r.tokens, **r.metrics.model_dump()}))
+    import training.inference.api as api
+    from tools.bench_infer import DiskMeter
+    meter = DiskMeter()
+    api.generate = meter.wrap(api.generate)  # the generation only: not the resident weights' first read
+    r = api.infer(path, prompts, max_new_tokens=a["new_tokens"], memory_budget=a["budget_bytes"], dtype=dtype)
+    print(json.dumps({"tokens": r.tokens, **r.metrics.model_dump(), **meter.report()}))
 elif method == "mmap":
-    sys.path.insert(0, a["root"])
     from tools.bench_infer import run_mmap
     print(json.dumps(run_mmap(path, prompts, a["new_tokens"], dtype)))
 elif method == "accelerate":
-    sys.path.insert(0, a["root"])
     from tools.bench_infer import run_accelerate
     print(json.dumps(run_accelerate(path, prompts, a["new_tokens"], a["budget_bytes"], a["offload"], dtype)))
 """
+
+
+def disk_read_bytes() -> int:
+    """Bytes the block layer read for this process (all its threads): page-cache misses, readahead and
+    O_DIRECT reads alike (``read_bytes`` of /proc/self/io); hits in the page cache do not count."""
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+class DiskMeter:
+    """Disk bytes read during the wrapped generation calls, per forward pass (a call generating N tokens
+    runs N passes: the prefill and N - 1 decode steps). Says whether a method's weights came from the
+    disk on every pass or partly from a page cache that survived inside its memory limit."""
+
+    def __init__(self) -> None:
+        self.bytes, self.passes = 0, 0
+
+    def wrap(self, fn: Any) -> Any:
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            before = disk_read_bytes()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.bytes += disk_read_bytes() - before
+                self.passes += int(kwargs.get("max_new_tokens", args[2] if len(args) > 2 else 0))
+
+        return measured
+
+    def report(self) -> dict[str, int]:
+        return {"disk_bytes_per_pass": self.bytes // max(1, self.passes)}
 
 
 def make_model(out: Path, gib: float, hidden: int, vocab: int) -> dict[str, object]:
@@ -130,6 +170,7 @@ def run_mmap(path: str, prompts: list[list[int]], new_tokens: int, dtype: Any) -
 
         def __init__(self) -> None:
             self.model, self.dtype = model, dtype
+            self.device, self.read_path = torch.device("cpu"), "cpu"  # what generate() asks of an executor
 
         @torch.inference_mode()
         def forward(self, step: Step) -> torch.Tensor:
@@ -141,13 +182,15 @@ def run_mmap(path: str, prompts: list[list[int]], new_tokens: int, dtype: Any) -
     import warnings
 
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    g = generate(MmapRun(), prompts, new_tokens)  # type: ignore[arg-type]
+    meter = DiskMeter()
+    g = meter.wrap(generate)(MmapRun(), prompts, new_tokens)
     decode_tokens = g.decode_steps * g.batch
     return {
         "tokens": g.tokens,
         "time_to_first_token_s": g.prefill_seconds,
         "decode_tokens_per_s": decode_tokens / g.decode_seconds if g.decode_seconds else 0.0,
         "peak_rss_bytes": peak_rss(),
+        **meter.report(),
     }
 
 
@@ -172,7 +215,8 @@ def run_accelerate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0
         )
         t1 = time.perf_counter()
-        out = model.generate(
+        meter = DiskMeter()
+        out = meter.wrap(model.generate)(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
         )
     t2 = time.perf_counter()
@@ -185,6 +229,7 @@ def run_accelerate(
         "peak_rss_bytes": peak_rss(),
         "resident_bytes": resident,
         "streamed_bytes_per_pass": streamed,
+        **meter.report(),
     }
 
 
@@ -292,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     cold = drop([work])
                     if method == "fio":  # the fastest of three request shapes (the device's limit), each cold
                         shapes = {}  # 4 MiB x 32 is ucp's own request shape (executor.READ_CONFIG)
-                        for bs, depth in (("8M", 8), ("1M", 32), ("4M", 32)):
+                        for bs, depth in (("8M", 8), ("1M", 32), ("4M", 32), ("16M", 16)):
                             drop([work])
                             shapes[f"{bs}x{depth}"] = (
                                 weights_file.stat().st_size / run_fio(weights_file, bs, depth) / 1e9
@@ -339,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_bytes",
             "resident_bytes",
             "streamed_bytes_per_pass",
+            "disk_bytes_per_pass",
             "pinned_layers",
             "limit",
         ):
@@ -368,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}))
     print(
-        "| method | dtype | batch | budget | resident | streamed/token | decode tok/s | x limit | TTFT s | read GB/s "
+        "| method | dtype | batch | budget | resident | streamed/token | disk read/pass | decode tok/s | x limit | TTFT s | read GB/s "
         "| hidden | peak RSS | cgroup peak | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def size(r: dict[str, object], k: str) -> str:
         return format_size(int(r[k])) if k in r else ""  # type: ignore[call-overload]
@@ -382,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {kind} | {bsize[1:]} | {r['error']} |")
             continue
         if "gbps" in r:
-            print(f"| fio | | | | | | {float(r['gbps']):.2f} GB/s | | | | | | | |")  # type: ignore[arg-type]
+            print(f"| fio | | | | | | | {float(r['gbps']):.2f} GB/s | | | | | | | |")  # type: ignore[arg-type]
             continue
 
         def f(k: str, fmt: str, r: dict[str, object] = r) -> str:
@@ -390,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"| {name} | {kind} | {bsize[1:]} | {size(r, 'budget_bytes')} | {size(r, 'resident_bytes')} | "
-            f"{size(r, 'streamed_bytes_per_pass')} | {f('decode_tokens_per_s', '.2f')} | {f('vs_physical_limit', '.2f')} | "
+            f"{size(r, 'streamed_bytes_per_pass')} | {size(r, 'disk_bytes_per_pass')} | {f('decode_tokens_per_s', '.2f')} | {f('vs_physical_limit', '.2f')} | "
             f"{f('time_to_first_token_s', '.2f')} | {f('read_gb_per_s', '.2f')} | {f('read_hidden_fraction', '.2f')} | "
             f"{size(r, 'peak_rss_bytes')} | {size(r, 'cgroup_peak_bytes')} | {r.get('same_tokens_as_ucp', '')} |"
         )
