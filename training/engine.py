@@ -42,8 +42,9 @@ from .layout import gpt_layout, gpt_shapes
 from .mesh import ParallelMesh, build_mesh
 from .models.gpt import PRESETS, GPTConfig, batch_for_step
 from .offload import OffloadConfig
-from .offload.checkpoint import Span, TierCopy, TierReader, load_tier, streamed_sections
+from .offload.checkpoint import STATE_KEYS, Span, TierCopy, TierReader, load_tier, streamed_params, streamed_sections
 from .offload.checkpoint import layout as offloaded_layout
+from .offload.params import ParamCopy
 from .offload.store import NvmeStore
 from .parallel.gpt import build_stage
 from .parallel.pipeline import SCHEDULES
@@ -189,12 +190,13 @@ class Engine:
         )
         self.step = 0  # optimizer steps completed (the next train_step's step number)
         self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
-        self._tier_copy: TierCopy | None = None  # ... and the copy of the offload tier's swap files it streams
+        self._tier_copies: list[TierCopy | ParamCopy] = []  # ... and the copies of the tiers' swap files it streams
         self._streaming: list[ucp.SaveHandle] = []  # asynchronous saves that may still read such a copy
         self.last_stats: dict[str, Any] = {}
         self.last_checkpoint_io: dict[str, int] = {}  # offload on: what the last streamed save read from the tier
         self._spans: dict[str, list[Span]] = {}  # offload on, during a load: the optimizer states' pieces
         self._loaded_casts: list[torch.Tensor | None] | None = None  # ... and the masters' casts it made
+        self._weights_written = False  # ... or, offload_param nvme, that it wrote them to the parameter tier
 
     def close(self) -> None:
         """Release what outlives a step: the optimizer's offload tier (its swap directory is removed).
@@ -284,7 +286,9 @@ class Engine:
         ``fp32_master`` / ``exp_avg`` / ``exp_avg_sq``; views of live storage."""
         return build_targets(self.optimizer.buffers(), self.shapes)
 
-    def state_dict_for_checkpoint(self, streamed: TierReader | None = None) -> dict[str, Any]:
+    def state_dict_for_checkpoint(
+        self, streamed: TierReader | None = None, *, stream_params: bool | ParamCopy = False
+    ) -> dict[str, Any]:
         """The nested dict to save with ucp (and to fill with ``ucp.load(path, into=...)``).
 
         ``{"model": {name: piece}, "optimizer": {"fp32_master"|"exp_avg"|"exp_avg_sq": {name: piece},
@@ -294,12 +298,22 @@ class Engine:
 
         ``streamed`` (offload on, a synchronous save): the optimizer states' pieces are StreamedShards
         whose bytes it reads from the tier while the save writes them (training.offload.checkpoint).
+        ``stream_params`` (``offload_param`` nvme, a synchronous save): so are the model's pieces, read from
+        the parameters' swap files (:func:`training.offload.checkpoint.streamed_params`), or from that copy of
+        them (an asynchronous save).
         """
-        if streamed is None:
+        tier = self.optimizer.param_tier if stream_params else None
+        if streamed is None and tier is None:
             nested = self.checkpoint_targets().nested()
         else:
-            nested, found = offloaded_layout(self.optimizer, self.shapes)
-            nested |= streamed_sections(found, streamed)
+            nested, found = offloaded_layout(
+                self.optimizer, self.shapes, states=streamed is not None, params=tier is not None
+            )
+            if streamed is not None:
+                nested |= streamed_sections({k: found[k] for k in STATE_KEYS}, streamed)
+            if tier is not None:
+                source = stream_params if isinstance(stream_params, ParamCopy) else None
+                nested["model"] = streamed_params(found["model"], tier, source)
         c = self.cfg
         optim: dict[str, Any] = {k: nested.get(k, {}) for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
         optim |= self.optimizer.scalars()
@@ -338,7 +352,12 @@ class Engine:
         self.finish_load({"step": step, "optimizer": optim}, from_masters=from_masters)
 
     def finish_load(
-        self, state: dict[str, Any], *, from_masters: bool = True, casts: list[torch.Tensor | None] | None = None
+        self,
+        state: dict[str, Any],
+        *,
+        from_masters: bool = True,
+        casts: list[torch.Tensor | None] | None = None,
+        weights_written: bool = False,
     ) -> None:
         """After the pieces of ``state`` (from :meth:`state_dict_for_checkpoint`) were filled: restore the
         step counters and loss scale, and make the compute weights consistent.
@@ -346,7 +365,8 @@ class Engine:
         ``from_masters``: weights are re-derived from the loaded fp32 masters (cast, all-gathered);
         otherwise the masters are taken from the loaded weights (a weights-only checkpoint; Adam's
         moments are whatever was loaded, zeros for a fresh engine). ``casts``: the masters' casts, already
-        made (a load that streamed the masters into the offload tier), for :meth:`ZeroOptimizer.publish`.
+        made (a load that streamed the masters into the offload tier), for :meth:`ZeroOptimizer.publish`;
+        ``weights_written``: the parameter tier holds them already (``offload_param`` nvme, streamed in).
         """
         self.optimizer.reset()  # whatever a step in progress left must not reach the loaded state
         self.step = int(state["step"])
@@ -354,7 +374,7 @@ class Engine:
         if "adam_step" in optim:
             self.optimizer.load_scalars(optim)
         if from_masters:
-            self.optimizer.publish(casts)
+            self.optimizer.publish(casts, weights_written=weights_written)
         else:
             self.optimizer.masters_from_weights()
 
@@ -377,44 +397,60 @@ class Engine:
         }
         self.wait_snapshot()
         offload = self.optimizer.offload
+        params = self.optimizer.param_tier
         self.last_checkpoint_io = {}
         try:
             if offload is not None and manager.saver is None:  # streamed from the tier, never all in memory
+                if params is not None:  # ... and so are the parameters, from theirs
+                    params.quiesce()
                 with TierReader(offload) as reader:
                     result = manager.save(
-                        self.state_dict_for_checkpoint(reader),
+                        self.state_dict_for_checkpoint(reader, stream_params=params is not None),
                         self.step if step is None else step,
                         metadata=metadata,
                         mesh=self.mesh.as_dict(),
                     )
                 self.last_checkpoint_io = {"bytes_read": reader.bytes_read, "buffer_bytes": reader.buffer_bytes}
-            elif offload is not None and isinstance(offload.store, NvmeStore) and _thread_saver(manager):
-                # asynchronous, still streamed: the writer thread reads a copy of the swap files (TierCopy), made
-                # behind the next forward and backward; the tier is not written before it is (wait_snapshot).
-                # Such a save takes no staging arena, so the saver's max_in_flight bounds them here (and the
-                # copies on the swap device with them): the oldest is waited for.
+            elif params is not None and manager.saver is None:  # the optimizer in memory, the parameters streamed
+                params.quiesce()
+                result = manager.save(
+                    self.state_dict_for_checkpoint(stream_params=True),
+                    self.step if step is None else step,
+                    metadata=metadata,
+                    mesh=self.mesh.as_dict(),
+                )
+            elif self._streams_async(manager):
+                # asynchronous, still streamed: the writer thread reads a copy of the swap files (TierCopy,
+                # ParamCopy), made behind the next forward and backward; the tiers are not written before it is
+                # (wait_snapshot). Such a save takes no staging arena, so the saver's max_in_flight bounds them
+                # here (and the copies on the swap device with them): the oldest is waited for.
                 self._streaming = [h for h in self._streaming if not h.done()]
                 assert manager.saver is not None
                 while len(self._streaming) >= manager.saver.options.max_in_flight:
                     self._streaming.pop(0).exception()  # its failure is the save's to report
-                copy = TierCopy(offload)
-                streamer = TierReader(offload, copy=copy)
+                copies: list[TierCopy | ParamCopy] = []
+                streamer: TierReader | None = None
                 try:
+                    if offload is not None and isinstance(offload.store, NvmeStore):
+                        copies.append(copy := TierCopy(offload))
+                        streamer = TierReader(offload, copy=copy)
+                    param_copy = ParamCopy(params) if params is not None else None
+                    if param_copy is not None:
+                        copies.append(param_copy)
                     result = manager.save(
-                        self.state_dict_for_checkpoint(streamer),
+                        self.state_dict_for_checkpoint(streamer, stream_params=param_copy or False),
                         self.step if step is None else step,
                         metadata=metadata,
                         mesh=self.mesh.as_dict(),
                     )
                 except BaseException:
-                    streamer.close()
-                    copy.close()
+                    _finish_streaming(streamer, copies, None)
                     raise
                 assert isinstance(result, ucp.SaveHandle)
-                self._tier_copy = copy
+                self._tier_copies = copies
                 self._streaming = [h for h in self._streaming if not h.done()] + [result]
-                result.add_done_callback(partial(_finish_streaming, streamer, copy))
-            else:  # a process-mode writer cannot read this process's tier: staged from it, whole
+                result.add_done_callback(partial(_finish_streaming, streamer, copies))
+            else:  # a process-mode writer cannot read this process's tiers: staged from them, whole
                 result = manager.save(
                     self.state_dict_for_checkpoint(),
                     self.step if step is None else step,
@@ -433,13 +469,19 @@ class Engine:
         synchronous manager, which stages nothing: offloaded state is not read from its tier for it)."""
         if manager.saver is None:
             return 0
-        offload = self.optimizer.offload
-        if offload is not None and isinstance(offload.store, NvmeStore) and _thread_saver(manager):
-            return 0  # its saves stream the tier and copy the rest: no staging to allocate
+        if self._streams_async(manager):
+            return 0  # its saves stream the tiers and copy the rest: no staging to allocate
         try:
             return manager.prepare(self.state_dict_for_checkpoint())
         finally:
             self.optimizer.drop_staged()
+
+    def _streams_async(self, manager: ucp.CheckpointManager) -> bool:
+        """Whether an asynchronous save through ``manager`` streams copies of the swap files (an NVMe tier, of the
+        optimizer's states or of the parameters, and a writer thread in this process to read them)."""
+        offload = self.optimizer.offload
+        nvme = offload is not None and isinstance(offload.store, NvmeStore)
+        return (nvme or self.optimizer.param_tier is not None) and _thread_saver(manager)
 
     def wait_snapshot(self) -> None:
         """Wait for the copy of the last asynchronous checkpoint (it may still run in the background:
@@ -447,9 +489,9 @@ class Engine:
         if self._snapshot is not None:
             self._snapshot.wait_snapshot()
             self._snapshot = None
-        if self._tier_copy is not None:  # the offload tier may be rewritten once its copy for the save is made
-            self._tier_copy.wait()
-            self._tier_copy = None
+        copies, self._tier_copies = self._tier_copies, []
+        for copy in copies:  # the offload tiers may be rewritten once their copies for the save are made
+            copy.wait()
 
     def load(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None = None) -> int:
         """Resume from a checkpoint, whatever mesh and ZeRO stage wrote it; returns the step to train next.
@@ -483,7 +525,10 @@ class Engine:
             raise ucp.CheckpointError(
                 f"another rank could not load its part of {_describe(source)} (see that rank's error); no rank resumed"
             )
-        if self.optimizer.offload is None:
+        written, self._weights_written = self._weights_written, False
+        if written:  # the masters went to the tier, their casts to the parameter tier
+            self.finish_load(into, from_masters=True, weights_written=True)
+        elif self.optimizer.offload is None:
             self.finish_load(into, from_masters=True)
         else:  # the masters went to the tier, their casts to these: the weights come from them
             casts, self._loaded_casts = self._loaded_casts, None
@@ -493,14 +538,22 @@ class Engine:
     def _load_targets(self) -> dict[str, Any]:
         """What a resume fills: this rank's pieces and the scalars. Hparams and the scheduler
         description stay this engine's own; plain values (None) are replaced by the saved ones.
-        Offloaded optimizer states are not among them: :meth:`_fill_tier` streams them into the tier."""
-        if self.optimizer.offload is not None:
-            nested, self._spans = offloaded_layout(self.optimizer, self.shapes)
-            return {
-                "model": nested.get("model", {}),
-                "step": None,
-                "optimizer": {"adam_step": None, "loss_scale": None},
-            }
+        Offloaded optimizer states are not among them: :meth:`_fill_tier` streams them into the tier. Nor are
+        the weights with ``offload_param`` nvme: they are the loaded masters' casts, streamed into the parameter
+        tier (:meth:`_fill_tier`, or :meth:`ZeroOptimizer.publish` from masters in memory), never staged whole."""
+        offload, params = self.optimizer.offload, self.optimizer.param_tier
+        if offload is not None or params is not None:
+            nested, found = offloaded_layout(
+                self.optimizer, self.shapes, states=offload is not None, params=params is not None
+            )
+            self._spans = {k: v for k, v in found.items() if k in STATE_KEYS}
+            scalars = {"adam_step": None, "loss_scale": None}
+            into: dict[str, Any] = {"step": None, "optimizer": scalars}
+            if params is None:
+                into["model"] = nested.get("model", {})
+            if offload is None:  # the optimizer's states in memory: filled in place
+                scalars |= {k: nested.get(k, {}) for k in STATE_KEYS}
+            return into
         self.optimizer.prepare_load()
         sd = self.state_dict_for_checkpoint()
         optim = {k: sd["optimizer"][k] for k in ("fp32_master", "exp_avg", "exp_avg_sq")}
@@ -512,9 +565,17 @@ class Engine:
         offload = self.optimizer.offload
         if offload is None:
             return
-        casts = self.optimizer.cast_targets()
-        load_tier(offload, self._spans, path, casts=casts, aio_config=aio_config)
-        self._loaded_casts = casts
+        params = self.optimizer.param_tier
+        if params is None:
+            casts = self.optimizer.cast_targets()
+            load_tier(offload, self._spans, path, casts=casts, aio_config=aio_config)
+            self._loaded_casts = casts
+            return
+        # offload_param nvme: the weights go from the loaded masters to the parameter tier, streamed (no whole cast)
+        load_tier(offload, self._spans, path, casts=[None] * len(self.optimizer.plans), aio_config=aio_config)
+        with TierReader(offload) as reader:
+            params.write_from(partial(reader.parts, 0))
+        self._weights_written = True
 
     def _read_checkpoint(
         self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None, into: dict[str, Any]
@@ -570,10 +631,14 @@ def _thread_saver(manager: ucp.CheckpointManager) -> bool:
     return manager.saver is not None and manager.saver.mode == "thread"
 
 
-def _finish_streaming(reader: TierReader, copy: TierCopy, _handle: ucp.SaveHandle) -> None:
-    """An asynchronous save that streamed a copy of the offload tier is done: free its buffers, remove the copy."""
-    reader.close()
-    copy.close()
+def _finish_streaming(
+    reader: TierReader | None, copies: list[TierCopy | ParamCopy], _handle: ucp.SaveHandle | None
+) -> None:
+    """An asynchronous save that streamed copies of the offload tiers is done: free its buffers, remove the copies."""
+    if reader is not None:
+        reader.close()
+    for copy in copies:
+        copy.close()
 
 
 def _describe(source: ucp.CheckpointManager | str | os.PathLike[str]) -> str:

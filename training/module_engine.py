@@ -37,7 +37,7 @@ from ucp.format.tree import path_str
 from .checkpoint import build_targets
 from .comm import Comm
 from .ds_config import DeepSpeedConfig
-from .offload.checkpoint import Span, TierReader, load_tier, streamed_sections
+from .offload.checkpoint import Span, TierReader, load_tier, streamed_params, streamed_sections
 from .offload.checkpoint import layout as offloaded_layout
 from .zero import DynamicLossScaler, ZeroOptimizer
 from .zero.optimizer import STATE_KEYS
@@ -192,16 +192,25 @@ class ModuleEngine:
             if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in params
         }
 
-    def state_dict_for_checkpoint(self, client_state: Any = None, streamed: TierReader | None = None) -> dict[str, Any]:
+    def state_dict_for_checkpoint(
+        self, client_state: Any = None, streamed: TierReader | None = None, *, stream_params: bool = False
+    ) -> dict[str, Any]:
         """``{"model": {name: piece}, "optimizer": {fp32_master, exp_avg, exp_avg_sq: {name: piece}, adam_step,
         loss_scale, hparams}, "global_steps", "skipped_steps", "micro_steps", "client_state"}``; pieces view live
         storage (offloaded state is staged from its tier, or with ``streamed`` read from it by that reader while
-        the save writes it: training.offload.checkpoint)."""
-        if streamed is None:
+        the save writes it: training.offload.checkpoint; ``stream_params``: the parameters on NVMe likewise, from
+        their swap files)."""
+        tier = self.optimizer.param_tier if stream_params else None
+        if streamed is None and tier is None:
             nested = build_targets(self.optimizer.buffers(), self.shapes).nested()
         else:
-            nested, found = offloaded_layout(self.optimizer, self.shapes)
-            nested |= streamed_sections(found, streamed)
+            nested, found = offloaded_layout(
+                self.optimizer, self.shapes, states=streamed is not None, params=tier is not None
+            )
+            if streamed is not None:
+                nested |= streamed_sections({k: found[k] for k in STATE_KEYS}, streamed)
+            if tier is not None:
+                nested["model"] = streamed_params(found["model"], tier)
         optim: dict[str, Any] = {k: nested.get(k, {}) for k in STATE_KEYS}
         optim |= self.optimizer.scalars()
         a = self.config.adam
@@ -234,10 +243,12 @@ class ModuleEngine:
             **layout_metadata(self.optimizer.layout, self.shapes),
             **hf_metadata(self.module),
         }
-        offload = self.optimizer.offload
+        offload, params = self.optimizer.offload, self.optimizer.param_tier
+        if params is not None:
+            params.quiesce()  # the parameters on NVMe are streamed from their swap files
         with TierReader(offload) if offload is not None else contextlib.nullcontext() as reader:
             return ucp.save(  # offloaded state streamed from its tier (never all in memory)
-                self.state_dict_for_checkpoint(client_state, reader),
+                self.state_dict_for_checkpoint(client_state, reader, stream_params=params is not None),
                 path,
                 step=self.global_steps,
                 metadata=metadata,

@@ -12,6 +12,21 @@ A load fills the tier sub-group by sub-group (:func:`fill_tier`): each record, i
 the stored pieces that intersect it by ``ucp.loading.partial.read_targets`` (so any world size, ZeRO stage
 or offload setting that wrote the checkpoint), its masters cast into the compute weights on the way, then
 written back to the tier while the next one is filled.
+
+Parameters on NVMe (``offload_param``, ZeRO-3) are streamed the same way: a save's model pieces are
+StreamedShards read from the parameters' swap files chunk by chunk through the parameter pool
+(:func:`streamed_params`), and a load writes the loaded masters' casts into those files partition by partition
+(:meth:`training.offload.params.ParamTier.write_from`): the weights are never staged whole either.
+
+An asynchronous save (``CheckpointManager(async_save=True)``, thread mode) returns while training goes on and
+rewrites the swap files, so it streams a *copy* of them: :class:`TierCopy` (and
+:class:`training.offload.params.ParamCopy`) copy the files in the kernel (``copy_file_range``; a reflink where
+the file system shares extents) on a thread of their own, behind the next forward and backward; the engine
+waits for the copies before its next optimizer step writes the tiers (``Engine.wait_snapshot``); the writer
+thread reads them part by part into buffers of the reader's own (one pool slot's worth), checked against the
+CRCs the records had when copied, and the copies are removed once the save is done. The price is the state's
+bytes on the swap device while a save is in flight (none with a reflink) and a copy's I/O there. A
+process-mode writer cannot read this process's tiers: it still stages them whole.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ if TYPE_CHECKING:
     from training.zero.optimizer import ZeroOptimizer
 
     from .optimizer import OptimizerOffload
+    from .params import ParamCopy, ParamTier
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +96,66 @@ def meta_states(optimizer: ZeroOptimizer) -> dict[str, list[torch.Tensor]]:
     return {key: [torch.empty(plan.size, device="meta") for plan in optimizer.plans] for key in STATE_KEYS}
 
 
+def meta_params(optimizer: ZeroOptimizer) -> list[torch.Tensor]:
+    """Meta tensors standing for stage 3's compute-dtype group partitions (in the parameter tier with
+    ``offload_param`` nvme): ``optimizer.buffers(params=meta_params(...))`` lays the model's pieces out
+    without staging them."""
+    return [torch.empty(plan.size, dtype=optimizer.dtype, device="meta") for plan in optimizer.plans]
+
+
 def layout(
-    optimizer: ZeroOptimizer, shapes: Mapping[str, Sequence[int]]
+    optimizer: ZeroOptimizer, shapes: Mapping[str, Sequence[int]], *, states: bool = True, params: bool = False
 ) -> tuple[dict[str, Any], dict[str, list[Span]]]:
-    """This rank's checkpoint pieces without reading the tier: ``({section: {name: piece}}`` with the model's
-    pieces (live views) and the optimizer states' on meta tensors (to be replaced: :func:`streamed_sections`),
-    and the optimizer states' spans)."""
+    """This rank's checkpoint pieces without reading a tier: ``({section: {name: piece}}``, and the spans of
+    the pieces laid out on meta tensors)``. ``states``: the optimizer states' pieces on meta tensors (to be
+    replaced: :func:`streamed_sections`), else live views; ``params``: the model's on meta tensors too, its
+    spans under ``"model"`` with a *partition* of the parameter tier as their ``group`` (:func:`streamed_params`),
+    else live views."""
     from training.checkpoint import build_targets
 
-    metas = meta_states(optimizer)
-    targets = build_targets(optimizer.buffers(metas), shapes)
-    return targets.nested(), spans(targets, metas)
+    metas = meta_states(optimizer) if states else None
+    parts = meta_params(optimizer) if params else None
+    targets = build_targets(optimizer.buffers(metas, params=parts), shapes)
+    found = spans(targets, metas) if metas is not None else {}
+    if parts is not None:
+        assert optimizer.param_tier is not None
+        found["model"] = [
+            _in_partition(optimizer.param_tier, s) for s in spans(targets, {"model": parts}, keys=("model",))["model"]
+        ]
+    return targets.nested(), found
 
 
-def spans(targets: CheckpointTargets, metas: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, list[Span]]:
-    """The pieces of each optimizer state in ``targets`` (built on ``metas``), as spans of the partitions."""
+def _in_partition(tier: ParamTier, s: Span) -> Span:
+    """A span of a group's compute-dtype partition as one of the parameter partition holding it."""
+    k, off, size = tier.locate(s.group, s.lo)
+    if s.lo + s.count > off + size:
+        raise RuntimeError(f"model {s.name!r}: a piece across two parameters' partitions")
+    return Span(s.name, k, s.lo - off, s.count, s.region, s.global_shape, s.replica_id)
+
+
+def streamed_params(found: Sequence[Span], tier: ParamTier, copy: ParamCopy | None = None) -> dict[str, Any]:
+    """``{name: StreamedShard | Shards}``: the model section of a state dict to save, each piece's bytes read
+    from its parameter's swap file chunk by chunk through the tier's pool as the writer asks for them
+    (:meth:`ParamOffload.stream`; no write may be in flight nor a read ahead held: :meth:`ParamTier.quiesce`),
+    or from ``copy`` of those files (an asynchronous save); ``found``: :func:`layout`'s ``"model"`` spans."""
+    off = tier.offload
+    stream = copy.stream if copy is not None else off.stream
+    by_name: dict[str, list[StreamedShard]] = {}
+    for s in found:
+        parts = partial(stream, s.group, s.lo, s.lo + s.count)
+        phase = s.lo * off.itemsize % MIN_ALIGNMENT if off.swapped(s.group) else None  # chunks: page multiples
+        shard = StreamedShard(tier.dtype, s.global_shape, s.region, parts, s.replica_id, phase)
+        by_name.setdefault(s.name, []).append(shard)
+    return {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in by_name.items()}
+
+
+def spans(
+    targets: CheckpointTargets, metas: Mapping[str, Sequence[torch.Tensor]], keys: Sequence[str] = STATE_KEYS
+) -> dict[str, list[Span]]:
+    """The pieces of each section ``keys`` (the optimizer states) in ``targets`` (built on ``metas``), as spans
+    of the partitions."""
     out: dict[str, list[Span]] = {}
-    for key in STATE_KEYS:
+    for key in keys:
         groups = {id(t): g for g, t in enumerate(metas[key])}
         found: list[Span] = []
         for name, pieces in targets.sections.get(key, {}).items():
@@ -417,7 +476,9 @@ __all__ = [
     "fill_tier",
     "layout",
     "load_tier",
+    "meta_params",
     "meta_states",
+    "streamed_params",
     "spans",
     "streamed_sections",
 ]

@@ -33,19 +33,21 @@ of the per-parameter files, and the partitions staged for a checkpoint.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import crc32c
 import torch
 from torch import nn
 
 from aio.buffers import AlignedBuffer, round_down, round_up
-from aio.engines import create_engine
+from aio.engines import Engine, create_engine
 from aio.errors import AioError, is_no_space
 from aio.files import open_file, preallocate
 
@@ -252,6 +254,72 @@ class ParamOffload:
                 raise
             self._writes.append(self._writer.submit(self._write_chunk, k, c, buf))
 
+    @torch.no_grad()
+    def write_parts(self, k: int, parts: Iterable[torch.Tensor]) -> None:
+        """Partition ``k`` becomes the concatenation of ``parts`` (1-d tensors of any dtype, its ``numel`` elements
+        in all), cast into one pool buffer at a time and written chunk by chunk as each fills: never the whole
+        partition in memory (a load streaming the masters in, training.offload.checkpoint). :meth:`flush` waits."""
+        part = self.partitions[k]
+        if k in self._resident:
+            at = 0
+            for t in parts:
+                self._resident[k][at : at + t.numel()].copy_(t)
+                at += t.numel()
+            if at != part.numel:
+                raise ValueError(f"{part.describe()}: {at} elements given, the partition has {part.numel}")
+            return
+        self._drop(k)
+        c, filled, at = 0, 0, 0
+        buf: AlignedBuffer | None = None
+        dst = torch.empty(0, dtype=self.dtype)
+        try:
+            for t in parts:
+                pos, n = 0, t.numel()
+                while pos < n:
+                    if buf is None:
+                        if c >= self.chunks(k):
+                            raise ValueError(f"{part.describe()}: more than its {part.numel} elements given")
+                        _, length, data = self._chunk(k, c)
+                        buf = self.pool.acquire(length)
+                        assert buf is not None  # a blocking acquire always lends one
+                        raw = buf.tensor(length)
+                        raw[data:].zero_()
+                        dst, filled = raw[:data].view(self.dtype), 0
+                    m = min(n - pos, dst.numel() - filled)
+                    dst[filled : filled + m].copy_(t[pos : pos + m])
+                    filled, pos, at = filled + m, pos + m, at + m
+                    if filled == dst.numel():
+                        self._writes.append(self._writer.submit(self._write_chunk, k, c, buf))
+                        buf, c = None, c + 1
+            if buf is not None or at != part.numel:
+                raise ValueError(f"{part.describe()}: {at} elements given, the partition has {part.numel}")
+        except BaseException:
+            if buf is not None:
+                self.pool.release(buf)
+            raise
+
+    def stream(self, k: int, lo: int, hi: int) -> Iterator[memoryview]:
+        """The bytes of elements ``[lo, hi)`` of partition ``k``, read chunk by chunk through the pool and checked
+        (a save streaming them, training.offload.checkpoint): consecutive views, each valid until the next is
+        asked for. No write may be in flight (:meth:`flush`) nor a read ahead held (:meth:`drop_ahead`)."""
+        if k in self._resident:
+            flat = self._resident[k][lo:hi]
+            yield flat.view(torch.uint8).numpy().data
+            return
+        a, b = lo * self.itemsize, hi * self.itemsize
+        for c in range(self.chunks(k)):
+            off, length, data = self._chunk(k, c)
+            x, y = max(a, off), min(b, off + data)
+            if x >= y:
+                continue
+            buf = self.pool.acquire(length)
+            assert buf is not None
+            self._read_chunk(k, c, buf)  # gives the buffer back itself if it fails
+            try:
+                yield buf.view(length)[x - off : y - off]
+            finally:
+                self.pool.release(buf)
+
     def _write_chunk(self, k: int, c: int, buf: AlignedBuffer) -> None:
         t0 = time.perf_counter()
         try:
@@ -288,30 +356,9 @@ class ParamOffload:
         """Read chunk ``c`` of partition ``k`` into ``buf`` and check it (the read thread's job); the buffer goes
         back to the pool if it fails."""
         t0 = time.perf_counter()
-        part, path = self.partitions[k], self._paths[k]
+        length = self._chunk(k, c)[1]
         try:
-            off, length, _ = self._chunk(k, c)
-            expected = self._crc[k][c]
-            if expected is None:
-                raise OffloadError(f"swap file {path} of {part.describe()} has no record: it was never written whole")
-            view = buf.view(length)
-            try:
-                error, whole, size = transfer(self._engine, path, view, write=False, block=self.block, direct=self.aio.use_direct, offset=off)  # fmt: skip
-            except AioError as exc:  # opening it (the file was removed under the run)
-                raise self._io_error("reading", part, exc, path) from exc
-            if error is not None:
-                raise self._io_error("reading", part, error, path) from error
-            if not whole:
-                raise OffloadError(
-                    f"swap file {path} of {part.describe()} is truncated: {size} bytes, the partition needs "
-                    f"{self.file_bytes(k)} (changed under the run; the parameter is lost)"
-                )
-            got = crc32c.crc32c(view)
-            if got != expected:
-                raise OffloadError(
-                    f"swap file {path} of {part.describe()} is corrupt: bytes [{off}, {off + length}) have CRC-32C "
-                    f"{got:#010x}, written as {expected:#010x} (changed under the run; the parameter is lost)"
-                )
+            self.fetch_chunk(k, c, buf.view(length))
         except BaseException:
             self.pool.release(buf)
             raise
@@ -319,6 +366,38 @@ class ParamOffload:
             self.bytes_read += length
             self.read_seconds += time.perf_counter() - t0
         return buf
+
+    def fetch_chunk(
+        self, k: int, c: int, view: memoryview, *, copy: tuple[Path, Engine, list[int | None]] | None = None
+    ) -> None:
+        """Fill ``view`` (aligned, the chunk's bytes) with chunk ``c`` of partition ``k`` and check it came back whole
+        and unchanged; ``copy``: from a copy of its swap file ``(path, the engine to read it with, its chunks'
+        CRC-32Cs as copied)`` (:class:`ParamCopy`)."""
+        part = self.partitions[k]
+        path, engine, expected = (
+            (self._paths[k], self._engine, self._crc[k][c]) if copy is None else (copy[0], copy[1], copy[2][c])
+        )
+        what = "swap file" if copy is None else "copy of the swap file"
+        off, length, _ = self._chunk(k, c)
+        if expected is None:
+            raise OffloadError(f"{what} {path} of {part.describe()} has no record: it was never written whole")
+        try:
+            error, whole, size = transfer(engine, path, view, write=False, block=self.block, direct=self.aio.use_direct, offset=off)  # fmt: skip
+        except AioError as exc:  # opening it (the file was removed under the run)
+            raise self._io_error("reading", part, exc, path) from exc
+        if error is not None:
+            raise self._io_error("reading", part, error, path) from error
+        if not whole:
+            raise OffloadError(
+                f"{what} {path} of {part.describe()} is truncated: {size} bytes, the partition needs "
+                f"{self.file_bytes(k)} (changed under the run; the parameter is lost)"
+            )
+        got = crc32c.crc32c(view)
+        if got != expected:
+            raise OffloadError(
+                f"{what} {path} of {part.describe()} is corrupt: bytes [{off}, {off + length}) have CRC-32C "
+                f"{got:#010x}, written as {expected:#010x} (changed under the run; the parameter is lost)"
+            )
 
     def _issue(self, k: int, futures: list[Future[AlignedBuffer]], block: bool) -> bool:
         """Issue the read of partition ``k``'s next chunk not yet in ``futures`` (its reads in flight, appended
@@ -461,6 +540,75 @@ def _release(pool: BytePool, reads: Sequence[Future[AlignedBuffer]]) -> None:
             pool.release(fut.result())
 
 
+class ParamCopy:
+    """The parameter tier's swap files as a save found them, copied on disk, for an asynchronous save that streams
+    them on its writer thread while training goes on (as :class:`training.offload.checkpoint.TierCopy` does for
+    the optimizer's): made once the tier is quiet, with each chunk's CRC-32C as written; the copy runs on a thread
+    of its own and the tier must not be written before :meth:`wait`. Partitions kept in host memory
+    (``max_in_cpu``, those under one block) are cloned. Reads go through an aio engine and one chunk buffer of
+    its own."""
+
+    def __init__(self, tier: ParamTier) -> None:
+        from .checkpoint import copy_file
+
+        tier.quiesce()
+        off = self.offload = tier.offload
+        self._crcs = {k: list(v) for k, v in off._crc.items()}
+        self._resident = {k: t.clone() for k, t in off._resident.items()}
+        self.dir = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=off.dir.path))
+        self._paths = {k: self.dir / path.name for k, path in off._paths.items()}
+        self._engine: Engine | None = create_engine(off.aio)
+        self._buf: AlignedBuffer | None = None
+        self._copy_file = copy_file
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ucp-param-copy")
+        self.copied: Future[None] = pool.submit(self._copy)
+        pool.shutdown(wait=False)
+
+    def _copy(self) -> None:
+        off = self.offload
+        for k, dst in self._paths.items():
+            src = off.path(k)
+            try:
+                self._copy_file(src, dst)
+            except OSError as exc:
+                why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+                part = off.partitions[k].describe()
+                raise OffloadError(
+                    f"copying swap file {src} of {part} to {dst} for a checkpoint failed: {why}"
+                ) from exc
+
+    def wait(self) -> None:
+        """Wait until the copy is made (or failed: the save reports it); the tier may change from then on."""
+        _ = self.copied.exception()
+
+    def stream(self, k: int, lo: int, hi: int) -> Iterator[memoryview]:
+        """:meth:`ParamOffload.stream` from the copy: each view valid until the next is asked for."""
+        self.copied.result()
+        off = self.offload
+        if k in self._resident:
+            yield self._resident[k][lo:hi].view(torch.uint8).numpy().data
+            return
+        assert self._engine is not None, "the copy was closed"
+        if self._buf is None:
+            self._buf = AlignedBuffer(off.chunk_bytes)
+        a, b = lo * off.itemsize, hi * off.itemsize
+        for c in range(off.chunks(k)):
+            start, length, data = off._chunk(k, c)
+            x, y = max(a, start), min(b, start + data)
+            if x < y:
+                view = self._buf.view(length)
+                off.fetch_chunk(k, c, view, copy=(self._paths[k], self._engine, self._crcs[k]))
+                yield view[x - start : y - start]
+
+    def close(self) -> None:
+        """Remove the copy and free what reads it (after the save that reads it is done); idempotent."""
+        self.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        engine, self._engine, self._buf = self._engine, None, None
+        if engine is not None:
+            engine.close()
+
+
 class OffloadedPartitions:
     """A :class:`training.zero.stage3.ParamGatherer`'s source of partitions: each parameter's from the tier."""
 
@@ -516,6 +664,30 @@ class ParamTier:
     def flush(self) -> None:
         self.offload.flush()
 
+    def quiesce(self) -> None:
+        """Before a checkpoint reads the swap files: no write in flight, no read ahead holding a buffer."""
+        self.offload.drop_ahead()
+        self.flush()
+
+    def locate(self, g: int, at: int) -> tuple[int, int, int]:
+        """The partition holding element ``at`` of group ``g``'s partition: ``(its index, its offset in the group's
+        partition, its numel)``; ValueError if none does."""
+        for k, (group, off, size, _) in enumerate(self._where):
+            if group == g and off <= at < off + size:
+                return k, off, size
+        raise ValueError(f"group {g}: element {at} of its partition lies in no parameter's partition")
+
+    @torch.no_grad()
+    def write_from(self, masters: Callable[[int, int, int], Iterable[memoryview]]) -> None:
+        """Every partition from fp32 masters, streamed: ``masters(g, lo, hi)`` yields the bytes of elements
+        ``[lo, hi)`` of group ``g``'s fp32 partition part by part (each valid until the next is asked for), cast
+        into the pool's buffers on the way (:meth:`ParamOffload.write_parts`); waits for the writes."""
+        for k, (g, off, size, _) in enumerate(self._where):
+            if size:
+                views = masters(g, off, off + size)
+                self.offload.write_parts(k, (torch.frombuffer(v, dtype=torch.float32) for v in views))
+        self.flush()
+
     def stage(self) -> list[torch.Tensor]:
         """Every group's partition as a whole tensor read from the tier (kept until dropped or pushed): what a
         checkpoint saves, or fills on a load."""
@@ -544,4 +716,4 @@ class ParamTier:
         self.offload.close()
 
 
-__all__ = ["BytePool", "OffloadedPartitions", "ParamOffload", "ParamTier", "Partition"]
+__all__ = ["BytePool", "OffloadedPartitions", "ParamCopy", "ParamOffload", "ParamTier", "Partition"]

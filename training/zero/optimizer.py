@@ -715,12 +715,18 @@ class ZeroOptimizer:
         return torch.empty(size, dtype=self.dtype, device=self.device) if elsewhere else None
 
     @torch.no_grad()
-    def publish(self, casts: Sequence[torch.Tensor | None] | None = None) -> None:
+    def publish(self, casts: Sequence[torch.Tensor | None] | None = None, *, weights_written: bool = False) -> None:
         """Compute-dtype weights from the fp32 masters: cast, and all-gather over dp (stages 1/2).
 
         ``casts[g]`` is :meth:`_cast_target`'s tensor already holding the cast (the fused update wrote
-        it); ``None`` entries (or no ``casts``) are cast here.
+        it); ``None`` entries (or no ``casts``) are cast here. ``weights_written``: the parameter tier
+        (``offload_param`` nvme) already holds them (a load streamed the masters' casts into it).
         """
+        if weights_written:
+            if self.param_tier is None:
+                raise RuntimeError("weights_written=True needs the parameter tier (offload_param nvme)")
+            self.param_tier.drop_staged()
+            return
         masters = self.master
         if self.offload is not None and casts is None:  # after a load: the staged state goes to the tier
             masters = self._push_staged()
@@ -791,7 +797,9 @@ class ZeroOptimizer:
 
     # -- the checkpoint seam -------------------------------------------------------------------
     def buffers(
-        self, states: Mapping[str, Sequence[torch.Tensor]] | None = None
+        self,
+        states: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        params: Sequence[torch.Tensor] | None = None,
     ) -> list[tuple[str, LocalBuffer, torch.Tensor]]:
         """``(section, layout buffer, tensor holding it)`` for every buffer of this rank.
 
@@ -804,9 +812,14 @@ class ZeroOptimizer:
         (after a load) writes back to the tier and :meth:`drop_staged` (after a save) lets go.
         ``states`` (key -> one whole-partition tensor per group) replaces the optimizer states instead:
         meta tensors give the layout of offloaded state without reading it (training.offload.checkpoint).
+        ``params`` (one whole-partition tensor per group) likewise replaces stage 3's compute-dtype partitions,
+        which are otherwise staged from their tier with ``offload_param`` nvme.
         """
         out: list[tuple[str, LocalBuffer, torch.Tensor]] = []
-        parts = self.param_tier.stage() if self.param_tier is not None else self.param_part  # staged from NVMe
+        if params is not None:
+            parts = list(params)
+        else:
+            parts = self.param_tier.stage() if self.param_tier is not None else self.param_part  # staged from NVMe
         for buf in self.view.weights():
             n = buf.name
             g, i = self._where[n]
