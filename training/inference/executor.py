@@ -48,6 +48,7 @@ from training.inference.sources import TensorSource, WeightSource
 from ucp.format.dtypes import itemsize, torch_dtype
 
 READ_CONFIG = AioConfig(block_size=4 << 20, queue_depth=32)  # few staging blocks: aligned spans read direct
+LOCAL_READERS = 2  # reader threads of the host ring on local files: the next group's reads overlap the last's tail
 
 
 @dataclass
@@ -158,41 +159,75 @@ def tensor_views(buf: AlignedBuffer, placed: list[Placed], dtype: torch.dtype) -
 
 
 class _Ring:
-    """Buffers cycling between a reader thread (fills) and the compute thread (uses, then releases)."""
+    """Buffers cycling between reader threads (fill) and the compute thread (uses, then releases).
 
-    def __init__(self, groups: list[GroupLayout], slots: int, slot_bytes: int, handle: RangeReader) -> None:
+    ``readers`` threads each take a free buffer and the next group in order, so while compute waits
+    for group ``i`` the read of ``i + 1`` is already in flight in the buffer compute just released: the
+    disk's queue stays full across group boundaries instead of draining at the end of every group (one
+    reader waits for a group's last request before it submits the next group's first). Groups are
+    handed to compute in order whichever read finishes first."""
+
+    def __init__(
+        self, groups: list[GroupLayout], slots: int, slot_bytes: int, handle: RangeReader, readers: int = 2
+    ) -> None:
         self.groups, self.handle, self.stats = groups, handle, ReadStats()
         self._free: queue.Queue[AlignedBuffer | None] = queue.Queue()
-        self._ready: queue.Queue[tuple[int, AlignedBuffer, BaseException | None]] = queue.Queue()
+        self._done: dict[int, tuple[AlignedBuffer, BaseException | None]] = {}
+        self._cond = threading.Condition()
         self.buffers = [AlignedBuffer(slot_bytes, pin=None) for _ in range(slots)]
         self._stop = False
+        self._next = 0  # the next group (counted over passes) a reader takes
+        self._taken = 0  # the next group compute takes
+        self._active, self._busy_since = 0, 0.0  # readers inside a read; when the first began
         for b in self.buffers:
             self._free.put(b)
-        self._thread = threading.Thread(target=self._run, name="ucp-infer-reader", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"ucp-infer-reader-{n}", daemon=True)
+            for n in range(max(1, min(readers, slots)))
+        ]
+        for t in self._threads:
+            t.start()
 
     def _run(self) -> None:
-        i = 0
         while True:
             buf = self._free.get()
-            if buf is None or self._stop:
-                return
+            with self._cond:
+                if buf is None or self._stop:
+                    return
+                i, self._next = self._next, self._next + 1
+                if self._active == 0:
+                    self._busy_since = time.perf_counter()
+                self._active += 1
             g = self.groups[i % len(self.groups)]
-            t0 = time.perf_counter()
+            error: BaseException | None = None
             try:
                 load_group(self.handle, g, buf)
             except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
-                self._ready.put((i % len(self.groups), buf, exc))
+                error = exc
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:  # read time is wall time with a read in flight, not the sum of reads
+                    self.stats.read_seconds += time.perf_counter() - self._busy_since
+                if error is None:
+                    self.stats.bytes_read += g.read_bytes
+                    self.stats.groups_read += 1
+                self._done[i] = (buf, error)
+                self._cond.notify_all()
+            if error is not None:
                 return
-            self.stats.read_seconds += time.perf_counter() - t0
-            self.stats.bytes_read += g.read_bytes
-            self.stats.groups_read += 1
-            self._ready.put((i % len(self.groups), buf, None))
-            i += 1
 
     def take(self, index: int) -> AlignedBuffer:
         t0 = time.perf_counter()
-        got, buf, exc = self._ready.get()
+        with self._cond:
+            while self._taken not in self._done:
+                self._cond.wait()
+            buf, exc = self._done.pop(self._taken)
+            got = self._taken % len(self.groups)
+            self._taken += 1
+            if self._active:  # reads overlapping without a pause: count the busy time so far
+                now = time.perf_counter()
+                self.stats.read_seconds += now - self._busy_since
+                self._busy_since = now
         self.stats.wait_seconds += time.perf_counter() - t0
         if exc is not None:
             raise exc
@@ -206,9 +241,12 @@ class _Ring:
         self._free.put(buf)
 
     def close(self) -> None:
-        self._stop = True
-        self._free.put(None)
-        self._thread.join()
+        with self._cond:
+            self._stop = True
+        for _ in self._threads:
+            self._free.put(None)
+        for t in self._threads:
+            t.join()
 
 
 def held_bytes(tensors: Sequence[Placed | TensorSource], dtype: torch.dtype, as_read: int | None = None) -> int:
@@ -306,7 +344,8 @@ class Executor:
         self.lane = Lane(self.device)
         self._ring: _Ring | DeviceRing | None = None
         if self.plan.streamed and self.read_path == "cpu":
-            self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle)
+            readers = 1 if source.files.remote else LOCAL_READERS  # an object store's client: one thread
+            self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle, readers)
         elif self.plan.streamed:
             reader = KvikioReader(kvikio) if self.read_path == "gds" else None
             self._ring = DeviceRing(
