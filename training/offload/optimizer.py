@@ -318,11 +318,13 @@ class OptimizerOffload:
         lr: float | None,
         weight_decay: Sequence[float],
         grad_scale: float,
+        gradient: Callable[[SubGroup], torch.Tensor] | None = None,
     ) -> Update:
-        """The Adam update of one sub-group's record: ``grads[g]`` read, ``casts[g]`` written in the same pass."""
+        """The Adam update of one sub-group's record: ``grads[g]`` (or ``gradient(sg)``) read, ``casts[g]`` written
+        in the same pass."""
 
         def update(sg: SubGroup, rec: Record) -> None:
-            grad = grads[sg.group][sg.lo : sg.hi]
+            grad = grads[sg.group][sg.lo : sg.hi] if gradient is None else gradient(sg)
             out = casts[sg.group]
             if out is None:
                 raise RuntimeError(f"group {sg.group}: no compute-dtype target for the offloaded update")
@@ -367,11 +369,14 @@ class OptimizerOffload:
         weight_decay: Sequence[float],
         grad_scale: float,
         updated: Callable[[SubGroup], None] | None = None,
+        gradient: Callable[[SubGroup], torch.Tensor] | None = None,
     ) -> None:
         """Arm the next step's pass before its last backward: the arguments are :meth:`step`'s. From now on,
         each sub-group handed to :meth:`ready` (its gradient in ``grads`` final) is updated as soon as its
         record is in, and ``casts`` receive its weights then; :meth:`step` finishes the rest, :meth:`abort`
-        disarms. ``updated(sg)`` is called once each sub-group's update is done (its gradient is spent)."""
+        disarms. ``updated(sg)`` is called once each sub-group's update is done (its gradient is spent).
+        ``gradient(sg)``, if given, supplies a sub-group's fp32 gradient (``sg.numel`` elements, read before
+        the next call) in place of ``grads[sg.group][sg.lo:sg.hi]``."""
         if not self.can_update_early:
             raise RuntimeError("begin_step needs the CPU tier or pipeline_read")
         self._check_ready_to_step()
@@ -380,7 +385,14 @@ class OptimizerOffload:
         if p.armed:
             raise RuntimeError("begin_step twice without a step")
         p.update = self._updater(
-            grads, casts, adam=adam, step=step, lr=lr, weight_decay=weight_decay, grad_scale=grad_scale
+            grads,
+            casts,
+            adam=adam,
+            step=step,
+            lr=lr,
+            weight_decay=weight_decay,
+            grad_scale=grad_scale,
+            gradient=gradient,
         )
         p.step = step
         p.updated = updated
