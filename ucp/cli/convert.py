@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ucp.cli import startup
 from ucp.cli.common import (
     EXIT_BAD_INPUT,
     STORAGE_OPTIONS_HELP,
@@ -73,7 +74,7 @@ def convert_cmd(
             f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}", EXIT_BAD_INPUT
         )
     with prefetching(_source_folder(src, source_format), marker=None):
-        with phase("imports"):
+        with startup.imports():
             import ucp
             from aio.sizes import format_size
             from ucp.conversion.importers import convert

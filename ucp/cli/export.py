@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from aio.sizes import SIZE_HELP, format_size
+from ucp.cli import startup
 from ucp.cli.common import (
     EXIT_BAD_INPUT,
     STORAGE_OPTIONS_HELP,
@@ -133,7 +134,7 @@ def export_cmd(
     """
     options = parse_storage_options(storage_options)
     with prefetching(src):
-        with phase("imports"):
+        with startup.imports():
             import ucp
             from ucp.conversion.exporters import ExportError, export, size_option
             from ucp.conversion.exporters.output import check_destination

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import os
 import signal
 import sys
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import typer
-
-from ucp.cli import timings
+from ucp.cli import startup, timings
 from ucp.shutdown import exit_now
+
+if TYPE_CHECKING:
+    import typer
 
 # Sub-command modules under ucp/cli/, in the order their commands are listed in --help.
 COMMAND_MODULES: list[str] = [
@@ -46,6 +48,8 @@ COMMAND_MODULES: list[str] = [
 
 def build_app(names: Sequence[str] = COMMAND_MODULES) -> typer.Typer:
     """The ``ucp`` app with the commands of ``names`` (modules of :data:`COMMAND_MODULES`) registered."""
+    import typer  # here, not at the top: main() imports it with the cyclic GC paused
+
     app = typer.Typer(
         name="ucp",
         help="[bold]UCP[/bold]: universal checkpointing and storage I/O for large-model training.",
@@ -91,7 +95,13 @@ def main() -> None:
     what the interpreter would still do after joining threads and running exit handlers is tear
     down its modules (torch's take ~0.4 s on the reference VM, a tenth of a small ``ucp convert``),
     so :func:`ucp.shutdown.exit_now` ends the process without that teardown.
+
+    Start-up is mostly imports, made with the cyclic GC paused (:mod:`ucp.cli.startup`). Pydantic's
+    plugins are not looked for (``PYDANTIC_DISABLE_PLUGINS``; a value set in the environment, even
+    empty, is kept): finding them reads the entry points of every installed distribution (~2 % of a
+    one-shot command's instructions).
     """
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     code: int | str | None = 0
     exit_started: list[float] = []
     if timings.ENABLED:  # registered first, so it runs after every exit handler a command registers
@@ -100,7 +110,12 @@ def main() -> None:
     # cleanup runs (temporary directories removed) before the process ends with 128 + 15.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     command = command_named(sys.argv[1:])
-    app = build_app(COMMAND_MODULES if command is None else [command])
+    startup.own_process()
+    with startup.paused_gc():
+        app = build_app(COMMAND_MODULES if command is None else [command])
+        # typer (0.29) converts each option's value through a pydantic TypeAdapter once the command runs:
+        # load pydantic's model machinery now, with the GC paused, not then.
+        from pydantic import TypeAdapter  # noqa: F401
     timings.mark("imports")  # UCP_TIMINGS=1: the interpreter's start-up and the command's module
     try:
         app(prog_name="ucp")

@@ -25,6 +25,7 @@ from rich.markup import escape
 
 from aio import memstat
 from aio.sizes import SIZE_HELP, parse_size
+from ucp.cli import startup
 from ucp.cli.common import (
     EXIT_FAILED,
     STORAGE_OPTIONS_HELP,
@@ -88,7 +89,7 @@ def reshape_cmd(
     url_storage_options(storage_options)  # SRC's and DST's, where they are URLs
     # The source's reads start before the imports (~0.5 s with the disk idle otherwise).
     with prefetching(src):
-        with phase("imports"):
+        with startup.imports():
             from reshard import LayoutError
             from ucp.conversion.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET
             from ucp.errors import CheckpointError

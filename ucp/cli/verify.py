@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from rich.markup import escape
 
 from aio.sizes import format_size
+from ucp.cli import startup
 from ucp.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -180,7 +181,7 @@ def _unchecked(path: str, kind: str, message: str, code: int, seconds: float = 0
 
 def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:
     """Run ``ucp.verify`` (with a progress bar on a terminal); exit 2 when it cannot even start."""
-    with phase("imports"):
+    with startup.imports():
         import ucp
 
         verify = ucp.verify  # resolved here (ucp's exports are lazy), so its imports count as imports
