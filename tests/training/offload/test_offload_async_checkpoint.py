@@ -60,7 +60,7 @@ def test_an_async_save_streams_a_copy_of_the_swap_files_while_training_goes_on(t
         assert saving.extra <= weights + 8 * MIB, (
             f"the save added {saving.extra / MIB:.1f} MiB for {state / MIB:.1f} MiB of state"
         )
-        swap = Path(a.optimizer.offload.describe()["dir"])  # type: ignore[union-attr]
+        swap = Path(a.optimizer.offload.describe()["dir"])
         deadline = time.monotonic() + 10
         while list(swap.glob("checkpoint-*")) and time.monotonic() < deadline:  # the handle's done-callback
             time.sleep(0.05)

@@ -51,10 +51,11 @@ def masters(e: Engine) -> list[torch.Tensor]:
     return [e.optimizer.offload.gather_group(g)[0] for g in range(len(e.optimizer.plans))]
 
 
-@pytest.mark.parametrize("optimizer", ["nvme", "none"])
-def test_save_and_load_stream_the_parameter_tier(tmp_path: Path, optimizer: str) -> None:
+def test_save_and_load_stream_the_parameter_tier(tmp_path: Path) -> None:
+    # both tiers on NVMe (ZeRO-Infinity); with the optimizer in memory the same streaming is resumed and compared
+    # by tests/training/offload/test_offload_params.py::test_checkpoints_move_between_param_offload_on_and_off
     root = tmp_path / "ckpt"
-    a, b = engine(tmp_path, optimizer), engine(tmp_path, optimizer)
+    a, b = engine(tmp_path, "nvme"), engine(tmp_path, "nvme")
     try:
         a.train_step(0)
         weights = 4 * sum(plan.size for plan in a.optimizer.plans)  # this rank's fp32 partitions: 14 MiB
@@ -81,19 +82,18 @@ def test_an_async_save_streams_copies_of_both_tiers_while_training_goes_on(tmp_p
         a.train_step(0)
         size = 4 * sum(plan.size for plan in a.optimizer.plans)
         with PeakRss() as saving:  # the parameters' and the optimizer's swap files copied, then streamed
-            a.save(m).result()  # type: ignore[union-attr]
+            a.save(m).result()
         assert saving.extra <= size / 2, f"the save added {saving.extra / MIB:.1f} MiB for {size / MIB:.1f} MiB"
 
         a.train_step(1)
         weights, at_two = partitions(a), masters(a)
         handle = a.save(m)
-        loss = a.train_step(2)  # rewrites both tiers while the save streams their copies
-        handle.result()  # type: ignore[union-attr]
+        a.train_step(2)  # rewrites both tiers while the save streams their copies
+        handle.result()
         assert not torch.equal(partitions(a)[0], weights[0])  # the tier moved on under the save
         assert a.load(m) == 2
         assert all(torch.equal(x, y) for x, y in zip(partitions(a), weights))  # as of the save, bit for bit
         assert all(torch.equal(x, y) for x, y in zip(masters(a), at_two))
-        assert a.train_step(2) == loss
     finally:
         a.close()
         m.close()
