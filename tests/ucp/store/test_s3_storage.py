@@ -129,3 +129,18 @@ def test_an_aborted_upload_leaves_no_parts_and_no_object(s3_server, s3_bucket): 
     assert multipart_uploads(s3_server, s3_bucket) == []
     assert object_keys(s3_server, s3_bucket) == []
     storage.close()
+
+
+def test_payloads_go_unsigned_over_https_or_when_asked_and_the_server_accepts_them(s3_server, s3_bucket):  # noqa: F811
+    from ucp.store.s3 import make_store
+
+    def unsigned(**kw: object) -> str:
+        return make_store("b", S3Options.model_validate(kw)).config["unsigned_payload"]
+
+    assert unsigned(endpoint_url="https://s3.example") == "true"  # as AWS's SDKs: TLS protects the bytes
+    assert unsigned(endpoint_url="http://127.0.0.1:9000") == "false"
+    assert unsigned(endpoint_url="https://s3.example", unsigned_payload=False) == "false"
+    sd = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: a multipart upload of 5 MiB parts
+    url, opts = f"s3://{s3_bucket}/unsigned", {"unsigned_payload": True, "part_size": "5MiB"}
+    ucp.save(sd, url, storage_options=opts)
+    assert torch.equal(ucp.load(url, storage_options=opts)["w"], sd["w"])
