@@ -36,7 +36,7 @@ from torch import nn
 
 from reshard import Layout, LocalBuffer, RankView
 from training.adam import AdamConfig, adam_update
-from training.comm import Comm
+from training.comm import Comm, _Done
 from training.offload import OffloadConfig, OptimizerOffload
 from training.offload.pages import release_zeroed
 from training.offload.params import ParamTier
@@ -421,8 +421,12 @@ class ZeroOptimizer:
                 inp = torch.empty(psize * plan.parts, dtype=torch.float32, device=flat.device)
                 inp[: flat.numel()].copy_(flat)
                 inp[flat.numel() :].zero_()
-                out = torch.empty(psize, dtype=torch.float32, device=flat.device)
-                work = self.dp.reduce_scatter(out, inp, async_op=True)
+                work: Any
+                if self.dp.active:
+                    out = torch.empty(psize, dtype=torch.float32, device=flat.device)
+                    work = self.dp.reduce_scatter(out, inp, async_op=True)
+                else:  # one rank: the reduce-scatter would only copy it (a fresh 4 bytes/parameter a step)
+                    out, work = inp, _Done()
                 self._inflight.append(_Pending(g, i, out, work, keep=inp))
                 assert self.gatherer is not None
                 self.gatherer.release(p)  # type: ignore[arg-type]
