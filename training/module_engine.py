@@ -264,15 +264,20 @@ class ModuleEngine:
         failing rank's error on that rank), so none is left waiting in a collective.
         """
         self.optimizer.reset()
-        offload = self.optimizer.offload
+        offload, params = self.optimizer.offload, self.optimizer.param_tier
+        # parameters on NVMe: not load targets (staged whole) but the loaded masters' casts, streamed in below
+        stream = params is not None and not load_module_only
         found: dict[str, list[Span]] = {}
-        if offload is not None:  # the optimizer states are streamed into the tier after the rest
-            nested, found = offloaded_layout(self.optimizer, self.shapes)
-            sd = {"model": {**nested.get("model", {}), **self._buffers()}, "optimizer": {}}
+        if offload is not None or stream:  # the optimizer states are streamed into the tier after the rest
+            nested, found = offloaded_layout(self.optimizer, self.shapes, states=offload is not None, params=stream)
+            found = {k: v for k, v in found.items() if k in STATE_KEYS}
+            model = self._buffers() if stream else {**nested.get("model", {}), **self._buffers()}
+            states = {k: nested.get(k, {}) for k in STATE_KEYS} if offload is None else {}
+            sd = {"model": model, "optimizer": states}
         if load_module_only:
             into: dict[str, Any] = {"model": (sd if offload is not None else self.state_dict_for_checkpoint())["model"]}
         else:
-            if offload is None:
+            if offload is None and not stream:
                 self.optimizer.prepare_load()
                 sd = self.state_dict_for_checkpoint()
             # every key the checkpoint holds: the pieces to fill, None for the values to take as saved
@@ -291,15 +296,22 @@ class ModuleEngine:
             }
         error: Exception | None = None
         casts: list[torch.Tensor | None] | None = None
+        written = False  # the parameter tier holds the loaded masters' casts
         try:
-            if offload is None or load_module_only:
+            if (offload is None and not stream) or load_module_only:
                 _load_into(path, into, partial=load_module_only)
-            else:  # all but the optimizer states (a subtree: not strict, but nothing of it may be missing)
+            else:  # all but the streamed state (a subtree: not strict, but nothing of it may be missing)
                 missing = ucp.load(path, into=into, strict=False).missing
                 if missing:
                     raise ucp.LayoutMismatchError(f"{os.fspath(path)} lacks {', '.join(map(path_str, missing[:12]))}")
-                casts = self.optimizer.cast_targets()
-                load_tier(offload, found, path, casts=casts)
+                if offload is not None and params is None:
+                    casts = self.optimizer.cast_targets()
+                    load_tier(offload, found, path, casts=casts)
+                elif offload is not None and params is not None:  # masters to their tier, then their casts to theirs
+                    load_tier(offload, found, path, casts=[None] * len(self.optimizer.plans))
+                    with TierReader(offload) as reader:
+                        params.write_from(lambda g, lo, hi: reader.parts(0, g, lo, hi))
+                    written = True
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
             error = exc
         failed = torch.tensor([1.0 if error is not None else 0.0], device=self.device)
@@ -317,7 +329,8 @@ class ModuleEngine:
             self.optimizer.masters_from_weights()
             return None
         self.optimizer.load_scalars(into["optimizer"])
-        self.optimizer.publish(casts)  # compute weights from the loaded masters (or their casts, offloaded)
+        # compute weights from the loaded masters (or their casts, offloaded; or already in the parameter tier)
+        self.optimizer.publish(casts, weights_written=written)
         self.global_steps = int(into["global_steps"])
         self.skipped_steps = int(into["skipped_steps"])
         return into["client_state"]

@@ -136,7 +136,7 @@ def test_two_ranks_params_on_nvme_match_in_memory(tmp_path: Path) -> None:
 
 def test_initialize_a_hugging_face_model_with_params_on_nvme(tmp_path: Path) -> None:
     """training.initialize(model, config=ds_config): the same losses and weights as in memory; its checkpoint
-    resumes with param offload off."""
+    resumes with param offload off, and on."""
     zero = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": 1024, "buffer_count": 3}}
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
     plain = training.initialize(gpt2(), config=ds_config(3, micro=4, gas=1))
@@ -154,7 +154,14 @@ def test_initialize_a_hugging_face_model_with_params_on_nvme(tmp_path: Path) -> 
         offloaded.close()
     resumed = training.initialize(gpt2(seed=1), config=ds_config(3, micro=4, gas=1))
     resumed.load(tmp_path / "ckpt")
-    assert train_steps(resumed, range(2, 3)) == train_steps(plain, range(2, 3))
+    want = train_steps(plain, range(2, 3))
+    assert train_steps(resumed, range(2, 3)) == want
+    again = training.initialize(gpt2(seed=1), config=ds_config(3, micro=4, gas=1, zero=zero))  # and with it on
+    try:
+        again.load(tmp_path / "ckpt")  # the weights streamed into the parameter tier from the loaded masters
+        assert train_steps(again, range(2, 3)) == want
+    finally:
+        again.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
