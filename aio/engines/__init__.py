@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from aio.config import AioConfig
 
@@ -12,7 +13,22 @@ from .threads import ThreadEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "LibaioEngine", "ThreadEngine", "create_engine", "libaio_status"]
+__all__ = ["Engine", "LibaioEngine", "ThreadEngine", "create_engine", "libaio_status", "set_auto_engine"]
+
+_auto_engine: Literal["libaio", "threads"] | None = None  # set_auto_engine's choice; None: prefer libaio
+
+
+def set_auto_engine(name: Literal["libaio", "threads"] | None) -> None:
+    """What ``engine="auto"`` builds from now on in this process: ``"threads"`` the thread engine; None (the
+    default) or ``"libaio"`` libaio where it works, else threads.
+
+    For a process that knows its whole job, e.g. a one-shot command moving a few MiB: a kernel AIO
+    context costs its process ~35 ms when destroyed (an RCU grace period, waited for by ``io_destroy``
+    and by the process's exit alike; measured on the reference VM), longer than the thread engine takes
+    to move such data. Engines built before keep theirs (``aio.shared_handle`` caches one per config).
+    """
+    global _auto_engine
+    _auto_engine = name
 
 
 def libaio_status() -> tuple[bool, str]:
@@ -28,7 +44,7 @@ def libaio_status() -> tuple[bool, str]:
 
 def create_engine(config: AioConfig) -> Engine:
     """Build the engine ``config.engine`` names; ``auto`` prefers libaio and logs why it did not."""
-    if config.engine == "threads":
+    if config.engine == "threads" or (config.engine == "auto" and _auto_engine == "threads"):
         return ThreadEngine(config.thread_count)
     if config.engine == "libaio":
         return LibaioEngine(config.queue_depth, single_submit=config.single_submit)

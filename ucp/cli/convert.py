@@ -27,6 +27,7 @@ from ucp.cli.common import (
     prefetching,
     progress_bar,
     scoped_url_options,
+    small_job_engine,
     source_reads_start,
     url_storage_options,
 )
@@ -73,7 +74,7 @@ def convert_cmd(
         raise fail(
             f"unknown format {source_format!r} for --from; choose one of {', '.join(FORMAT_CHOICES)}", EXIT_BAD_INPUT
         )
-    with prefetching(_source_folder(src, source_format), marker=None):
+    with prefetching(_source_folder(src, source_format), marker=None), small_job_engine(src):
         with startup.imports():
             import ucp
             from aio.sizes import format_size

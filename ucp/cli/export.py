@@ -28,6 +28,7 @@ from ucp.cli.common import (
     parse_storage_options,
     prefetching,
     progress_bar,
+    small_job_engine,
     source_reads_start,
 )
 from ucp.cli.timings import phase
@@ -133,7 +134,7 @@ def export_cmd(
     The output appears under DST only once complete (it is built under a temporary name next to it).
     """
     options = parse_storage_options(storage_options)
-    with prefetching(src):
+    with prefetching(src), small_job_engine(src):
         with startup.imports():
             import ucp
             from ucp.conversion.exporters import ExportError, export, size_option

@@ -37,6 +37,7 @@ from ucp.cli.common import (
     prefetching,
     progress_bar,
     scoped_url_options,
+    small_job_engine,
     source_reads_start,
     url_storage_options,
 )
@@ -88,7 +89,7 @@ def reshape_cmd(
     """Rewrite SRC at DST laid out for another mesh / ZeRO stage (or consolidated), streaming, verified."""
     url_storage_options(storage_options)  # SRC's and DST's, where they are URLs
     # The source's reads start before the imports (~0.5 s with the disk idle otherwise).
-    with prefetching(src):
+    with prefetching(src), small_job_engine(src):
         with startup.imports():
             from reshard import LayoutError
             from ucp.conversion.reshape import DEFAULT_MEMORY_BUDGET, MIN_MEMORY_BUDGET

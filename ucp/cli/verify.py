@@ -31,6 +31,7 @@ from ucp.cli.common import (
     exit_code,
     load_storage_options,
     out,
+    small_job_engine,
     unreadable_message,
 )
 from ucp.cli.timings import phase
@@ -188,7 +189,7 @@ def _verify(path: str, options: dict[str, Any] | None) -> VerifyOutput:
 
     t0 = time.perf_counter()
     try:
-        with _byte_progress("verify") as progress, phase("io"):
+        with small_job_engine(path), _byte_progress("verify") as progress, phase("io"):
             if progress is not None and "progress" in inspect.signature(verify).parameters:
                 report = verify(path, storage_options=options, progress=progress)
             else:
