@@ -179,7 +179,8 @@ class AsyncSaver:
 
     A state dict holding :class:`ucp.StreamedShard` pieces (thread mode only) stages none of it: the other
     pieces are copied before ``save`` returns and the writer thread pulls the streamed parts as it writes
-    them (:func:`ucp.saving.snapshot_modes.start_streamed`), whatever ``snapshot`` says.
+    them (:func:`ucp.saving.snapshot_modes.start_streamed`), whatever ``snapshot`` says. ``max_in_flight`` bounds
+    such saves too: ``save`` waits while that many are still writing their data files.
 
     ``pipeline=True``: the writer starts writing the chunks already copied while
     the snapshot is still running — durable 5–9% sooner, but the copy then shares
@@ -247,6 +248,7 @@ class AsyncSaver:
         self._lock = threading.Lock()
         self._closed = False
         self._streams: dict[torch.device, Any] = {}
+        self._streamed: list[Future] = []  # the data files of saves of StreamedShards, being written (in order)
         _LIVE.add(self)
 
     # -- the public face ------------------------------------------------------------------------
@@ -332,6 +334,8 @@ class AsyncSaver:
                     "a StreamedShard's parts are pulled by the writer from this process: an asynchronous save "
                     "of one needs mode='thread' (this saver's mode is 'process')"
                 )
+            if streamed:  # no arena holds it back: at most max_in_flight such saves write at once
+                self._wait_streamed()
             if plan.file is not None and self._snapshot_mode.copies and not streamed:
                 arena = self.pool.acquire(plan.file_size)
         except BaseException as exc:
@@ -394,7 +398,10 @@ class AsyncSaver:
                 raise
             progress = Progress(plan.file_size if plan.file is not None else 0)
             if streamed:  # no arena: the writer thread pulls the streamed parts (snapshot_modes.start_streamed)
-                future, copying, protected = snapshot_modes.start_streamed(self._writer, job, plan, leaves, lock_fd)
+                started, written = snapshot_modes.start_streamed(self._writer, job, plan, leaves, lock_fd)
+                future, copying, protected = started
+                with self._lock:
+                    self._streamed.append(written)
             else:
                 future, copying, protected = self._snapshot_mode.start(  # owns the arena and lock
                     self._writer, job, plan, leaves, arena, lock_fd, progress
@@ -465,6 +472,17 @@ class AsyncSaver:
         self.close()
 
     # -- the steps ------------------------------------------------------------------------------
+    def _wait_streamed(self) -> None:
+        """Before a save of StreamedShards: wait while ``max_in_flight`` such saves are still writing their data
+        files, the oldest first (what a staging arena's pool does for the other saves)."""
+        while True:
+            with self._lock:
+                self._streamed = [f for f in self._streamed if not f.done()]
+                if len(self._streamed) < self.options.max_in_flight:
+                    return
+                oldest = self._streamed[0]
+            oldest.exception()  # a failure is the save's to report
+
     def _agree_on_temp(self, storage: Storage, name: str, group: Group, local_error: BaseException | None) -> str:
         """Rank 0 creates the temporary directory; every rank learns its name (one broadcast)."""
         temp, error = None, None

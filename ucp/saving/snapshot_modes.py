@@ -280,11 +280,12 @@ class DirectSnapshot(SnapshotMode):
 
 def start_streamed(
     writer: Writer, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None
-) -> Started:
+) -> tuple[Started, Future]:
     """A save whose plan holds :class:`ucp.StreamedShard` pieces, whatever the mode (thread mode only): no staging
     arena; the other pieces are copied now (:func:`ucp.saving.snapshot.streamed_views`) and the writer thread pulls
     the streamed parts as it writes them, so the state behind them is never all in memory. Their producer keeps
-    them consistent until it is asked for them (training.offload: a copy of its swap files)."""
+    them consistent until it is asked for them (training.offload: a copy of its swap files). Also returns the
+    future of its data file being written (or the job failing)."""
     try:
         image = DirectImage(plan, _snap.streamed_views(plan, leaves))
         assert isinstance(writer.backend, ThreadBackend)  # the saver refuses a StreamedShard in process mode
@@ -292,7 +293,7 @@ def start_streamed(
     except BaseException:
         _give_back(writer, job, None, lock_fd)
         raise
-    return Started(future, None, False)
+    return Started(future, None, False), image.written
 
 
 MODES: dict[str, type[SnapshotMode]] = {

@@ -116,3 +116,28 @@ def test_a_phase_puts_a_large_streamed_piece_in_phase_with_its_parts(tmp_path: P
     (piece,) = ucp.read_manifest(tmp_path / "c").tensors["w"].pieces
     assert piece.offset % 4096 == 1000
     assert torch.equal(ucp.load(tmp_path / "c")["w"], big)
+
+
+def test_streamed_saves_in_flight_are_bounded_by_max_in_flight(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    def held() -> Iterator[memoryview]:
+        gate.wait(30)  # the first save's writer waits here until the second save has been seen to wait
+        yield from reused(torch.ones(8))
+
+    first = StreamedShard(torch.float32, (8,), FlatRange(0, 8), held)
+    second = StreamedShard(torch.float32, (8,), FlatRange(0, 8), lambda: reused(torch.zeros(8)))
+    with ucp.AsyncSaver(max_in_flight=1, snapshot="sync") as saver:
+        a = saver.save({"w": first}, tmp_path / "a")
+        handles: list[ucp.SaveHandle] = []
+        later = threading.Thread(target=lambda: handles.append(saver.save({"w": second}, tmp_path / "b")))
+        later.start()
+        later.join(0.5)
+        assert later.is_alive() and not handles  # save() itself waits: the first save is still writing its file
+        gate.set()
+        later.join(30)
+        assert len(handles) == 1
+        a.result()
+        handles[0].result()
+    assert torch.equal(ucp.load(tmp_path / "a")["w"], torch.ones(8))
+    assert torch.equal(ucp.load(tmp_path / "b")["w"], torch.zeros(8))
