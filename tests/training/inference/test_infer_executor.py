@@ -13,7 +13,7 @@ import pytest
 import torch
 from inference_models import save_hf, tiny_llama
 
-from aio import AlignedBuffer
+from aio import AioHandle, AlignedBuffer
 from training.inference.config import load_model
 from training.inference.errors import InferenceError
 from training.inference.executor import READ_CONFIG, Executor, load_group, tensor_views
@@ -168,6 +168,7 @@ def test_weights_bypass_the_page_cache(weights: Path, tmp_path: Path) -> None:
     with executor(path, 1 << 20) as ex:
         generate(ex, [[1, 2, 3]], 3)
         assert ex.stats.bytes_read > 0
+        assert isinstance(ex.handle, AioHandle)  # a local file: read through aio
         direct = ex.handle.config.use_direct
     if not direct:
         pytest.skip("O_DIRECT is off")
