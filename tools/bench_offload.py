@@ -121,13 +121,16 @@ def serve(
         steps = [int(s) for s in json.loads(line)["steps"]]
         losses = [step(s) for s in steps[:-1]]
         r0, w0 = proc_io()
+        c0 = os.times()
         t0 = time.perf_counter()
         losses.append(step(steps[-1]))
         seconds = time.perf_counter() - t0
+        c1 = os.times()
+        cpu = (c1.user - c0.user) + (c1.system - c0.system)  # every thread of the process, user + system
         r1, w1 = proc_io()
         figures = parts()
         drain()
-        answer = {"losses": losses, "seconds": seconds, "parts": figures, "read_bytes": r1 - r0}
+        answer = {"losses": losses, "seconds": seconds, "cpu": cpu, "parts": figures, "read_bytes": r1 - r0}
         answer |= {"written_bytes": w1 - w0, **proc_status()}
         out.write(json.dumps(answer) + "\n")
         out.flush()
@@ -398,6 +401,8 @@ def report(
     fio_r, fio_w = max(reads), max(writes)
     step = {m: med(t["seconds"] for t in turns[m][1:]) for m in methods}
     rss = {m: max(t["hwm"] for t in turns[m]) for m in methods}
+    # the process's CPU seconds (all threads) in the timed step: on a shared machine, what the wall time cannot say
+    cpu = {m: f"{med(t['cpu'] for t in turns[m][1:]):.2f}" if "cpu" in turns[m][0] else "–" for m in methods}
     locked = {m: max(t["locked"] for t in turns[m]) for m in methods}
     moved = {
         m: (med(t["read_bytes"] for t in turns[m][1:]), med(t["written_bytes"] for t in turns[m][1:])) for m in methods
@@ -434,9 +439,9 @@ def report(
                 lines[-1] += f" {m} losses against ours: max relative difference {rel:.1e}."
     lines += [
         "",
-        "| method | step s | × memory | optimizer s | read wait s | Adam s | in backward | write wait s | I/O busy s "
+        "| method | step s | CPU s | × memory | optimizer s | read wait s | Adam s | in backward | write wait s | I/O busy s "
         "| hidden | read MB/step | written MB/step | swap GB/s | vs fio | peak RSS | locked | tier host bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = step.get("memory")
     for m in methods:
@@ -461,9 +466,15 @@ def report(
         elif r + w:  # DeepSpeed: the bytes over the whole step (its swap time is not exposed)
             rate = f"{(r + w) / step[m] / 1e9:.2f} (per step s)"
         lines.append(
-            f"| {m} | {step[m]:.3f} | {ratio} | {' | '.join(cells)} | {r / 1e6:.0f} | {w / 1e6:.0f} | {rate} | {vs} "
+            f"| {m} | {step[m]:.3f} | {cpu[m]} | {ratio} | {' | '.join(cells)} | {r / 1e6:.0f} | {w / 1e6:.0f} | {rate} | {vs} "
             f"| {format_size(rss[m])} | {format_size(locked[m])} | {host} |"
         )
+    lines += [
+        "",
+        "Per-turn step seconds (warm-up first): "
+        + "; ".join(f"{m} " + " / ".join(f"{t['seconds']:.2f}" for t in turns[m]) for m in methods)
+        + ".",
+    ]
     lines += ["", *targets(step, parts, moved, rss, locked, fio_r, fio_w)]
     lines += param_lines(args, methods, step, parts, moved, rss, locked)
     return "\n".join(lines)
