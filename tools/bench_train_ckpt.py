@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -76,6 +77,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--every", type=positive_int, default=1, help="save after every N steps (all ways)")
     p.add_argument("--remote", default=None, help="the tiered way's object-store root (s3://bucket/prefix)")
+    p.add_argument(
+        "--server-nice",
+        type=int,
+        default=19,
+        help="niceness of the loopback S3 server's process (default 19: it stands in for an endpoint off this "
+        "machine, so it gets the cores training leaves idle instead of taking them from training; 0: as the "
+        "ranks). Its CPU seconds per replicated checkpoint are reported",
+    )
     p.add_argument("--dir", type=Path, default=None, help="checkpoint root parent (default: a temp dir under /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)")
@@ -240,6 +249,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     """Medians, overhead ratios and rates from the raw per-step measurements."""
     med = {w: statistics.median(r["step_s"]) for w, r in raw.items() if w in WAYS and r["step_s"]}
     out: dict[str, Any] = {"config": raw["config"], "ways": {}}
+    if "server" in raw:  # the loopback S3 server's CPU over the run, per replicated checkpoint
+        n = len(raw.get("tiered", {}).get("replicate_s", []))
+        out["server"] = {**raw["server"], "replicated": n, "cpu_s_per_checkpoint": raw["server"]["cpu_s"] / max(n, 1)}
     for w in WAYS:
         if w not in raw:
             continue
@@ -307,6 +319,12 @@ def table(summary: dict[str, Any]) -> str:
         "commit). replicate s: the tiered way's upload of a committed checkpoint to the object store "
         "(its manifest last, then latest), behind training."
     )
+    if "server" in summary:
+        srv = summary["server"]
+        lines.append(
+            f"loopback S3 server (its own process, nice {srv['nice']}): {srv['cpu_s']:.1f} CPU s over the run, "
+            f"{srv['cpu_s_per_checkpoint']:.2f} per replicated checkpoint ({srv['replicated']})."
+        )
     lines.append(
         "stall: how long save() kept the caller (+ with --snapshot background: how long the next "
         "step waited for the copy before its optimizer step)."
@@ -392,22 +410,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-train-ckpt-", dir=args.dir))
-    server = None
+    server: subprocess.Popen[str] | None = None
     try:
         if "tiered" in args.ways and args.remote is None:  # a loopback S3 server for this run
-            from tools.s3_server import start_server
-
-            server = start_server()
-            os.environ.update(server.env())
-            os.environ["BENCH_REMOTE"] = f"s3://{server.make_bucket('bench-train-ckpt')}/run"
+            server = start_server(args.server_nice)
+            cpu0 = process_cpu_s(server.pid)
         raw = launch(args, argv, root)
+        if server is not None:
+            raw["server"] = {"nice": args.server_nice, "cpu_s": process_cpu_s(server.pid) - cpu0}
     finally:
         if server is not None:
-            server.stop()
+            server.terminate()
+            server.wait()
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     report(args, raw, root)
     return 0
+
+
+def start_server(nice: int) -> subprocess.Popen[str]:
+    """``tools/s3_server.py`` in a process of its own at niceness ``nice``, with a bucket for the run; this
+    process's environment then points at it (BENCH_REMOTE and the AWS variables, inherited by the ranks)."""
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "s3_server.py"), "--bucket", "bench-train-ckpt"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
+    )
+    assert server.stdout is not None
+    for line in server.stdout:  # "export KEY=VALUE" lines, then it serves
+        if not line.startswith("export "):
+            break
+        key, _, value = line[len("export ") :].strip().partition("=")
+        os.environ[key] = value
+        if key == "AWS_EC2_METADATA_DISABLED":  # the last one it prints
+            break
+    threading.Thread(target=server.stdout.read, daemon=True).start()  # never let its pipe fill
+    if "AWS_ENDPOINT_URL" not in os.environ:
+        server.kill()
+        raise SystemExit("bench_train_ckpt: the loopback S3 server did not start")
+    os.environ["BENCH_REMOTE"] = "s3://bench-train-ckpt/run"
+    return server
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def report(args: argparse.Namespace, raw: dict[str, Any], root: Path) -> None:
