@@ -51,52 +51,45 @@ def masters(e: Engine) -> list[torch.Tensor]:
     return [e.optimizer.offload.gather_group(g)[0] for g in range(len(e.optimizer.plans))]
 
 
-def test_save_and_load_stream_the_parameter_tier(tmp_path: Path) -> None:
+def test_saves_and_loads_stream_the_parameter_tier_sync_and_async(tmp_path: Path) -> None:
     # both tiers on NVMe (ZeRO-Infinity); with the optimizer in memory the same streaming is resumed and compared
     # by tests/training/offload/test_offload_params.py::test_checkpoints_move_between_param_offload_on_and_off
-    root = tmp_path / "ckpt"
+    sync, later = (
+        manager(tmp_path / "sync"),
+        ucp.CheckpointManager(tmp_path / "async", async_save=True, snapshot="sync", aio_config=AIO),
+    )
     a, b = engine(tmp_path, "nvme"), engine(tmp_path, "nvme")
     try:
         a.train_step(0)
         weights = 4 * sum(plan.size for plan in a.optimizer.plans)  # this rank's fp32 partitions: 14 MiB
         with PeakRss() as saving:
-            a.save(manager(root))
+            a.save(sync)
         assert saving.extra <= weights / 2, f"the save added {saving.extra / MIB:.1f} MiB for {weights / MIB:.1f} MiB"
         with PeakRss() as loading:
-            assert b.load(manager(root)) == 1
+            assert b.load(sync) == 1
         assert loading.extra <= weights / 2, f"the load added {loading.extra / MIB:.1f} MiB for {weights / MIB:.1f} MiB"
         assert all(torch.equal(x, y) for x, y in zip(partitions(b), partitions(a)))  # the weights, bit for bit
         assert all(torch.equal(x, y) for x, y in zip(masters(b), masters(a)))  # and what they are cast from
-        assert b.optimizer.adam_step == a.optimizer.adam_step == 1  # (tests/training/offload/test_offload_params.py
-        # resumes such runs and compares their losses)
+        assert b.optimizer.adam_step == a.optimizer.adam_step == 1
+
+        # asynchronous: the parameters' and the optimizer's swap files copied on disk, then streamed
+        with PeakRss() as saving:
+            a.save(later).result()
+        assert saving.extra <= weights / 2, f"the save added {saving.extra / MIB:.1f} MiB for {weights / MIB:.1f} MiB"
+        a.train_step(1)
+        at_two, masters_at_two = partitions(a), masters(a)
+        handle = a.save(later)
+        a.train_step(2)  # rewrites both tiers while the save streams their copies
+        handle.result()
+        assert not torch.equal(partitions(a)[0], at_two[0])  # the tier moved on under the save
+        assert b.load(later) == 2
+        assert all(torch.equal(x, y) for x, y in zip(partitions(b), at_two))  # as of the save, bit for bit
+        assert all(torch.equal(x, y) for x, y in zip(masters(b), masters_at_two))
     finally:
         a.close()
         b.close()
-    assert ucp.verify(manager(root).path(1)).ok
-
-
-def test_an_async_save_streams_copies_of_both_tiers_while_training_goes_on(tmp_path: Path) -> None:
-    a = engine(tmp_path, "nvme")
-    m = ucp.CheckpointManager(tmp_path / "ckpt", async_save=True, snapshot="sync", aio_config=AIO)
-    try:
-        a.train_step(0)
-        size = 4 * sum(plan.size for plan in a.optimizer.plans)
-        with PeakRss() as saving:  # the parameters' and the optimizer's swap files copied, then streamed
-            a.save(m).result()
-        assert saving.extra <= size / 2, f"the save added {saving.extra / MIB:.1f} MiB for {size / MIB:.1f} MiB"
-
-        a.train_step(1)
-        weights, at_two = partitions(a), masters(a)
-        handle = a.save(m)
-        a.train_step(2)  # rewrites both tiers while the save streams their copies
-        handle.result()
-        assert not torch.equal(partitions(a)[0], weights[0])  # the tier moved on under the save
-        assert a.load(m) == 2
-        assert all(torch.equal(x, y) for x, y in zip(partitions(a), weights))  # as of the save, bit for bit
-        assert all(torch.equal(x, y) for x, y in zip(masters(a), at_two))
-    finally:
-        a.close()
-        m.close()
+        later.close()
+    assert ucp.verify(sync.path(1)).ok and ucp.verify(later.path(2)).ok
 
 
 def test_a_corrupt_parameter_swap_file_fails_the_save_naming_file_and_partition(tmp_path: Path) -> None:
