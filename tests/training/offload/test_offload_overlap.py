@@ -5,11 +5,14 @@ ahead is still an OffloadError naming the file and the sub-group."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from offload_worker import weights_digest
 from training_helpers import run_world
 
@@ -136,3 +139,39 @@ def test_two_ranks_zero3_update_during_backward_matches_in_memory(tmp_path: Path
         assert got["losses"] == ref["losses"] and got["digest"] == ref["digest"], rank
         assert got["last"]["early"] > 0  # the reduce-scattered gradients were handed over during backward
         assert got["tier"]["subgroups"] > got["tier"]["slots"]
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """Pages of ``t``'s storage resident in memory (mincore), the partial pages at its ends included."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    hi = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    vec = (ctypes.c_ubyte * ((hi - lo) // page))()
+    assert libc.mincore(lo, hi - lo, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_single_pass_step_never_faults_the_gradient_partition_back_in(tmp_path: Path, device: str) -> None:
+    """Without accumulation the armed pass uses each parameter's reduced gradient as it came: the fp32 gradient
+    partition stays given back through backward (adding into it faulted every page back in, every step)."""
+    e = engine(config(device, tmp_path if device == "nvme" else None))
+    off = e.optimizer.offload
+    assert off is not None
+    seen: list[int] = []
+    ready = off.ready
+
+    def watch(indices: Any) -> None:
+        seen.append(sum(_resident_pages(acc) for acc in e.optimizer.grad_acc))  # as backward hands them over
+        ready(indices)
+
+    off.ready = watch
+    try:
+        e.train_step(0)  # the first step gives back the pages the start-up zeroing made resident
+        seen.clear()
+        e.train_step(1)
+        assert seen and max(seen) <= 2 * len(e.optimizer.grad_acc), seen  # at most each partition's end pages
+    finally:
+        e.close()
