@@ -1,7 +1,7 @@
 """Build (once) and load the C++ extension, or say why the pure-torch path is used instead.
 
 The extension is JIT-built with ``torch.utils.cpp_extension.load`` into a cache directory keyed by
-the source's hash, the torch version and the flags (``$UCP_KERNELS_CACHE``, default
+the source's hash and path, the torch install and version and the flags (``$UCP_KERNELS_CACHE``, default
 ``~/.cache/ucp-kernels``), so each machine compiles it once. ``UCP_KERNELS=torch`` forces the
 fallback; ``UCP_KERNELS=cpp`` makes a failed build an error instead of a silent fallback.
 """
@@ -26,7 +26,7 @@ _state: tuple[ModuleType | None, str] | None = None
 
 
 def cache_dir() -> Path:
-    """Where built extensions live; one sub-directory per (source, torch, flags) hash."""
+    """Where built extensions live; one sub-directory per (source and its path, torch, flags) hash."""
     root = os.environ.get("UCP_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ucp-kernels")
     return Path(root)
 
@@ -34,6 +34,10 @@ def cache_dir() -> Path:
 def _key() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(torch.__version__.encode())
+    # ninja's build file records the source's path and torch's include paths: two checkouts or
+    # virtual environments sharing one build directory would rebuild it in turn, each run
+    h.update(str(SOURCE.resolve()).encode())
+    h.update(str(Path(torch.__file__).resolve().parent).encode())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     return h.hexdigest()[:16]
 
