@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # saving and loading import torch: only CheckpointManager's m
     # listing checkpoints (``ucp ls``, resolving ``latest``) starts without torch
     from ucp.replicate import Replicator
     from ucp.saving.async_save import AsyncSaver, Mode, SaveHandle, Snapshot
+    from ucp.saving.background.job import PostCommit, StoreHandshake
 
 log = logging.getLogger(__name__)
 
@@ -599,6 +600,33 @@ class CheckpointManager:
                 "storage_options": self.storage_options,
             },
         )
+        return self._start_async(
+            state_dict,
+            step,
+            metadata,
+            mesh,
+            check_replicas,
+            post_commit=hook,
+            upload=group.rank == 0,
+            storage_options=self.storage_options,
+        )
+
+    def _start_async(
+        self,
+        state_dict: dict[str, Any],
+        step: int,
+        metadata: dict[str, Any] | None,
+        mesh: dict[str, int] | None,
+        check_replicas: bool,
+        *,
+        post_commit: PostCommit | None,
+        upload: bool,
+        storage_options: dict[str, Any] | None = None,
+        handshake: StoreHandshake | None = None,
+    ) -> SaveHandle:
+        """Start one background save of ``step`` and keep its handle; with ``upload`` the replicator (if any)
+        uploads the step once the save succeeded."""
+        assert self.saver is not None
         handle = self.saver.save(
             state_dict,
             self.path(step),
@@ -607,12 +635,13 @@ class CheckpointManager:
             process_group=self.process_group,
             aio_config=self.aio_config,
             mesh=mesh,
-            post_commit=hook,
+            post_commit=post_commit,
             check_replicas=check_replicas,
-            storage_options=self.storage_options,
+            storage_options=storage_options,
+            handshake=handshake,
         )
-        if self.replicator is not None and group.rank == 0:
-            replicator = self.replicator
+        if upload and self.replicator is not None:
+            replicator, name = self.replicator, step_name(step)
             handle.add_done_callback(lambda h: None if _failed(h) else replicator.submit(step, name))
         # finished saves are forgotten only when they succeeded: a failure waits for wait()/close() to raise it
         self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
@@ -639,22 +668,16 @@ class CheckpointManager:
         if group.rank == 0:  # the local ``latest`` on rank 0's disk, as a synchronous node-local save moves it
             kwargs = {"root": self.root, "step": step, "name": name, "keep_last": None, "storage_options": None}
             hook = PostCommit(call="ucp.manager:after_commit", kwargs=kwargs)
-        handle = self.saver.save(
+        return self._start_async(  # every rank uploads its own files once its local copy is committed
             state_dict,
-            self.path(step),
-            step=step,
-            metadata=metadata,
-            process_group=self.process_group,
-            aio_config=self.aio_config,
-            mesh=mesh,
+            step,
+            metadata,
+            mesh,
+            check_replicas,
             post_commit=hook,
-            check_replicas=check_replicas,
+            upload=True,
             handshake=StoreHandshake(url=self.replicator.remote_root, storage_options=self.replicator.storage_options),
         )
-        replicator = self.replicator  # every rank uploads its own files once its local copy is committed
-        handle.add_done_callback(lambda h: None if _failed(h) else replicator.submit(step, name))
-        self._handles = [h for h in self._handles if not h.done() or _failed(h)] + [handle]
-        return handle
 
     def wait(self) -> None:
         """Wait for this manager's saves in flight; raises the first failure."""
