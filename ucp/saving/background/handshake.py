@@ -104,6 +104,28 @@ def drop_alive_files(storage: Storage, job: WriteJob) -> None:
             pass
 
 
+def commit_reports(storage: Storage, job: WriteJob, reports: list[_commit.RankReport]) -> tuple[Manifest, bytes]:
+    """Rank 0: build the manifest from every rank's report, drop the liveness files and commit ``job``'s
+    temporary directory in ``storage``; returns the manifest and its bytes as written."""
+    manifest = _commit.build_manifest(
+        reports,
+        world_size=job.world_size,
+        step=job.step,
+        metadata=job.metadata,
+        mesh=job.mesh,
+        created=now_utc(),
+    )
+    drop_alive_files(storage, job)
+    return manifest, _commit.commit(storage, job.temp, job.name, manifest)
+
+
+def rank_failed(storage: Storage, job: WriteJob, rank: int, error: str) -> CommitError:
+    """The error that fails ``job``'s save because ``rank`` reported ``error``."""
+    return CommitError(
+        f"save of {storage.describe(job.name)} failed on rank {rank}: {error}", ranks=(rank,), reason=error
+    )
+
+
 def report_name(rank: int) -> str:
     return f".report-rank-{rank:05d}.json"
 
@@ -166,32 +188,14 @@ class HandshakeCommit(_commit.Committer):
                     publish_report(storage, job, report)
                 except (CommitError, OSError) as exc:
                     log.debug("could not report rank %d's error: %s", job.rank, exc)
-                raise CommitError(
-                    f"save of {storage.describe(job.name)} failed on rank {job.rank}: {report.error}",
-                    ranks=(job.rank,),
-                    reason=report.error,
-                )
+                raise rank_failed(storage, job, job.rank, report.error)
             publish_report(storage, job, report)
             return wait_for_commit(storage, job, report)
         if report.error is not None:
             give_up(storage, job, report.error)
-            raise CommitError(
-                f"save of {storage.describe(job.name)} failed on rank 0: {report.error}",
-                ranks=(0,),
-                reason=report.error,
-            )
+            raise rank_failed(storage, job, 0, report.error)
         try:
-            reports = [report] + collect_reports(storage, job)
-            manifest = _commit.build_manifest(
-                reports,
-                world_size=job.world_size,
-                step=job.step,
-                metadata=job.metadata,
-                mesh=job.mesh,
-                created=now_utc(),
-            )
-            drop_alive_files(storage, job)
-            _commit.commit(storage, job.temp, job.name, manifest)
+            manifest, _ = commit_reports(storage, job, [report] + collect_reports(storage, job))
         except BaseException as exc:
             give_up(storage, job, describe(exc))
             raise
@@ -259,11 +263,7 @@ def collect_reports(storage: Storage, job: WriteJob) -> list[_commit.RankReport]
                 continue
             r = _commit.RankReport.model_validate_json(storage.read_small(f"{job.temp}/{entry}"))
             if r.error is not None:
-                raise CommitError(
-                    f"save of {storage.describe(job.name)} failed on rank {r.rank}: {r.error}",
-                    ranks=(r.rank,),
-                    reason=r.error,
-                )
+                raise rank_failed(storage, job, r.rank, r.error)
             got[r.rank] = r
         if len(got) == len(want):
             break

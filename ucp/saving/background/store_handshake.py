@@ -28,8 +28,8 @@ import os
 import time
 
 from ucp.errors import CommitError
-from ucp.format.manifest import Manifest, now_utc, parse_manifest
-from ucp.saving.background.handshake import drop_alive_files, manifest_holds
+from ucp.format.manifest import Manifest, parse_manifest
+from ucp.saving.background.handshake import commit_reports, drop_alive_files, manifest_holds, rank_failed
 from ucp.saving.background.job import WriteJob, describe
 from ucp.store import commit as _commit
 from ucp.store.storage import Storage
@@ -89,21 +89,11 @@ class StoreHandshakeCommit(_commit.Committer):
             raise
 
     def _lead(self, remote: Storage, report: _commit.RankReport) -> Manifest:
-        job, where = self.job, self.storage.describe(self.job.name)
+        job = self.job
         try:
             if report.error is not None:
-                raise CommitError(f"save of {where} failed on rank 0: {report.error}", ranks=(0,), reason=report.error)
-            reports = [report] + self._collect(remote)
-            manifest = _commit.build_manifest(
-                reports,
-                world_size=job.world_size,
-                step=job.step,
-                metadata=job.metadata,
-                mesh=job.mesh,
-                created=now_utc(),
-            )
-            drop_alive_files(self.storage, job)
-            data = _commit.commit(self.storage, job.temp, job.name, manifest)  # the local commit
+                raise rank_failed(self.storage, job, 0, report.error)
+            manifest, data = commit_reports(self.storage, job, [report] + self._collect(remote))  # the local commit
             if job.world_size > 1:
                 remote.write_small(f"{job.name}/{manifest_name(job)}", data)  # the other ranks' go-ahead
         except BaseException as exc:
@@ -129,11 +119,7 @@ class StoreHandshakeCommit(_commit.Committer):
                     continue
                 r = _commit.RankReport.model_validate_json(remote.read_small(f"{job.name}/{n}"))
                 if r.error is not None:
-                    raise CommitError(
-                        f"save of {self.storage.describe(job.name)} failed on rank {r.rank}: {r.error}",
-                        ranks=(r.rank,),
-                        reason=r.error,
-                    )
+                    raise rank_failed(self.storage, job, r.rank, r.error)
                 got[want[n]] = r
             if len(got) == len(want):
                 break
@@ -162,9 +148,7 @@ class StoreHandshakeCommit(_commit.Committer):
         job, where = self.job, self.storage.describe(self.job.name)
         remote.write_small(f"{job.name}/{report_name(job, job.rank)}", report.model_dump_json().encode())
         if report.error is not None:
-            raise CommitError(
-                f"save of {where} failed on rank {job.rank}: {report.error}", ranks=(job.rank,), reason=report.error
-            )
+            raise rank_failed(self.storage, job, job.rank, report.error)
         deadline = time.monotonic() + job.commit_timeout
         delay = POLL_MIN
         while True:
