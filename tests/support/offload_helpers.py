@@ -35,6 +35,17 @@ def train_saving_at(e: Engine, root: Path, steps: int, split: int) -> tuple[list
     return losses, Path(ucp.CheckpointManager(root).path(split))
 
 
+def scribble(path: Path, offset: int, n: int = 16) -> None:
+    """Overwrite ``n`` bytes of ``path`` at ``offset`` with 0x7f, durably: the damage a swap file's
+    checksums must catch."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\x7f" * n, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
     """A small tmpfs mounted at ``path`` for the test (root only)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from offload_helpers import tmpfs
+from offload_helpers import scribble, tmpfs
 from offload_worker import weights_digest
 
 import ucp
@@ -158,12 +158,7 @@ def test_corrupted_swap_file_names_file_and_sub_group(tmp_path: Path) -> None:
     try:
         e.train_step(0)
         victim = swap_files(e)[10]
-        fd = os.open(victim, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\x7f" * 16, 8192)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        scribble(victim, 8192)
         with pytest.raises(OffloadError, match=rf"swap file {victim} of sub-group 10 .*is corrupt: CRC-32C"):
             e.train_step(1)
     finally:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from module_engine_worker import ds_config, gpt2, train_steps
-from offload_helpers import gpt_engine, tmpfs, train_saving_at
+from offload_helpers import gpt_engine, scribble, tmpfs, train_saving_at
 from offload_worker import weights_digest
 from training_helpers import run_world
 
@@ -213,12 +213,7 @@ def test_a_swap_file_changed_under_the_run_names_file_and_partition(tmp_path: Pa
         if damage == "truncated":
             os.truncate(victim, victim.stat().st_size // 2)
         else:
-            fd = os.open(victim, os.O_WRONLY)
-            try:
-                os.pwrite(fd, b"\x7f" * 16, 3 * BUFFER * 4 + 100)  # inside the fourth chunk
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            scribble(victim, 3 * BUFFER * 4 + 100)  # inside the fourth chunk
         what = "is truncated" if damage == "truncated" else r"is corrupt: bytes \[49152, 65536\) have CRC-32C"
         with pytest.raises(
             OffloadError, match=rf"swap file {victim} of parameter '{name}' \(partition 0 of 1: .*\) {what}"

@@ -6,12 +6,11 @@ file fails the save naming the file and the parameter's partition."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from offload_helpers import PeakRss
+from offload_helpers import PeakRss, scribble
 
 import ucp
 from training import Engine
@@ -100,12 +99,7 @@ def test_a_corrupt_parameter_swap_file_fails_the_save_naming_file_and_partition(
         assert tier is not None
         k = next(k for k in range(len(tier.offload.partitions)) if tier.offload.swapped(k))
         victim, name = tier.offload.path(k), tier.offload.partitions[k].name
-        fd = os.open(victim, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\x7f" * 16, 64)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        scribble(victim, 64)
         with pytest.raises(
             OffloadError, match=rf"swap file {victim} of parameter '{name}' \(partition 0 of 1.* is corrupt"
         ):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from offload_helpers import PeakRss
+from offload_helpers import PeakRss, scribble
 
 import ucp
 from training import Engine
@@ -125,12 +125,7 @@ def test_a_corrupt_swap_file_fails_the_save_naming_file_sub_group_and_part(tmp_p
         e.optimizer.offload.quiesce()
         victim = sorted(Path(e.optimizer.offload.describe()["dir"]).glob("subgroup-*.swp"))[3]
         stride = e.optimizer.offload.store.stride(e.optimizer.offload.subgroups[3])
-        fd = os.open(victim, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\x7f" * 16, stride + 64)  # inside exp_avg
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        scribble(victim, stride + 64)  # inside exp_avg
         with pytest.raises(OffloadError, match=rf"swap file {victim} of sub-group 3 .*is corrupt: .* of its exp_avg,"):
             e.save(manager(tmp_path / "ckpt"))
         assert ucp.CheckpointManager(tmp_path / "ckpt").latest() is None  # nothing committed
