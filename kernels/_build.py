@@ -8,10 +8,13 @@ fallback; ``UCP_KERNELS=cpp`` makes a failed build an error instead of a silent 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -42,6 +45,23 @@ def _key() -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _builder_lock(where: Path) -> Iterator[None]:
+    """Hold ``where``'s build lock: one process builds or loads there at a time.
+
+    torch's own lock is a plain file that a killed builder leaves behind, after which every later
+    process waits for it forever. An ``flock`` dies with its holder, so whoever holds it knows
+    that a torch lock file left in ``where`` belongs to no live builder and removes it.
+    """
+    fd = os.open(where / "build.flock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (where / "lock").unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _build() -> tuple[ModuleType | None, str]:
     mode = os.environ.get("UCP_KERNELS", "").strip().lower()
     if mode not in ("", "auto", "cpp", "torch"):
@@ -59,14 +79,15 @@ def _build() -> tuple[ModuleType | None, str]:
         key = _key()
         where = cache_dir() / key
         where.mkdir(parents=True, exist_ok=True)
-        mod = cpp_extension.load(
-            name=f"ucp_kernels_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=list(CFLAGS),  # copies: load() appends its own flags to the lists it is given
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(where),
-            verbose=False,
-        )
+        with _builder_lock(where):
+            mod = cpp_extension.load(
+                name=f"ucp_kernels_{key}",
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),  # copies: load() appends its own flags to the lists it is given
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(where),
+                verbose=False,
+            )
         return mod, f"C++ extension ({mod.isa()}), built in {where}"
     except Exception as e:  # any build failure: fall back, keeping the reason
         if mode == "cpp":
