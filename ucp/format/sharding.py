@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
+
+    from ucp.store.file_ranges import FileRange
 
 from reshard.box import Box, FlatRange
 
@@ -124,6 +128,11 @@ class StreamedShard:
     later part starts where the previous one ends modulo 4096 (page-aligned buffers cut at page
     multiples): the save then places the piece so that the writer DMAs the parts from the producer's
     memory instead of copying them into its staging.
+
+    ``source``: the same bytes as runs of checked blocks of files on disk (:class:`ucp.store.file_ranges.FileRange`),
+    which a writer *process* reads itself (``AsyncSaver(mode="process")``; without a source such a save refuses
+    the shard); ``ready`` resolves once those files hold them (the producer's copy is made: the writer waits for
+    it; its exception fails the save). The producer removes the files once the save is done.
     """
 
     dtype: torch.dtype
@@ -132,6 +141,8 @@ class StreamedShard:
     parts: Callable[[], Iterable[memoryview]]
     replica_id: int = 0
     phase: int | None = None
+    source: Sequence[FileRange] | None = None
+    ready: Future[None] | None = None
 
     def __post_init__(self) -> None:
         self.global_shape = _ints(self.global_shape, "global_shape")

@@ -59,7 +59,7 @@ from ucp.saving.background.thread_backend import ThreadBackend
 from ucp.saving.dtensor import lower_leaves, with_record
 from ucp.saving.options import AsyncSaveOptions, Mode, Snapshot
 from ucp.saving.plan import PLAN_CACHE, SavePlan, plan_save
-from ucp.saving.snapshot import replica_checksums, streams
+from ucp.saving.snapshot import replica_checksums, sourced, streams
 from ucp.saving.staging import Arena, StagingPool
 from ucp.saving.sync_save import _check_args, save
 from ucp.store import commit as _commit
@@ -177,10 +177,12 @@ class AsyncSaver:
     until the deferred snapshots running have read the tensors (:mod:`ucp.saving.step_guard`), so a
     training loop saves the state it asked for even without ``wait_snapshot()``.
 
-    A state dict holding :class:`ucp.StreamedShard` pieces (thread mode only) stages none of it: the other
-    pieces are copied before ``save`` returns and the writer thread pulls the streamed parts as it writes
-    them (:func:`ucp.saving.snapshot_modes.start_streamed`), whatever ``snapshot`` says. ``max_in_flight`` bounds
-    such saves too: ``save`` waits while that many are still writing their data files.
+    A state dict holding :class:`ucp.StreamedShard` pieces stages none of it: the other pieces are copied
+    before ``save`` returns and the writer thread pulls the streamed parts as it writes them
+    (:func:`ucp.saving.snapshot_modes.start_streamed`), whatever ``snapshot`` says; in process mode every such
+    piece needs a ``source`` (files on disk with known CRCs), which the writer process reads itself
+    (:func:`~ucp.saving.snapshot_modes.start_streamed_process`). ``max_in_flight`` bounds such saves too:
+    ``save`` waits while that many are still writing their data files.
 
     ``pipeline=True``: the writer starts writing the chunks already copied while
     the snapshot is still running — durable 5–9% sooner, but the copy then shares
@@ -329,10 +331,11 @@ class AsyncSaver:
                 else []
             )
             streamed = plan.file is not None and streams(plan, leaves)
-            if streamed and self.mode != "thread":
+            if streamed and self.mode != "thread" and not sourced(plan, leaves):
                 raise UnsupportedStateError(
                     "a StreamedShard's parts are pulled by the writer from this process: an asynchronous save "
-                    "of one needs mode='thread' (this saver's mode is 'process')"
+                    "of one without a source (files the writer process reads) needs mode='thread' (this "
+                    "saver's mode is 'process')"
                 )
             if streamed:  # no arena holds it back: at most max_in_flight such saves write at once
                 self._wait_streamed()
@@ -397,7 +400,13 @@ class AsyncSaver:
                 _commit.close_fd(lock_fd)
                 raise
             progress = Progress(plan.file_size if plan.file is not None else 0)
-            if streamed:  # no arena: the writer thread pulls the streamed parts (snapshot_modes.start_streamed)
+            if streamed and self.mode != "thread":  # the writer process reads the streamed pieces' source files
+                future, copying, protected = snapshot_modes.start_streamed_process(
+                    self._writer, job, plan, leaves, lock_fd
+                )
+                with self._lock:
+                    self._streamed.append(future)
+            elif streamed:  # no arena: the writer thread pulls the streamed parts (snapshot_modes.start_streamed)
                 started, written = snapshot_modes.start_streamed(self._writer, job, plan, leaves, lock_fd)
                 future, copying, protected = started
                 with self._lock:
@@ -435,7 +444,7 @@ class AsyncSaver:
         group = process_group if isinstance(process_group, Group) else resolve_group(process_group)
         leaves, _ = lower_leaves(encode_state(state_dict).leaves, group)
         plan = plan_save(leaves, group.rank, group.world_size, cache=PLAN_CACHE)
-        if plan.file is None or (self.mode == "thread" and streams(plan, leaves)):  # streamed: no arena
+        if plan.file is None or streams(plan, leaves):  # streamed: no arena of the file's size
             return 0
         arena = self.pool.acquire(plan.file_size)
         try:

@@ -121,6 +121,24 @@ def streams(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
     return any(isinstance(leaf_part(leaves[p.leaf], p.part), StreamedShard) for p in plan.pieces)
 
 
+def sourced(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
+    """Whether every :class:`StreamedShard` the plan writes has a ``source`` (files a writer process reads)."""
+    for p in plan.pieces:
+        value = leaf_part(leaves[p.leaf], p.part)
+        if isinstance(value, StreamedShard) and value.source is None:
+            return False
+    return True
+
+
+def streamed_sources(plan: SavePlan, leaves: Sequence[Leaf]) -> list[StreamedShard | None]:
+    """Each planned piece's StreamedShard (None for the other pieces)."""
+    out: list[StreamedShard | None] = []
+    for p in plan.pieces:
+        value = leaf_part(leaves[p.leaf], p.part)
+        out.append(value if isinstance(value, StreamedShard) else None)
+    return out
+
+
 def streamed_views(plan: SavePlan, leaves: Sequence[Leaf]) -> list[PieceBytes]:
     """What an asynchronous save that streams hands its writer thread: each :class:`StreamedShard`'s parts,
     pulled as the writer goes (the producer keeps them consistent until then), and a private copy of every

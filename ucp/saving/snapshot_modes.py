@@ -12,7 +12,8 @@ staging arena ahead of the first save, :meth:`~SnapshotMode.close` stops what th
   (:mod:`ucp.saving.cow.snapshot`);
 * :class:`DirectSnapshot` ("none") — no copy: the writer writes straight from the tensors.
 
-A save of :class:`ucp.StreamedShard` pieces (thread mode) takes none of them: :func:`start_streamed`.
+A save of :class:`ucp.StreamedShard` pieces takes none of them: :func:`start_streamed` (thread mode), or
+:func:`start_streamed_process` where every such piece has a ``source`` the writer process reads itself.
 
 A mode that cannot apply to one save (CUDA tensors for "background"/"cow", a rank with no file)
 falls back to the copying snapshot of :class:`SyncSnapshot` for that save.
@@ -294,6 +295,58 @@ def start_streamed(
         _give_back(writer, job, None, lock_fd)
         raise
     return Started(future, None, False), image.written
+
+
+def start_streamed_process(
+    writer: Writer, job: WriteJob, plan: SavePlan, leaves: Sequence[Leaf], lock_fd: int | None
+) -> Started:
+    """A save of :class:`ucp.StreamedShard` pieces that all have a ``source``, in process mode: the header and the
+    other pieces are copied now into a compact arena (their bytes only), and the writer process reads each
+    streamed piece from its source files as it writes it (:func:`ucp.saving.background.image.write_streamed`),
+    so neither process ever holds the state behind them whole. The writer starts once every shard's ``ready``
+    has resolved (the producer's copy is made); a failed one fails the save."""
+    arena: Arena | None = None
+    shards = _snap.streamed_sources(plan, leaves)
+    try:
+        assert plan.file is not None and job.plan is not None
+        size = plan.data_start + sum(p.length for p, s in zip(plan.pieces, shards) if s is None)
+        arena = writer.pool.acquire(max(size, 1))
+        arena.view(plan.data_start, 0)[:] = plan.header
+        pieces, at = [], plan.data_start
+        for p, spec, shard in zip(plan.pieces, job.plan.pieces, shards):
+            if shard is None:
+                arena.view(p.length, at)[:] = _snap.piece_bytes(p, leaves[p.leaf])
+                pieces.append(spec.model_copy(update={"arena": at}))
+                at += p.length
+            else:
+                assert shard.source is not None
+                pieces.append(spec.model_copy(update={"source": list(shard.source)}))
+        streamed = job.plan.model_copy(update={"pieces": pieces, "streamed": True, "data_start": plan.data_start})
+        job = job.model_copy(update={"plan": streamed, "arena_path": arena.path, "arena_capacity": arena.capacity})
+        progress = Progress(plan.file_size)
+        future = writer.backend.submit(job, arena, progress, lock_fd)
+    except BaseException:
+        _give_back(writer, job, arena, lock_fd)
+        raise
+    waits = list({id(s.ready): s.ready for s in shards if s is not None and s.ready is not None}.values())
+    left = [len(waits)]
+    lock = threading.Lock()
+
+    def one_ready(fut: Future) -> None:
+        exc = fut.exception()
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if exc is not None:
+            _fail_copy(writer, job, progress, exc)
+        elif last:
+            progress.advance(progress.total)
+
+    if not waits:
+        progress.advance(progress.total)
+    for fut in waits:
+        fut.add_done_callback(one_ready)
+    return Started(future, None, False)
 
 
 MODES: dict[str, type[SnapshotMode]] = {

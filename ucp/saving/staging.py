@@ -296,6 +296,7 @@ class StagingPool:
         self._cond = threading.Condition()
         self._closed = False
         self.created = 0
+        self.created_bytes = 0  # bytes of the arenas made (a save of StreamedShards makes a compact one)
         self.on_drop: list = []  # callbacks(arena) run before an arena is closed (the writer process unmaps it)
 
     def acquire(self, nbytes: int, timeout: float | None = None) -> Arena:
@@ -327,6 +328,7 @@ class StagingPool:
                 self._cond.notify()
             raise
         self.created += 1
+        self.created_bytes += nbytes
         return new
 
     def release(self, arena: Arena) -> None:

@@ -10,7 +10,7 @@ from typing import Callable
 from ucp.errors import CommitError
 from ucp.format.manifest import Manifest, Piece
 from ucp.saving.background.handshake import HandshakeCommit, hold_alive
-from ucp.saving.background.image import DirectImage, Progress, write_image
+from ucp.saving.background.image import DirectImage, Progress, write_image, write_streamed
 from ucp.saving.background.job import PostCommit, WriteJob, describe
 from ucp.saving.staging import Arena
 from ucp.store import commit as _commit
@@ -50,6 +50,8 @@ def _execute(
                 if isinstance(arena, DirectImage):
                     records = write_rank_file(storage, rel, arena.plan, arena.views)
                     arena.check_unchanged()
+                elif job.plan.streamed:  # a writer process reading StreamedShards' files
+                    records = write_streamed(storage, rel, job.plan, arena, progress)
                 else:
                     records = write_image(storage, rel, job.plan, arena, progress)
             finally:

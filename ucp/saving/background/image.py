@@ -8,15 +8,17 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ucp.errors import SnapshotAborted
 from ucp.format.manifest import Piece
 from ucp.saving.background.job import PlanSpec
-from ucp.saving.plan import SavePlan
+from ucp.saving.plan import PlannedPiece, SavePlan
 from ucp.saving.staging import Arena
+from ucp.store.file_ranges import RangeReader
 from ucp.store.storage import Storage
-from ucp.store.writer import CrcChain, PieceBytes
+from ucp.store.writer import CrcChain, PieceBytes, StreamedParts, write_rank_file
 
 if TYPE_CHECKING:
     from ucp.saving.snapshot import ChangeWatch
@@ -190,3 +192,30 @@ def write_image(
         )
         for i, p in enumerate(plan.pieces)
     ]
+
+
+def write_streamed(
+    storage: Storage, rel_path: str, plan: PlanSpec, arena: Arena, progress: Progress, *, buffers: int = 3
+) -> list[tuple[str, Piece]]:
+    """Write a streamed plan's file (``plan.streamed``): the header and the other pieces from the compact
+    ``arena``, each StreamedShard's pieces read from its ``source`` files as they are written, through a
+    :class:`~ucp.store.file_ranges.RangeReader` of ``buffers`` blocks (each block checked against its CRC-32C
+    before a byte of it is written): never the streamed state whole in memory. Waits first until ``progress``
+    is complete: the arena filled and the producer's files ready (SnapshotAborted if that failed)."""
+    progress.wait(progress.total)
+    largest = max((r.length for p in plan.pieces for r in p.source or ()), default=0)
+    header = bytes(arena.view(plan.data_start, 0))
+    pieces = tuple(  # what write_rank_file reads of a plan: names, regions, places in the file
+        PlannedPiece(p.name, i, "", (), p.region(), p.offset, p.length, entry=p.entry)
+        for i, p in enumerate(plan.pieces)
+    )
+    save_plan = SavePlan(0, 1, plan.file, header, pieces, plan.file_size, ())
+    with RangeReader(storage.config, largest, buffers=buffers) as reader:
+        views: list[PieceBytes] = []
+        for p in plan.pieces:
+            if p.source is not None:
+                views.append(StreamedParts(partial(reader.parts, p.source)))
+            else:
+                assert p.arena is not None, f"piece {p.name!r} of a streamed plan has neither bytes nor a source"
+                views.append(arena.view(p.length, p.arena))
+        return write_rank_file(storage, rel_path, save_plan, views)

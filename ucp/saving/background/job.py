@@ -16,6 +16,7 @@ from ucp.errors import CheckpointError, CommitError
 from ucp.saving.options import DEFAULTS
 from ucp.saving.plan import SavePlan
 from ucp.store import commit as _commit
+from ucp.store.file_ranges import FileRange
 from ucp.store.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ class PieceSpec(BaseModel):
     box: tuple[list[int], list[int]] | None = None  # (offsets, shape)
     flat: tuple[int, int] | None = None  # (start, stop)
     entry: str | None = None  # header entry name when not ``name``
+    arena: int | None = None  # a streamed plan: where the piece's bytes start in the (compact) arena
+    source: list[FileRange] | None = None  # ... or the files the writer reads them from (a StreamedShard's)
 
     def region(self) -> Box | FlatRange:
         if self.box is not None:
@@ -40,12 +43,18 @@ class PieceSpec(BaseModel):
 
 
 class PlanSpec(BaseModel):
-    """What the writer needs of a :class:`~ucp.saving.plan.SavePlan` (the header is already in the arena image)."""
+    """What the writer needs of a :class:`~ucp.saving.plan.SavePlan` (the header is already in the arena image).
+
+    ``streamed`` (a save of StreamedShards with a ``source``, :func:`ucp.saving.snapshot_modes.start_streamed_process`):
+    the arena is not the file's image but holds the header (its first ``data_start`` bytes) and the other pieces'
+    bytes (at each piece's ``arena``); the writer reads the streamed pieces from their ``source`` files."""
 
     model_config = ConfigDict(extra="forbid")
     file: str
     file_size: int
     pieces: list[PieceSpec]
+    streamed: bool = False
+    data_start: int = 0
 
     @classmethod
     def of(cls, plan: SavePlan) -> "PlanSpec":
