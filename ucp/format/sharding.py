@@ -129,10 +129,12 @@ class StreamedShard:
     multiples): the save then places the piece so that the writer DMAs the parts from the producer's
     memory instead of copying them into its staging.
 
-    ``source``: the same bytes as runs of checked blocks of files on disk (:class:`ucp.store.file_ranges.FileRange`),
-    which a writer *process* reads itself (``AsyncSaver(mode="process")``; without a source such a save refuses
-    the shard); ``ready`` resolves once those files hold them (the producer's copy is made: the writer waits for
-    it; its exception fails the save). The producer removes the files once the save is done.
+    ``source``: gives the same bytes as runs of checked blocks of files on disk
+    (:class:`ucp.store.file_ranges.FileRange`), which a writer *process* reads itself
+    (``AsyncSaver(mode="process")``; without a source such a save refuses the shard). It is called once
+    ``ready`` (if any) has resolved: once those files hold the bytes (the producer's copy is made; its
+    exception fails the save), on the thread that resolved it. The producer removes the files once the save
+    is done.
     """
 
     dtype: torch.dtype
@@ -141,7 +143,7 @@ class StreamedShard:
     parts: Callable[[], Iterable[memoryview]]
     replica_id: int = 0
     phase: int | None = None
-    source: Sequence[FileRange] | None = None
+    source: Callable[[], Sequence[FileRange]] | None = None
     ready: Future[None] | None = None
 
     def __post_init__(self) -> None:

@@ -303,50 +303,84 @@ def start_streamed_process(
     """A save of :class:`ucp.StreamedShard` pieces that all have a ``source``, in process mode: the header and the
     other pieces are copied now into a compact arena (their bytes only), and the writer process reads each
     streamed piece from its source files as it writes it (:func:`ucp.saving.background.image.write_streamed`),
-    so neither process ever holds the state behind them whole. The writer starts once every shard's ``ready``
-    has resolved (the producer's copy is made); a failed one fails the save."""
+    so neither process ever holds the state behind them whole. The job goes to the writer once every shard's
+    ``ready`` has resolved (the producer's copy is made), with the sources the shards then give; a failed one
+    fails the save (its temporary directory abandoned, as for a job that never reached the writer)."""
     arena: Arena | None = None
     shards = _snap.streamed_sources(plan, leaves)
+    places: list[int | None] = []
     try:
         assert plan.file is not None and job.plan is not None
         size = plan.data_start + sum(p.length for p, s in zip(plan.pieces, shards) if s is None)
         arena = writer.pool.acquire(max(size, 1))
         arena.view(plan.data_start, 0)[:] = plan.header
-        pieces, at = [], plan.data_start
-        for p, spec, shard in zip(plan.pieces, job.plan.pieces, shards):
-            if shard is None:
+        at = plan.data_start
+        for p, shard in zip(plan.pieces, shards):
+            places.append(None if shard is not None else at)
+            if shard is None:  # copied now: the caller may change it once save returns
                 arena.view(p.length, at)[:] = _snap.piece_bytes(p, leaves[p.leaf])
-                pieces.append(spec.model_copy(update={"arena": at}))
                 at += p.length
-            else:
-                assert shard.source is not None
-                pieces.append(spec.model_copy(update={"source": list(shard.source)}))
-        streamed = job.plan.model_copy(update={"pieces": pieces, "streamed": True, "data_start": plan.data_start})
-        job = job.model_copy(update={"plan": streamed, "arena_path": arena.path, "arena_capacity": arena.capacity})
-        progress = Progress(plan.file_size)
-        future = writer.backend.submit(job, arena, progress, lock_fd)
     except BaseException:
         _give_back(writer, job, arena, lock_fd)
         raise
+    outer: Future = Future()
+    outer.set_running_or_notify_cancel()
     waits = list({id(s.ready): s.ready for s in shards if s is not None and s.ready is not None}.values())
-    left = [len(waits)]
+    state = {"left": len(waits), "failed": False}
     lock = threading.Lock()
+
+    def give_up(exc: BaseException) -> None:
+        _give_back(writer, job, arena, lock_fd)
+        outer.set_exception(exc)
+
+    def submit() -> None:
+        try:
+            assert job.plan is not None
+            pieces = []
+            for spec, shard, at in zip(job.plan.pieces, shards, places):
+                if shard is None:
+                    pieces.append(spec.model_copy(update={"arena": at}))
+                else:
+                    assert shard.source is not None  # the saver checked (snapshot.sourced)
+                    pieces.append(spec.model_copy(update={"source": list(shard.source())}))
+            streamed = job.plan.model_copy(update={"pieces": pieces, "streamed": True, "data_start": plan.data_start})
+            assert arena is not None and len(pieces) == len(job.plan.pieces)
+            full = job.model_copy(update={"plan": streamed, "arena_path": arena.path, "arena_capacity": arena.capacity})
+            progress = Progress(plan.file_size)
+            progress.advance(progress.total)  # nothing left to copy: the writer starts at once
+            inner = writer.backend.submit(full, arena, progress, lock_fd)
+        except BaseException as exc:  # noqa: BLE001 - the save's error
+            give_up(exc)
+            return
+        inner.add_done_callback(lambda f: _pass_on(f, outer))
 
     def one_ready(fut: Future) -> None:
         exc = fut.exception()
         with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if exc is not None:
-            _fail_copy(writer, job, progress, exc)
-        elif last:
-            progress.advance(progress.total)
+            first_failure = exc is not None and not state["failed"]
+            state["failed"] = state["failed"] or exc is not None
+            state["left"] -= 1
+            go = state["left"] == 0 and not state["failed"]
+        if first_failure:
+            assert exc is not None
+            give_up(exc)
+        elif go:
+            submit()
 
     if not waits:
-        progress.advance(progress.total)
+        submit()
     for fut in waits:
         fut.add_done_callback(one_ready)
-    return Started(future, None, False)
+    return Started(outer, None, False)
+
+
+def _pass_on(src: Future, dst: Future) -> None:
+    """Resolve ``dst`` as ``src`` resolved."""
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
 
 
 MODES: dict[str, type[SnapshotMode]] = {

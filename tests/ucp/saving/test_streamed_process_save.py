@@ -55,13 +55,17 @@ def state(tmp_path: Path, ready: Future[None] | None = None) -> tuple[dict, dict
     streamed = {
         "big": Shards(
             [
-                StreamedShard(torch.float32, (200_000,), FlatRange(0, 150_000), unused, source=lo, ready=ready),
-                StreamedShard(torch.float32, (200_000,), FlatRange(150_000, 200_000), unused, source=hi, ready=ready),
+                StreamedShard(torch.float32, (200_000,), FlatRange(0, 150_000), unused, source=lambda: lo, ready=ready),
+                StreamedShard(
+                    torch.float32, (200_000,), FlatRange(150_000, 200_000), unused, source=lambda: hi, ready=ready
+                ),
             ]
         ),
         "box": Shards(
             [
-                StreamedShard(torch.float32, (64, 48), Box((16, 0), (48, 48)), unused, source=rows, ready=ready),
+                StreamedShard(
+                    torch.float32, (64, 48), Box((16, 0), (48, 48)), unused, source=lambda: rows, ready=ready
+                ),
                 ucp.ShardedTensor(box[:16].clone(), (64, 48), (0, 0)),
             ]
         ),
@@ -122,16 +126,20 @@ def test_a_changed_block_fails_the_save_naming_the_file_and_block(tmp_path: Path
 def test_a_writer_killed_mid_save_leaves_the_last_checkpoint_loadable(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     plain, done = state(tmp_path)
-    never: Future[None] = Future()
+    fifo = tmp_path / "stuck"
+    os.mkfifo(fifo)  # the writer blocks opening it: killed while it reads the source
+    stuck = [FileRange(path=str(fifo), offset=0, length=BLOCK, crc32c=0, start=0, stop=40, what="stuck")]
+    pending = {"w": StreamedShard(torch.float32, (10,), FlatRange(0, 10), unused, source=lambda: stuck)}
     with ucp.CheckpointManager(root, async_save=True, mode="process") as m:
         first = m.save(done, 1)
         assert isinstance(first, ucp.SaveHandle)
         first.result()
-        _, pending = state(tmp_path, never)
         handle = m.save(pending, 2)
         assert isinstance(handle, ucp.SaveHandle)
         pid = m.saver.writer_pid if m.saver is not None else None
         assert pid is not None
+        with pytest.raises(TimeoutError):
+            handle.result(timeout=0.5)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(CommitError, match="exited"):
             handle.result(timeout=30)
