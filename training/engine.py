@@ -420,10 +420,11 @@ class Engine:
                     mesh=self.mesh.as_dict(),
                 )
             elif self._streams_async(manager):
-                # asynchronous, still streamed: the writer thread reads a copy of the swap files (TierCopy,
-                # ParamCopy), made behind the next forward and backward; the tiers are not written before it is
-                # (wait_snapshot). Such a save takes no staging arena, so the saver's max_in_flight bounds them
-                # here (and the copies on the swap device with them): the oldest is waited for.
+                # asynchronous, still streamed: the writer (thread or process) reads a copy of the swap files
+                # (TierCopy, ParamCopy), made behind the next forward and backward; the tiers are not written before
+                # it is (wait_snapshot). Such a save takes no staging arena of the state's size, so the saver's
+                # max_in_flight bounds them here (and the copies on the swap device with them): the oldest is
+                # waited for.
                 self._streaming = [h for h in self._streaming if not h.done()]
                 assert manager.saver is not None
                 while len(self._streaming) >= manager.saver.options.max_in_flight:
@@ -434,7 +435,8 @@ class Engine:
                     if offload is not None and isinstance(offload.store, NvmeStore):
                         copies.append(copy := TierCopy(offload))
                         streamer = TierReader(offload, copy=copy)
-                    param_copy = ParamCopy(params) if params is not None else None
+                    files = manager.saver.mode != "thread"  # a writer process reads files only (ParamCopy.ranges)
+                    param_copy = ParamCopy(params, files=files) if params is not None else None
                     if param_copy is not None:
                         copies.append(param_copy)
                     result = manager.save(
@@ -450,7 +452,7 @@ class Engine:
                 self._tier_copies = copies
                 self._streaming = [h for h in self._streaming if not h.done()] + [result]
                 result.add_done_callback(partial(_finish_streaming, streamer, copies))
-            else:  # a process-mode writer cannot read this process's tiers: staged from them, whole
+            else:  # nothing offloaded to NVMe: the state is in memory, staged as any
                 result = manager.save(
                     self.state_dict_for_checkpoint(),
                     self.step if step is None else step,
@@ -478,10 +480,11 @@ class Engine:
 
     def _streams_async(self, manager: ucp.CheckpointManager) -> bool:
         """Whether an asynchronous save through ``manager`` streams copies of the swap files (an NVMe tier, of the
-        optimizer's states or of the parameters, and a writer thread in this process to read them)."""
+        optimizer's states or of the parameters): its writer thread reads them through the copies' readers, a
+        writer process reads the files itself (the StreamedShards' sources)."""
         offload = self.optimizer.offload
         nvme = offload is not None and isinstance(offload.store, NvmeStore)
-        return (nvme or self.optimizer.param_tier is not None) and _thread_saver(manager)
+        return (nvme or self.optimizer.param_tier is not None) and manager.saver is not None
 
     def wait_snapshot(self) -> None:
         """Wait for the copy of the last asynchronous checkpoint (it may still run in the background:
@@ -624,11 +627,6 @@ class Engine:
 
 
 FAILED = -1  # the step a rank reports when it could not load (steps are >= 0)
-
-
-def _thread_saver(manager: ucp.CheckpointManager) -> bool:
-    """Whether the manager saves asynchronously on a writer thread of this process (which can stream the tier)."""
-    return manager.saver is not None and manager.saver.mode == "thread"
 
 
 def _finish_streaming(

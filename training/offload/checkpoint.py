@@ -56,6 +56,7 @@ from ucp.format.sharding import FlatShard, Shards, StreamedShard
 from ucp.format.tree import dict_items, node_kind, path_str
 from ucp.loading.partial import SourceIndex, Target, read_targets
 from ucp.saving.snapshot import tensor_bytes
+from ucp.store.file_ranges import FileRange
 from ucp.store.reader import read_manifest
 from ucp.store.storage import Storage, as_aio_config, open_storage
 
@@ -145,6 +146,9 @@ def streamed_params(found: Sequence[Span], tier: ParamTier, copy: ParamCopy | No
         parts = partial(stream, s.group, s.lo, s.lo + s.count)
         phase = s.lo * off.itemsize % MIN_ALIGNMENT if off.swapped(s.group) else None  # chunks: page multiples
         shard = StreamedShard(tier.dtype, s.global_shape, s.region, parts, s.replica_id, phase)
+        if copy is not None:  # a writer process reads the copy itself, once it is made
+            shard.source = partial(copy.ranges, s.group, s.lo, s.lo + s.count)
+            shard.ready = copy.copied
         by_name.setdefault(s.name, []).append(shard)
     return {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in by_name.items()}
 
@@ -183,6 +187,9 @@ def streamed_sections(spans_by_key: Mapping[str, list[Span]], reader: TierReader
             parts = partial(reader.parts, part, s.group, s.lo, s.lo + s.count)
             phase = s.lo * FP32 % MIN_ALIGNMENT  # sub-groups start at page multiples: the parts line up with the file
             shard = StreamedShard(torch.float32, s.global_shape, s.region, parts, s.replica_id, phase)
+            if reader.copy is not None:  # a writer process reads the copy itself, once it is made
+                shard.source = partial(reader.copy.ranges, part, s.group, s.lo, s.lo + s.count)
+                shard.ready = reader.copy.copied
             by_name.setdefault(s.name, []).append(shard)
         out[key] = {n: ps[0] if len(ps) == 1 else Shards(ps) for n, ps in by_name.items()}
     return out
@@ -230,6 +237,32 @@ class TierCopy:
     def wait(self) -> None:
         """Wait until the copy is made (or failed: the save reports it); the tier may change from then on."""
         _ = self.copied.exception()
+
+    def ranges(self, part: int, group: int, lo: int, hi: int) -> list[FileRange]:
+        """Where elements ``[lo, hi)`` of part ``part`` of group ``group``'s partition lie in the copy, each
+        sub-group's part a block with the CRC-32C its record had when copied: what a writer process reads
+        (:class:`ucp.store.file_ranges.RangeReader`). Waits for the copy, raises its error."""
+        self.copied.result()
+        out = []
+        for sg in self.subgroups:
+            a, b = max(lo, sg.lo), min(hi, sg.hi)
+            if sg.group != group or a >= b:
+                continue
+            crcs, stride = self._crcs[sg.index], self.store.stride(sg)
+            assert crcs is not None  # checked by the copy
+            out.append(
+                FileRange(
+                    path=str(self._paths[sg.index]),
+                    offset=part * stride,
+                    length=stride,
+                    crc32c=crcs[part],
+                    start=(a - sg.lo) * FP32,
+                    stop=(b - sg.lo) * FP32,
+                    what=f"copy of the swap file of {sg.describe()} for a checkpoint: its {PARTS[part]}",
+                    alignment=self.store.alignment,
+                )
+            )
+        return out
 
     def source(self, sg: SubGroup, engine: Engine) -> tuple[Path, Engine, tuple[int, ...]]:
         """Where to read ``sg``'s record as copied (for :meth:`NvmeStore.read_part`); waits for the copy, raises

@@ -50,6 +50,7 @@ from aio.buffers import AlignedBuffer, round_down, round_up
 from aio.engines import Engine, create_engine
 from aio.errors import AioError, is_no_space
 from aio.files import open_file, preallocate
+from ucp.store.file_ranges import FileRange
 
 from .config import OffloadConfig
 from .errors import OffloadError
@@ -546,15 +547,18 @@ class ParamCopy:
     the optimizer's): made once the tier is quiet, with each chunk's CRC-32C as written; the copy runs on a thread
     of its own and the tier must not be written before :meth:`wait`. Partitions kept in host memory
     (``max_in_cpu``, those under one block) are cloned. Reads go through an aio engine and one chunk buffer of
-    its own."""
+    its own. ``files`` (a writer process reads the copy, :meth:`ranges`): the cloned partitions are written to
+    files of the copy too, chunk by chunk, each chunk's CRC-32C noted."""
 
-    def __init__(self, tier: ParamTier) -> None:
+    def __init__(self, tier: ParamTier, *, files: bool = False) -> None:
         from .checkpoint import copy_file
 
         tier.quiesce()
         off = self.offload = tier.offload
         self._crcs = {k: list(v) for k, v in off._crc.items()}
         self._resident = {k: t.clone() for k, t in off._resident.items()}
+        self._files = files
+        self._resident_crcs: dict[int, list[int]] = {}  # with ``files``: each chunk's CRC-32C, once written
         self.dir = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=off.dir.path))
         self._paths = {k: self.dir / path.name for k, path in off._paths.items()}
         self._engine: Engine | None = create_engine(off.aio)
@@ -576,6 +580,53 @@ class ParamCopy:
                 raise OffloadError(
                     f"copying swap file {src} of {part} to {dst} for a checkpoint failed: {why}"
                 ) from exc
+        if self._files:
+            for k in self._resident:
+                self._write_resident(k)
+
+    def _resident_path(self, k: int) -> Path:
+        return self.dir / f"resident-{k:05d}.bin"
+
+    def _write_resident(self, k: int) -> None:
+        """Write cloned partition ``k`` to its file of the copy, noting each chunk's CRC-32C."""
+        data = self._resident[k].detach().cpu().contiguous().view(torch.uint8).numpy().data
+        step, path = self.offload.chunk_bytes, self._resident_path(k)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+            part = self.offload.partitions[k].describe()
+            raise OffloadError(f"writing {part} (kept in memory) to {path} for a checkpoint failed: {why}") from exc
+        self._resident_crcs[k] = [crc32c.crc32c(data[a : a + step]) for a in range(0, data.nbytes, step)]
+
+    def ranges(self, k: int, lo: int, hi: int) -> list[FileRange]:
+        """Where elements ``[lo, hi)`` of partition ``k`` lie in the copy, chunk by chunk, each chunk a block with
+        its CRC-32C as copied: what a writer process reads (:class:`ucp.store.file_ranges.RangeReader`; the copy
+        was made with ``files``). Waits for the copy, raises its error."""
+        self.copied.result()
+        off = self.offload
+        a, b = lo * off.itemsize, hi * off.itemsize
+        what = f"copy of the swap file of {off.partitions[k].describe()} for a checkpoint"
+        if k in self._resident:
+            if not self._files:
+                raise RuntimeError("ParamCopy.ranges: the copy was made without files=True")
+            crcs, step, total = self._resident_crcs[k], off.chunk_bytes, off.partitions[k].numel * off.itemsize
+            chunks: list[tuple[int, int, int, int | None]] = [(c * step, min(step, total - c * step), min(step, total - c * step), crc) for c, crc in enumerate(crcs)]  # fmt: skip
+            path, alignment, what = self._resident_path(k), 0, what.replace("swap file", "memory")
+        else:
+            chunks = []
+            for c in range(off.chunks(k)):
+                start, length, data = off._chunk(k, c)
+                chunks.append((start, length, data, self._crcs[k][c]))
+            path, alignment = self._paths[k], off.alignment
+        out = []
+        for c, (start, length, data, crc) in enumerate(chunks):
+            x, y = max(a, start), min(b, start + data)
+            if x < y:
+                assert crc is not None  # a swap file's chunks were all written (the copy checked the tier)
+                out.append(FileRange(path=str(path), offset=start, length=length, crc32c=crc, start=x - start, stop=y - start, what=f"{what}: chunk {c}", alignment=alignment))  # fmt: skip
+        return out
 
     def wait(self) -> None:
         """Wait until the copy is made (or failed: the save reports it); the tier may change from then on."""
