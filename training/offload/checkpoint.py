@@ -26,7 +26,11 @@ waits for the copies before its next optimizer step writes the tiers (``Engine.w
 thread reads them part by part into buffers of the reader's own (one pool slot's worth), checked against the
 CRCs the records had when copied, and the copies are removed once the save is done. The price is the state's
 bytes on the swap device while a save is in flight (none with a reflink) and a copy's I/O there. A
-process-mode writer cannot read this process's tiers: it still stages them whole.
+process-mode writer (``mode="process"``) cannot call this process's readers, so each StreamedShard also gives
+its bytes as file ranges of the copy (:meth:`TierCopy.ranges`, :meth:`~training.offload.params.ParamCopy.ranges`:
+a sub-group's part, or a parameter chunk, with its CRC as copied), asked for once the copy is made: the writer
+process reads them itself through ``aio`` into a few reused aligned buffers, checking each block's CRC
+(:class:`ucp.store.file_ranges.RangeReader`), so neither process stages the state.
 """
 
 from __future__ import annotations
