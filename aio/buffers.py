@@ -45,16 +45,26 @@ def address_of(buf: memoryview) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-class AlignedBuffer:
-    """One page-aligned host buffer, viewable without copies as memoryview/numpy/torch."""
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
-    def __init__(self, nbytes: int, *, pin: bool | None = None) -> None:
+
+class AlignedBuffer:
+    """One page-aligned host buffer, viewable without copies as memoryview/numpy/torch.
+
+    ``huge``: ask for transparent huge pages (``madvise(MADV_HUGEPAGE)`` before the pages are populated), for a
+    long-lived buffer that O_DIRECT moves every step (the offload tiers' slots): the kernel then pins 2 MiB pages
+    for each request instead of 512 small ones, and Adam and CRC-32C walk fewer TLB entries. Where the kernel
+    refuses (THP off, no MADV_POPULATE_WRITE) it is an ordinary buffer."""
+
+    def __init__(self, nbytes: int, *, pin: bool | None = None, huge: bool = False) -> None:
         if nbytes < 0:
             raise ValueError(f"buffer size must be >= 0, got {nbytes}")
         self.nbytes = nbytes
         self._capacity = max(round_up(nbytes, PAGE), PAGE)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._mmap = mmap.mmap(-1, self._capacity, flags=flags)
+        self._mmap = _huge(self._capacity) if huge and self._capacity >= HUGE_PAGE else None
+        if self._mmap is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(-1, self._capacity, flags=flags)
         self._view = memoryview(self._mmap)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         self.pinned = False
@@ -188,3 +198,21 @@ def _cuda_host_register(address: int, nbytes: int) -> bool:
     except Exception as exc:  # pragma: no cover - GPU only
         log.info("pinning unavailable: %s", exc)
         return False
+
+
+def _huge(capacity: int) -> mmap.mmap | None:
+    """An anonymous mapping of ``capacity`` bytes advised for huge pages, then populated; None where the kernel
+    cannot (the caller maps an ordinary one)."""
+    from .populate import MADV_POPULATE_WRITE
+
+    hint = getattr(mmap, "MADV_HUGEPAGE", None)
+    if hint is None:
+        return None
+    m = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(hint)
+        m.madvise(MADV_POPULATE_WRITE)  # the pages now, not a fault per page in the middle of a transfer
+    except OSError:
+        m.close()
+        return None
+    return m

@@ -7,7 +7,9 @@ against DeepSpeed ZeRO with the same offload configuration, and fio on the same 
         --swap-budget 512MiB --sub-group-size 10000000 --rounds 3
 
 Methods: ``memory`` (no offload), ``cpu`` (offload_optimizer cpu), ``nvme`` (offload_optimizer nvme,
-pipelined), ``nvme-serial`` (pipeline_read and pipeline_write off), ``nvme-param`` (``nvme`` and, at ZeRO-3,
+pipelined; the budget beyond the pool's pipeline slots keeps sub-groups resident), ``nvme-swapall`` (``nvme``
+with ``keep_resident`` off: every sub-group swapped, the whole budget in slots, as before residency),
+``nvme-serial`` (pipeline_read and pipeline_write off), ``nvme-param`` (``nvme`` and, at ZeRO-3,
 offload_param nvme: the parameters on NVMe too, ``--param-buffer-count`` × ``--param-buffer-size`` elements of
 pool, ``--max-in-cpu``), ``deepspeed-nvme`` and ``deepspeed-nvme-param`` (DeepSpeed's
 engine, CPU accelerator, the same ZeRO stage, model, seed, data and ``zero_optimization`` offload keys;
@@ -51,7 +53,7 @@ if str(REPO) not in sys.path:
 from aio.sizes import SIZE_HELP, format_size, parse_size  # noqa: E402
 from ucp.bench.report import cpu_model, source_commit  # noqa: E402
 
-OURS = ("memory", "cpu", "nvme", "nvme-serial", "nvme-param")
+OURS = ("memory", "cpu", "nvme", "nvme-swapall", "nvme-serial", "nvme-param")
 METHODS = (*OURS, "deepspeed-nvme", "deepspeed-nvme-param")
 PEER = REPO / "tools" / "peers" / "deepspeed_offload.py"
 # The run both engines train (tests/training/test_deepspeed_parity.py): DeepSpeed's AdamW over one group.
@@ -187,7 +189,9 @@ def run_worker(method: str, args: argparse.Namespace) -> int:
     from training import Engine
     from training.offload import OffloadConfig
 
-    offload = OffloadConfig.from_deepspeed(ds_offload(method, args, args.nvme_path), swap_budget=args.swap_budget)
+    offload = OffloadConfig.from_deepspeed(
+        ds_offload(method, args, args.nvme_path), swap_budget=args.swap_budget, keep_resident=method != "nvme-swapall"
+    )
     engine = Engine(args.model, offload=offload, **engine_options(args))
     # DeepSpeed's single AdamW group decays every parameter: give our no-decay group the same decay.
     engine.optimizer.weight_decay = [WEIGHT_DECAY] * len(engine.optimizer.weight_decay)
@@ -469,6 +473,17 @@ def report(
             f"| {m} | {step[m]:.3f} | {cpu[m]} | {ratio} | {' | '.join(cells)} | {r / 1e6:.0f} | {w / 1e6:.0f} | {rate} | {vs} "
             f"| {format_size(rss[m])} | {format_size(locked[m])} | {host} |"
         )
+    shapes = []
+    for m in methods:  # where each NVMe tier's budget went, and so what it moves per step
+        tier = workers[m].ready.get("tier") or {}
+        if "slots" in tier:
+            shapes.append(
+                f"{m} {tier['slots']} slot(s) × {format_size(tier['slot_bytes'])}, {tier.get('resident', 0)} of "
+                f"{tier['subgroups']} sub-groups resident ({format_size(tier.get('resident_bytes', 0))}), "
+                f"{format_size(tier.get('swapped_bytes', 0))} swapped each way per step"
+            )
+    if shapes:
+        lines += ["", "NVMe tiers (pool, resident sub-groups, state swapped): " + "; ".join(shapes) + "."]
     lines += [
         "",
         "Per-turn step seconds (warm-up first): "
@@ -562,6 +577,11 @@ def targets(
         ratio = step["nvme"] / step["cpu"]
         out.append(
             f"* NVMe whole step ≤ 1.25 × our CPU-offload step ({step['cpu']:.3f} s): {ratio:.2f}×, {verdict(ratio <= 1.25)}"
+        )
+    if "nvme-swapall" in step and "cpu" in step:
+        out.append(
+            f"  (every sub-group swapped, `nvme-swapall`: {step['nvme-swapall']:.3f} s, "
+            f"{step['nvme-swapall'] / step['cpu']:.2f}× the CPU tier)"
         )
     return out
 

@@ -47,6 +47,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
+import crc32c
 import torch
 
 from aio.buffers import AlignedBuffer
@@ -228,6 +229,9 @@ class TierCopy:
     def _copy(self) -> None:
         for sg in self.subgroups:
             src, dst = self.store.path(sg), self._paths[sg.index]
+            if self.store.is_resident(sg):  # no swap file: its record, from memory (the step waits for the copy)
+                self._copy_resident(sg, dst)
+                continue
             if self._crcs[sg.index] is None:
                 raise OffloadError(f"{sg.describe()} has no record in {src}: it was never written whole")
             try:
@@ -237,6 +241,20 @@ class TierCopy:
                 raise OffloadError(
                     f"copying swap file {src} of {sg.describe()} to {dst} for a checkpoint failed: {why}"
                 ) from exc
+
+    def _copy_resident(self, sg: SubGroup, dst: Path) -> None:
+        """Write resident ``sg``'s record to ``dst`` as its swap file would hold it, its CRCs noted."""
+        rec = self.store.resident[sg.index]
+        view = rec.buf.view(rec.nbytes)
+        stride = rec.nbytes // len(PARTS)
+        self._crcs[sg.index] = tuple(crc32c.crc32c(view[k * stride : (k + 1) * stride]) for k in range(len(PARTS)))
+        try:
+            with open(dst, "wb") as f:
+                f.write(view)
+        except OSError as exc:
+            why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+            raise OffloadError(f"writing resident {sg.describe()} to {dst} for a checkpoint failed: {why}") from exc
+        self.bytes_copied += rec.nbytes
 
     def wait(self) -> None:
         """Wait until the copy is made (or failed: the save reports it); the tier may change from then on."""
@@ -346,7 +364,7 @@ class TierReader:
             a, b = max(lo, sg.lo), min(hi, sg.hi)
             if a >= b:
                 continue
-            if isinstance(self.store, NvmeStore):
+            if isinstance(self.store, NvmeStore) and (self.copy is not None or not self.store.is_resident(sg)):
                 view = self._part(sg, part)
             else:
                 rec = self.store.acquire(sg)
@@ -364,7 +382,8 @@ class TierReader:
         stride = self.store.slot_bytes // len(PARTS)
         if self.copy is not None:
             if not self._free and len(self._own) < self._copy_slots:
-                buf = AlignedBuffer(self.store.slot_bytes)
+                stride = max(self.store.stride(s) for s in self.offload.subgroups)  # resident ones may be larger
+                buf = AlignedBuffer(len(PARTS) * stride)
                 self._own.append(buf)
                 self.buffer_bytes += buf.nbytes
                 self._free += [buf.view(stride, k * stride) for k in range(len(PARTS))]

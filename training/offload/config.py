@@ -112,6 +112,9 @@ class OffloadOptimizerConfig(_Section):
     and ``pin_memory``), ``nvme`` (swap files under ``nvme_path``, streamed through ``aio`` every step).
     ``buffer_count``: as in DeepSpeed, buffers of one sub-group's tensor each; a sub-group here takes
     :data:`STATE_TENSORS` of them, so ``buffer_count // 3`` sub-groups are in flight (at least one).
+    ``ratio``: as in DeepSpeed, the fraction of the optimizer state offloaded; NVMe tier: at most that fraction
+    of the sub-groups is swapped, the others stay resident in host memory (counted in ``swap_budget``). The CPU
+    tier keeps every sub-group in host memory whatever the ratio.
     """
 
     device: Device = "none"
@@ -121,13 +124,6 @@ class OffloadOptimizerConfig(_Section):
     pipeline_read: bool = True
     pipeline_write: bool = True
     ratio: float = Field(1.0, ge=0.0, le=1.0)
-
-    @field_validator("ratio")
-    @classmethod
-    def _whole(cls, v: float) -> float:
-        if v != 1.0:
-            raise ValueError(f"ratio {v}: only 1.0 (every sub-group offloaded) is supported")
-        return v
 
     @model_validator(mode="after")
     def _path(self) -> "OffloadOptimizerConfig":
@@ -170,6 +166,9 @@ class OffloadConfig(_Section):
     sizes the pool from ``buffer_count`` alone); the pool is ``buffer_count // 3`` sub-group buffers,
     fewer where the budget holds fewer, and an error where it holds not even one. ``zero_stage``: the
     stage a DeepSpeed config named, checked against the engine's (None: not given).
+    ``keep_resident`` (UCP's own key, NVMe tier with a budget): the budget beyond the pool's pipeline slots
+    keeps whole sub-groups resident in host memory, never swapped, so each step moves fewer bytes
+    (training.offload.store); False swaps every sub-group (the whole budget goes to the pool's slots).
     """
 
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
@@ -177,6 +176,7 @@ class OffloadConfig(_Section):
     sub_group_size: int = Field(10_000_000, ge=1)
     aio: AioConfig = AioConfig()
     swap_budget: int | None = None
+    keep_resident: bool = True
     zero_stage: int | None = Field(None, ge=0, le=3)
 
     @field_validator("swap_budget", mode="before")
@@ -191,7 +191,7 @@ class OffloadConfig(_Section):
     @classmethod
     def from_deepspeed(cls, config: dict[str, Any], **overrides: Any) -> "OffloadConfig":
         """Read a DeepSpeed config dict (whole, or its ``zero_optimization`` section); ``overrides`` are
-        UCP's own keys (``swap_budget``). Raises ValueError naming the key at fault."""
+        UCP's own keys (``swap_budget``, ``keep_resident``). Raises ValueError naming the key at fault."""
         if not isinstance(config, dict):
             raise ValueError(f"a DeepSpeed config must be a JSON object, got {type(config).__name__}")
         whole = "zero_optimization" in config or "aio" in config

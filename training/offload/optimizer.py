@@ -50,7 +50,8 @@ class _Pass:
     def __init__(self, order: Sequence[SubGroup]) -> None:
         self.order = list(order)  # the order reads are issued in
         self.reads: dict[int, Future[Record | None]] = {}  # position in ``order`` -> its read (NVMe)
-        self.issued = 0  # positions whose read was issued (always a prefix of ``order``)
+        self.issued = 0  # positions whose read was issued, or that need none (always a prefix of ``order``)
+        self.inflight = 0  # swapped records read (or being read) and not yet updated
         self.done: set[int] = set()  # positions updated (their record handed to a write-back)
         self.ready: set[int] = set()  # sub-group indices whose gradients are complete
         self.ready_order: list[int] = []  # the same, in the order they became ready (an armed pass)
@@ -94,7 +95,14 @@ class OptimizerOffload:
                 quantum = self.dir.alignment // FP32
                 self.subgroups = split(self.sizes, config.sub_group_size, quantum)
                 self.store = NvmeStore(
-                    self.subgroups, self.dir, config.aio, slots=oc.slots, budget=config.swap_budget, pin=pin
+                    self.subgroups,
+                    self.dir,
+                    config.aio,
+                    slots=oc.slots,
+                    budget=config.swap_budget,
+                    pin=pin,
+                    ratio=oc.ratio,
+                    keep_resident=config.keep_resident,
                 )
             except BaseException:
                 self.dir.remove()
@@ -501,14 +509,21 @@ class OptimizerOffload:
         self._pass = p
         self._read_mark = self.store.read_seconds
         if self._swapped and self.pipeline_read:
-            self._issue(p, store_slots(self.store))
+            self._issue(p)
         return p
 
-    def _issue(self, p: _Pass, upto: int) -> None:
-        """Issue the reads of ``p``'s positions up to ``upto`` (exclusive), in order, on the read thread."""
-        while p.issued < min(upto, len(p.order)):
+    def _issue(self, p: _Pass, upto: int | None = None) -> None:
+        """Issue the reads of ``p``'s positions, in order, on the read thread: up to position ``upto`` (exclusive),
+        or (None) while fewer than a pool's worth of swapped records are read and not yet updated. A resident
+        sub-group needs no read."""
+        stop = len(p.order) if upto is None else min(upto, len(p.order))
+        while p.issued < stop:
             sg = p.order[p.issued]
-            p.reads[p.issued] = self._reader.submit(self._fetch, p, sg, self._behind.get(sg.index))
+            if not self.store.is_resident(sg):
+                if upto is None and p.inflight >= store_slots(self.store):
+                    return
+                p.reads[p.issued] = self._reader.submit(self._fetch, p, sg, self._behind.get(sg.index))
+                p.inflight += 1
             p.issued += 1
 
     def _fetch(self, p: _Pass, sg: SubGroup, after: Future[None] | None) -> Record | None:
@@ -530,7 +545,7 @@ class OptimizerOffload:
     def _record(self, p: _Pass, k: int, block: bool) -> Record | None:
         """The record of ``p``'s position ``k`` once read (None: not yet, and ``block`` is False)."""
         sg = p.order[k]
-        if not self._swapped:
+        if self.store.is_resident(sg):
             return self.store.acquire(sg)
         if k >= p.issued:
             if not block:
@@ -568,8 +583,9 @@ class OptimizerOffload:
             t2 = time.perf_counter()
             p.waits["compute" if block else "early_compute"] += t2 - t1
             p.early += not block
-            if not self._swapped:
+            if rec.resident or not self._swapped:
                 continue
+            p.inflight -= 1
             p.moved["bytes_read"] += rec.nbytes
             p.moved["bytes_written"] += rec.nbytes
             fut = self._writer.submit(self._save, sg, rec)
@@ -578,7 +594,7 @@ class OptimizerOffload:
                 fut.result()
                 p.waits["write_wait"] += time.perf_counter() - t2
             if self.pipeline_read:
-                self._issue(p, len(p.done) + store_slots(store))  # the slot just handed over reads the next
+                self._issue(p)  # the slot just handed over reads the next
 
     def _save(self, sg: SubGroup, rec: Record) -> None:
         try:
@@ -648,7 +664,10 @@ class OptimizerOffload:
                 "budget": self.store.budget,
                 "read_ahead": self._read_ahead(),  # the next step's records being read (or read) already
                 "write_behind": sum(not f.done() for f in self._behind.values()),  # the last step's, still running
-                "host_bytes": self.store.pool_bytes,
+                "resident": len(self.store.resident),  # sub-groups kept in host memory, never swapped
+                "resident_bytes": self.store.resident_bytes,
+                "swapped_bytes": sum(self.store.record_bytes(sg) for sg in self.store.swapped),  # moved each way a step
+                "host_bytes": self.store.pool_bytes + self.store.resident_bytes,
             }
         else:
             out["resident_bytes"] = out["host_bytes"] = self.store.resident_bytes
@@ -671,7 +690,7 @@ class OptimizerOffload:
 
 def store_slots(store: Store) -> int:
     """How far ahead reads may run: the pool's slots (a HostStore lends every record at once)."""
-    return store.slots if isinstance(store, NvmeStore) else len(store.subgroups)
+    return max(1, store.slots) if isinstance(store, NvmeStore) else len(store.subgroups)
 
 
 def _exception(fut: Future) -> BaseException | None:

@@ -15,6 +15,7 @@ never silent garbage. :class:`HostStore` keeps each record resident in its own a
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -37,6 +38,10 @@ from .errors import OffloadError
 from .swapdir import SwapDir
 
 FP32 = 4
+PIPELINE_SLOTS = 2  # slots the pool keeps when spare budget holds resident sub-groups: one read ahead, one in use
+# Slots and resident records on transparent huge pages (aio.buffers.AlignedBuffer): O_DIRECT pins 2 MiB pages
+# per request instead of 512 small ones, Adam and CRC-32C walk fewer TLB entries.
+HUGE_PAGES = True
 PARTS = ("master", "exp_avg", "exp_avg_sq")  # a record's tensors, in file order
 
 
@@ -71,8 +76,9 @@ def split(sizes: Sequence[int], sub_group_size: int, quantum: int) -> list[SubGr
 class Record:
     """Views of one record (master, exp_avg, exp_avg_sq) in a buffer laid out for ``numel`` elements."""
 
-    def __init__(self, buf: AlignedBuffer, numel: int, stride: int) -> None:
+    def __init__(self, buf: AlignedBuffer, numel: int, stride: int, *, resident: bool = False) -> None:
         self.buf = buf
+        self.resident = resident  # a resident sub-group's own buffer (NvmeStore), never a pool slot
         whole = buf.tensor(3 * stride)
         self.nbytes = 3 * stride
         self.master, self.exp_avg, self.exp_avg_sq = (
@@ -99,6 +105,9 @@ class HostStore:
     @property
     def resident_bytes(self) -> int:
         return sum(r.nbytes for r in self._records)
+
+    def is_resident(self, sg: SubGroup) -> bool:
+        return True
 
     def acquire(self, sg: SubGroup, block: bool = True) -> Record | None:
         return self._records[sg.index]
@@ -135,26 +144,26 @@ class NvmeStore:
         slots: int,
         budget: int | None = None,
         pin: bool = False,
+        ratio: float = 1.0,
+        keep_resident: bool = False,
     ) -> None:
         self.subgroups = list(subgroups)
         self.dir = swap_dir
         self.alignment = swap_dir.alignment
-        largest = max((sg.numel for sg in self.subgroups), default=0)
-        self.slot_bytes = 3 * round_up(largest * FP32, self.alignment)
-        if budget is not None:
-            if self.slot_bytes > budget:
-                raise OffloadError(
-                    f"swap_budget {format_size(budget)} holds not one sub-group's state ({format_size(self.slot_bytes)}"
-                    f" for {largest} elements): lower sub_group_size or raise the budget"
-                )
-            slots = min(slots, budget // self.slot_bytes)
-        self.slots = max(1, slots)
         self.budget = budget
+        self._pin = pin
+        self.pinned = bool(pin)  # page-locked slots (only where a GPU exists)
+        self.resident: dict[int, Record] = {}  # sub-group index -> its record, kept in host memory (never swapped)
+        chosen = self._plan(slots, ratio, keep_resident)
+        for sg in self.subgroups:
+            if sg.index in chosen:
+                stride = self.stride(sg)
+                buf = AlignedBuffer(3 * stride, pin=pin if pin else False, huge=HUGE_PAGES)
+                self.resident[sg.index] = Record(buf, sg.numel, stride, resident=True)
+        self.swapped = [sg for sg in self.subgroups if sg.index not in self.resident]
         self.aio = aio.model_copy(update={"alignment": self.alignment}) if aio.alignment != self.alignment else aio
         self.block = max(self.alignment, self.aio.block_size // self.alignment * self.alignment)
         self._engine = create_engine(self.aio)
-        self._pin = pin
-        self.pinned = bool(pin)  # page-locked slots (only where a GPU exists)
         self._free: list[AlignedBuffer] = []
         self._created = 0
         self._cond = threading.Condition()
@@ -165,7 +174,7 @@ class NvmeStore:
         self.read_seconds = self.write_seconds = 0.0  # time the I/O threads spent moving and checking records
         self._count = threading.Lock()
         try:
-            for sg in self.subgroups:
+            for sg in self.swapped:
                 with open_file(self._paths[sg.index], "w", direct=self.aio.use_direct) as f:
                     preallocate(f, self.record_bytes(sg))
         except AioError as exc:
@@ -176,6 +185,50 @@ class NvmeStore:
             raise
 
     # -- layout ------------------------------------------------------------------------------
+    def _plan(self, slots: int, ratio: float, keep_resident: bool) -> set[int]:
+        """Size the pool (:attr:`slots`, :attr:`slot_bytes`) and choose the resident sub-groups (indices).
+
+        ``ratio`` (DeepSpeed's ``offload_optimizer.ratio``): at most that fraction of the sub-groups is swapped;
+        the rest are resident whatever the budget. ``keep_resident`` with a budget: the pool keeps at most
+        :data:`PIPELINE_SLOTS` slots and what the budget holds beyond them keeps more sub-groups resident. Either
+        way the resident sub-groups are the first in index order (the first parameters: backward hands their
+        gradients over last, so the end of a step needs no I/O), and the pool's slots fit the largest swapped
+        record. Everything resident counts against the budget."""
+        n = len(self.subgroups)
+        forced = n - math.floor(ratio * n + 1e-9)  # sub-groups the ratio keeps out of the swap files
+        chosen = {sg.index for sg in self.subgroups[:forced]}
+        held = sum(self.record_bytes(sg) for sg in self.subgroups[:forced])
+        budget = self.budget
+        if budget is not None and keep_resident:
+            slots = min(slots, PIPELINE_SLOTS)
+        rest = self.subgroups[forced:]
+        while True:
+            largest = max((sg.numel for sg in rest), default=0)
+            self.slot_bytes = 3 * round_up(largest * FP32, self.alignment)
+            if budget is None or not rest:
+                self.slots = max(1, slots) if rest else 0
+                return chosen
+            if held + self.slot_bytes > budget:
+                kept = (
+                    f"the {forced} sub-groups ratio {ratio} keeps resident ({format_size(held)}) and " if held else ""
+                )
+                raise OffloadError(
+                    f"swap_budget {format_size(budget)} holds not {kept}one sub-group's state "
+                    f"({format_size(self.slot_bytes)} for {largest} elements): lower sub_group_size"
+                    f"{', raise ratio' if held else ''} or raise the budget"
+                )
+            self.slots = max(1, min(slots, (budget - held) // self.slot_bytes))
+            if not keep_resident or len(rest) <= 1:
+                return chosen
+            first = rest[0]  # keep it resident if the slots (for what would then be swapped) still fit beside it
+            after = rest[1:]
+            slot_after = 3 * round_up(max(sg.numel for sg in after) * FP32, self.alignment)
+            if held + self.record_bytes(first) + self.slots * slot_after > budget:
+                return chosen
+            chosen.add(first.index)
+            held += self.record_bytes(first)
+            rest = after
+
     def stride(self, sg: SubGroup) -> int:
         return round_up(sg.numel * FP32, self.alignment)
 
@@ -190,9 +243,21 @@ class NvmeStore:
         """Bytes of the slots made so far (at most ``slots × slot_bytes``)."""
         return self._created * self.slot_bytes
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the resident sub-groups' records (host memory, counted against the budget)."""
+        return sum(rec.buf.capacity for rec in self.resident.values())
+
+    def is_resident(self, sg: SubGroup) -> bool:
+        """Whether ``sg`` stays in host memory (no swap file; its reads and writes are no-ops)."""
+        return sg.index in self.resident
+
     # -- slots -------------------------------------------------------------------------------
     def acquire(self, sg: SubGroup, block: bool = True) -> Record | None:
-        """A slot laid out for ``sg``; None when ``block`` is False and every slot is lent out."""
+        """A slot laid out for ``sg``; None when ``block`` is False and every slot is lent out. A resident
+        sub-group's own record (no slot)."""
+        if sg.index in self.resident:
+            return self.resident[sg.index]
         with self._cond:
             while not self._free and self._created >= self.slots:
                 if not block:
@@ -204,17 +269,21 @@ class NvmeStore:
                 self._created += 1
                 buf = None
         if buf is None:
-            buf = AlignedBuffer(self.slot_bytes, pin=self._pin if self._pin else False)
+            buf = AlignedBuffer(self.slot_bytes, pin=self._pin if self._pin else False, huge=HUGE_PAGES)
         return Record(buf, sg.numel, self.stride(sg))
 
     def release(self, rec: Record) -> None:
+        if rec.resident:
+            return
         with self._cond:
             self._free.append(rec.buf)
             self._cond.notify()
 
     # -- moving records ----------------------------------------------------------------------
     def write(self, sg: SubGroup, rec: Record) -> None:
-        """Write ``rec`` as ``sg``'s swap file (CRC-32C noted for the next read)."""
+        """Write ``rec`` as ``sg``'s swap file (CRC-32C noted for the next read); a resident one stays put."""
+        if rec.resident:
+            return
         t0 = time.perf_counter()
         view = rec.buf.view(rec.nbytes)
         stride = rec.nbytes // len(PARTS)  # each part checksummed alone: a checkpoint reads one (read_part)
@@ -233,7 +302,9 @@ class NvmeStore:
             self.write_seconds += time.perf_counter() - t0
 
     def read(self, sg: SubGroup, rec: Record) -> None:
-        """Fill ``rec`` from ``sg``'s swap file and check it is whole and unchanged."""
+        """Fill ``rec`` from ``sg``'s swap file and check it is whole and unchanged (resident: nothing to do)."""
+        if rec.resident:
+            return
         self._read(sg, rec.buf.view(rec.nbytes), 0, len(PARTS))
 
     def read_part(
@@ -242,12 +313,17 @@ class NvmeStore:
         """Fill ``into`` (aligned, at least :meth:`stride` bytes) with part ``part`` of ``sg``'s record (an index
         of :data:`PARTS`, padded to the stride), checked like :meth:`read`: a checkpoint reads only the part
         it writes (training.offload.checkpoint). ``copy``: read it from a copy of the swap file instead
-        ``(its path, the engine to read it with, the record's CRCs as copied)``; not counted in the tier's figures."""
+        ``(its path, the engine to read it with, the record's CRCs as copied)``; not counted in the tier's figures.
+        A resident sub-group's part (no ``copy``) is copied from its record."""
+        if copy is None and sg.index in self.resident:
+            n = self.stride(sg)
+            into[:n] = self.resident[sg.index].buf.view(n, part * n)
+            return
         self._read(sg, into[: self.stride(sg)], part, part + 1, copy=copy)
 
     def crcs(self) -> list[tuple[int, ...] | None]:
-        """Each sub-group's CRC-32C per part as last written (None: never written whole): what a copy of the swap
-        files is checked against."""
+        """Each sub-group's CRC-32C per part as last written (None: never written whole, or resident): what a copy
+        of the swap files is checked against."""
         return list(self._crc)
 
     def _read(
@@ -309,10 +385,11 @@ class NvmeStore:
         return OffloadError(f"{doing} swap file {path} of {sg.describe()} failed: {why}")
 
     def close(self) -> None:
-        """Close the engine, free the slots (the directory is the owner's to remove)."""
+        """Close the engine, free the slots and the resident records (the directory is the owner's to remove)."""
         self._engine.close()
         with self._cond:
             self._free.clear()
+        self.resident.clear()
 
 
 def transfer(

@@ -31,7 +31,8 @@ def engine(path: Path, model: GPTConfig | str = MODEL) -> Engine:
         "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
         "sub_group_size": 65536 if small else 262144,
     }
-    config = OffloadConfig.model_validate({**off, "swap_budget": BUDGET})
+    # every sub-group in a swap file (resident ones: test_offload_resident.py)
+    config = OffloadConfig.model_validate({**off, "swap_budget": BUDGET, "keep_resident": False})
     return Engine(model, offload=config, micro_batch=2, lr=1e-3)
 
 

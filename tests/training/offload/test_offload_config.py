@@ -102,7 +102,7 @@ def _plain(v: Any) -> Any:
         (lambda c: c["aio"].update(queue_dpth=4), r"aio: queue_dpth: unknown key"),
         (lambda c: c["zero_optimization"]["offload_optimizer"].update(device="disk"), r"offload_optimizer: device: Input should be 'none', 'cpu' or 'nvme'"),
         (lambda c: c["zero_optimization"]["offload_optimizer"].pop("nvme_path"), r"offload_optimizer: .*device 'nvme' needs nvme_path"),
-        (lambda c: c["zero_optimization"]["offload_optimizer"].update(ratio=0.5), r"offload_optimizer: ratio: .*only 1.0"),
+        (lambda c: c["zero_optimization"]["offload_optimizer"].update(ratio=1.5), r"offload_optimizer: ratio: .*less than or equal to 1"),
         (lambda c: c["zero_optimization"]["offload_optimizer"].update(buffer_count=0), r"offload_optimizer: buffer_count: "),
         (lambda c: c["zero_optimization"].update(zero_quantized_weights=True), r"zero_optimization\.zero_quantized_weights=True is not supported"),
         (lambda c: c["zero_optimization"].update(offload_optimizer=["cpu"]), r"zero_optimization\.offload_optimizer must be a JSON object"),

@@ -31,6 +31,7 @@ def config(path: Path, sub_group_size: int = 262144) -> OffloadConfig:
             "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
             "sub_group_size": sub_group_size,
             "swap_budget": BUDGET,
+            "keep_resident": False,  # every sub-group in a swap file (resident ones: test_offload_resident.py)
         }
     )
 

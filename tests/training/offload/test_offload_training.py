@@ -30,7 +30,8 @@ def offload(device: str, path: Path | None, **optimizer: Any) -> dict[str, Any]:
     section: dict[str, Any] = {"device": device, **optimizer}
     if path is not None:
         section["nvme_path"] = str(path)
-    return {"offload_optimizer": section, "sub_group_size": SUB_GROUP, "swap_budget": BUDGET}
+    # every sub-group swapped (no spare budget kept resident: test_offload_resident.py): the whole state streams
+    return {"offload_optimizer": section, "sub_group_size": SUB_GROUP, "swap_budget": BUDGET, "keep_resident": False}
 
 
 def train(config: dict[str, Any] | None, steps: int = STEPS, **options: Any) -> tuple[list[float], str, Engine]:
