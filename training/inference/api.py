@@ -51,8 +51,9 @@ def infer(
     weights streamed from ``path`` within ``memory_budget`` bytes, ``batch_size`` prompts per batch.
     A batch's KV cache stays in memory unless it needs more than ``kv_budget`` bytes; then it lives in
     a temporary file under ``kv_dir``, read and written layer by layer through ``kv_budget`` bytes of
-    buffers. ``pin_layers``: keep whole layers resident in what the budget holds beyond a two-buffer
-    ring (``prefetch + 1`` buffers). ``progress(done, total)`` counts token steps over all batches.
+    buffers. ``pin_layers``: keep layer weights resident in what the budget holds beyond the ring
+    (:mod:`training.inference.plan`: single tensors on the cpu path, whole layers on the device paths).
+    ``progress(done, total)`` counts token steps over all batches.
     ``device``: where compute runs (``cuda``: the budget counts GPU memory, the KV cache lives there);
     ``read_path`` (``cpu``, ``staged``, ``gds``; None: chosen for the device, see
     :mod:`training.inference.device`) says how weights reach it; the metrics record both. ``path`` may be an
@@ -120,6 +121,7 @@ def infer(
         prefetch_depth=plan.prefetch,
         pinned_layers=len(plan.pinned),
         streamed_layers=len(plan.streamed),
+        pinned_tensors=len(plan.pinned_tensors),
         kv_cache_bytes=max(r.kv.total_bytes for r in results),
         kv_offloaded=any(r.kv.offloaded for r in results),
         kv_resident_bytes=max(r.kv.resident_bytes for r in results),

@@ -1,21 +1,26 @@
-"""The layer-streaming executor: weights stay on disk and pass through a ring of reused aligned buffers.
+"""The streaming executor: weights stay on disk and pass through a reused, aligned ring within a budget.
 
 A forward pass visits the model's groups in order: ``pre`` (embedding), every layer, ``post`` (final
-norm and head). Groups kept *resident* are read once; the others are *streamed*: a reader thread
-fills the ring's free buffers with the next groups, in the cyclic order the passes consume them (the
-last layer of one pass is followed by the first of the next), so while layer ``i`` computes, layers
-``i+1 .. i+k`` are being read, ``k`` = ring buffers - 1, chosen from the budget. Reads are O_DIRECT
-through :mod:`aio` (libaio where present) into page-aligned, pre-faulted buffers that are never
-freed or re-faulted, so weights do not pass through the page cache and the process's resident memory
-stays at ring + resident tensors.
+norm and head). Weights kept *resident* are read once; the others are *streamed* every pass, in the
+cyclic order the passes consume them (the last layer of one pass is followed by the first of the
+next), by reader threads that run ahead of compute as far as the ring allows. Reads are O_DIRECT
+through :mod:`aio` (libaio where present) into page-aligned, pre-faulted buffers that are never freed
+or re-faulted, so weights do not pass through the page cache and the process's resident memory stays
+at ring + resident tensors.
 
-The budget covers weight memory: the ring and the resident tensors (held in the compute dtype). With
-``pin_layers`` (the default), what the budget holds beyond the edge groups and a two-buffer ring (or
-``prefetch + 1`` buffers) keeps whole layers resident too, spread evenly over the depth: a layer read
-once instead of once per pass is the largest saving a batch-1 decode, bound by the disk, can get.
+How the budget is spent is :mod:`training.inference.plan`'s. On the ``cpu`` read path streaming is at
+the *tensor grain*: a layer arrives as parts (its :meth:`StreamModel.layer_stages`: a projection with
+its bias, a norm with the projection after it) read into one circular arena (:class:`_Arena`), and
+the model gets a mapping (:class:`_StagedWeights`) that waits for a part when it first reads one of its
+weights and releases the earlier parts then, so the arena only has to hold a few parts (the largest
+projection twice, or ``RING_TARGET`` bytes in flight) and the rest of the budget keeps individual layer
+tensors resident: fewer bytes read per token than a ring of whole layers leaves room for. At batch 1
+a pass is bound by the disk: it streams at least ``weights - (budget - ring)`` bytes, and decode
+tokens/s is at most the disk's read rate divided by that (docs/inference.md works it out).
 
-That is the ``cpu`` read path. On a device (``staged``, ``gds``: :mod:`training.inference.device`)
-the ring and the resident tensors live in device memory, which the budget then counts.
+On a device (``staged``, ``gds``: :mod:`training.inference.device`) streaming stays at the *layer
+grain*: a ring of whole-layer buffers in device memory (which the budget then counts), whole layers
+pinned with the rest.
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
 from aio import AioConfig, AlignedBuffer
-from aio.sizes import format_size
 from training.inference.device import (
     DeviceRing,
     KvikioReader,
@@ -40,100 +45,17 @@ from training.inference.device import (
     probe_kvikio_read,
     resolve_device,
 )
-from training.inference.errors import BudgetError, InferenceError
+from training.inference.errors import InferenceError
 from training.inference.files import RangeReader
-from training.inference.layout import FileSizes, GroupLayout, Placed, layout_group
+from training.inference.layout import FileSizes, GroupLayout, Placed, join_layouts, layout_group
 from training.inference.model import Step, StreamModel
+from training.inference.plan import POST, PRE, plan_layers, plan_tensors
 from training.inference.sources import TensorSource, WeightSource
 from ucp.format.dtypes import itemsize, torch_dtype
 
 READ_CONFIG = AioConfig(block_size=4 << 20, queue_depth=32)  # few staging blocks: aligned spans read direct
-LOCAL_READERS = 2  # reader threads of the host ring on local files: the next group's reads overlap the last's tail
-
-
-@dataclass
-class Plan:
-    """How the budget is spent: what stays resident, the ring's buffers and prefetch depth."""
-
-    budget: int
-    resident: list[str]  # group labels kept in memory
-    resident_bytes: int
-    slot_bytes: int
-    slots: int
-    streamed: list[GroupLayout] = field(repr=False)
-    pinned: list[int] = field(default_factory=list)  # layers kept resident
-
-    @property
-    def prefetch(self) -> int:
-        return self.slots - 1
-
-    @property
-    def ring_bytes(self) -> int:
-        return self.slots * self.slot_bytes if self.streamed else 0
-
-    @property
-    def streamed_bytes_per_pass(self) -> int:
-        return sum(g.read_bytes for g in self.streamed)
-
-
-def plan_budget(
-    pre: GroupLayout,
-    layers: list[GroupLayout],
-    post: GroupLayout,
-    budget: int,
-    *,
-    resident_bytes: int,
-    prefetch: int | None = None,
-    layer_resident_bytes: list[int] | None = None,
-) -> Plan:
-    """Keep pre/post resident when the rest still leaves two layer buffers; else stream them too. With
-    ``layer_resident_bytes`` (each layer's size held resident), pin whole layers in what the budget
-    holds beyond the resident edges and a ring of ``prefetch + 1`` (default 2) buffers.
-
-    BudgetError when the budget cannot hold the largest streamed group, naming it, its largest tensor
-    and the budget needed.
-    """
-    layer_slot = max((g.nbytes for g in layers), default=0)
-    if budget >= resident_bytes + 2 * layer_slot or (budget >= resident_bytes + layer_slot and prefetch == 0):
-        streamed, resident, resident_names, slot = layers, resident_bytes, [pre.label, post.label], layer_slot
-    else:
-        streamed, resident, resident_names = [pre, *layers, post], 0, []
-        slot = max(g.nbytes for g in streamed)
-    if budget < resident + slot:
-        worst = max(streamed, key=lambda g: g.nbytes)
-        big = worst.largest
-        raise BudgetError(
-            f"memory budget {format_size(budget)} is too small: {worst.label} needs a buffer of {format_size(worst.nbytes)} "
-            f"(largest tensor {big.name!r}, {format_size(big.nbytes)}); a budget of at least "
-            f"{format_size(resident + slot)} ({resident + slot} bytes) is needed to stream it"
-        )
-    pinned: list[int] = []
-    if layer_resident_bytes is not None and resident_names:
-        pinned = _pick_pinned(layer_resident_bytes, budget - resident, slot, 2 if prefetch is None else prefetch + 1)
-        resident += sum(layer_resident_bytes[i] for i in pinned)
-        resident_names += [layers[i].label for i in pinned]
-        streamed = [g for i, g in enumerate(layers) if i not in set(pinned)]
-    slots = (budget - resident) // slot
-    slots = min(slots, len(streamed) + 1)
-    if prefetch is not None:
-        slots = min(slots, prefetch + 1)
-    return Plan(budget, resident_names, resident, slot, max(1, slots), streamed, pinned)
-
-
-def _pick_pinned(sizes: list[int], room: int, slot: int, ring: int) -> list[int]:
-    """Layers to keep resident in ``room`` bytes: all when they fit, else as many as leave ``ring``
-    buffers of ``slot`` bytes, spread evenly over the depth."""
-    n = len(sizes)
-    if sum(sizes) <= room:
-        return list(range(n))
-    room -= ring * slot
-    if room <= 0 or not sizes:
-        return []
-    for k in range(min(n - 1, room // min(sizes)), 0, -1):
-        chosen = sorted({min(n - 1, int((j + 0.5) * n / k)) for j in range(k)})
-        if sum(sizes[i] for i in chosen) <= room:
-            return chosen
-    return []
+LOCAL_READERS = 2  # reader threads of the layer ring on local files: the next group's reads overlap the last's tail
+ARENA_READERS = 4  # reader threads of the tensor-grain ring on local files: several parts in flight at once
 
 
 @dataclass
@@ -153,9 +75,11 @@ class ReadStats:
         return max(0.0, min(1.0, 1.0 - self.wait_seconds / self.read_seconds))
 
 
-def tensor_views(buf: AlignedBuffer, placed: list[Placed], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buf`` (no copy when already in ``dtype`` and element-aligned)."""
-    return placed_views(placed, dtype, lambda p: torch.frombuffer(buf.view(p.nbytes, p.at), dtype=torch.uint8))
+def tensor_views(
+    buf: AlignedBuffer, placed: list[Placed], dtype: torch.dtype, base: int = 0
+) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buf`` from byte ``base`` (no copy when already in ``dtype`` and element-aligned)."""
+    return placed_views(placed, dtype, lambda p: torch.frombuffer(buf.view(p.nbytes, base + p.at), dtype=torch.uint8))
 
 
 class _Ring:
@@ -249,6 +173,174 @@ class _Ring:
             t.join()
 
 
+class _Arena:
+    """The tensor-grain ring: one aligned buffer that parts pass through in order, as a circular log.
+
+    Reader threads take the next part (counted over passes), place it after the last one placed (at
+    the buffer's start when it would run past the end) and read it once compute has released every
+    earlier part whose bytes it overwrites. Compute takes parts in order and releases them in order,
+    so the bytes a part may reuse are always those of the oldest parts: whatever the buffer does not
+    hold for compute is in flight, and a part no larger than the buffer is always placed."""
+
+    def __init__(
+        self,
+        parts: list[GroupLayout],
+        nbytes: int,
+        handle: RangeReader,
+        readers: int = 4,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if max(p.nbytes for p in parts) > nbytes:
+            raise ValueError(f"a ring of {nbytes} bytes cannot hold a part of {max(p.nbytes for p in parts)}")
+        self.parts, self.handle, self.nbytes, self.dtype, self.stats = parts, handle, nbytes, dtype, ReadStats()
+        self.buffer = AlignedBuffer(nbytes, pin=None)
+        self.buffers = [self.buffer]
+        self._cond = threading.Condition()
+        self._stop = False
+        self._next = 0  # the next part (counted over passes) a reader places
+        self._end = 0  # where the last placed part ends, counted in bytes written since the start
+        self._place: dict[int, tuple[int, int]] = {}  # part -> (start, end), until released
+        self._freed = 0  # where the last released part ends
+        self._done: dict[int, BaseException | None] = {}
+        self._taken = self._released = 0  # the next part compute takes; the next it releases
+        self._active, self._busy_since = 0, 0.0
+        self._threads = [
+            threading.Thread(target=self._run, name=f"ucp-infer-reader-{n}", daemon=True)
+            for n in range(max(1, readers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                k, self._next = self._next, self._next + 1
+                part = self.parts[k % len(self.parts)]
+                start = self._end
+                if start % self.nbytes + part.nbytes > self.nbytes:
+                    start += self.nbytes - start % self.nbytes  # wrap to the buffer's start
+                # the bytes it overwrites last held data ending by ``need``: every part up to there released
+                need, self._end = min(start + part.nbytes - self.nbytes, self._end), start + part.nbytes
+                self._place[k] = (start, self._end)
+                while not self._stop and self._freed < need:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                if self._active == 0:
+                    self._busy_since = time.perf_counter()
+                self._active += 1
+            error: BaseException | None = None
+            try:
+                load_group(self.handle, part, self.buffer, start % self.nbytes)
+            except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
+                error = exc
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self.stats.read_seconds += time.perf_counter() - self._busy_since
+                if error is None:
+                    self.stats.bytes_read += part.read_bytes
+                    self.stats.groups_read += 1
+                self._done[k] = error
+                self._cond.notify_all()
+            if error is not None:
+                return
+
+    def take(self, index: int) -> dict[str, torch.Tensor]:
+        """Views of part ``index`` (of a pass), the next in order, once it is read."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while self._taken not in self._done:
+                self._cond.wait()
+            k = self._taken
+            exc = self._done.pop(k)
+            self._taken += 1
+            if self._active:
+                now = time.perf_counter()
+                self.stats.read_seconds += now - self._busy_since
+                self._busy_since = now
+            base = self._place[k][0] % self.nbytes
+        self.stats.wait_seconds += time.perf_counter() - t0
+        if exc is not None:
+            raise exc
+        got = k % len(self.parts)
+        assert got == index, f"ring out of order: got part {got}, wanted {index}"
+        return tensor_views(self.buffer, self.parts[got].tensors, self.dtype, base)
+
+    def release(self) -> None:
+        """Give back the oldest part taken: its bytes may be read over."""
+        with self._cond:
+            assert self._released < self._taken, "released a part not taken"
+            self._freed = self._place.pop(self._released)[1]
+            self._released += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+
+class _StagedWeights(Mapping[str, torch.Tensor]):
+    """One group's weights while it computes: its resident ones, and its streamed parts (stages) taken
+    from the arena in order as the model first asks for a weight of each. Asking for a later stage
+    releases the earlier ones (the model is done with them: :meth:`StreamModel.layer_stages`); asking
+    again for a released weight is an error rather than a read of bytes the ring reused."""
+
+    def __init__(
+        self, arena: _Arena, first: int, parts: list[GroupLayout], resident: Mapping[str, torch.Tensor], label: str
+    ) -> None:
+        self._arena, self._first, self._parts, self._resident, self._label = arena, first, parts, resident, label
+        self._where = {t.name: j for j, p in enumerate(parts) for t in p.tensors}
+        self._views: dict[str, torch.Tensor] = {}
+        self._taken = self._released = 0
+
+    def _advance(self, j: int) -> None:
+        """Release what is held, then take parts up to ``j`` (those before it released unused)."""
+        while self._released < self._taken:
+            self._release_one()
+        while self._taken <= j:
+            self._views = self._arena.take(self._first + self._taken)
+            self._taken += 1
+            if self._taken <= j:
+                self._release_one()
+
+    def _release_one(self) -> None:
+        self._views = {}
+        self._arena.release()
+        self._released += 1
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        j = self._where.get(name)
+        if j is None:
+            return self._resident[name]
+        if j < self._released:
+            raise InferenceError(
+                f"{self._label}: the model read {name!r} again after weights of a later stage, whose reads reuse "
+                "its memory: its layer_stages do not match the order its layer reads weights"
+            )
+        if j >= self._taken:
+            self._advance(j)
+        return self._views[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def finish(self) -> None:
+        """Take the parts the model did not ask for (the ring hands them over in order), release all."""
+        if self._taken < len(self._parts):
+            self._advance(len(self._parts) - 1)
+        while self._released < self._taken:
+            self._release_one()
+
+
 def held_bytes(tensors: Sequence[Placed | TensorSource], dtype: torch.dtype, as_read: int | None = None) -> int:
     """Memory ``tensors`` take resident in compute ``dtype``: floating tensors converted to it. When
     none needs converting and ``as_read`` is given, the buffer they were read into (its views keep it)."""
@@ -259,11 +351,12 @@ def held_bytes(tensors: Sequence[Placed | TensorSource], dtype: torch.dtype, as_
     return sum((t.nbytes // itemsize(t.dtype)) * (size if f else itemsize(t.dtype)) for t, f in zip(tensors, floats))
 
 
-def load_group(handle: RangeReader, g: GroupLayout, buf: AlignedBuffer) -> None:
-    """Read every range of ``g`` into ``buf`` (all ranges of a file in flight together): through ``aio``
-    for local files, ranged GETs for an object store's (:mod:`training.inference.files`)."""
+def load_group(handle: RangeReader, g: GroupLayout, buf: AlignedBuffer, base: int = 0) -> None:
+    """Read every range of ``g`` into ``buf`` from byte ``base`` on (all ranges of a file in flight
+    together): through ``aio`` for local files, ranged GETs for an object store's
+    (:mod:`training.inference.files`)."""
     for file, reads in g.reads.items():
-        handle.read_ranges(file, [(off, buf.view(n, at)) for off, at, n in reads])
+        handle.read_ranges(file, [(off, buf.view(n, base + at)) for off, at, n in reads])
 
 
 class Executor:
@@ -310,27 +403,57 @@ class Executor:
                 self.read_path, self.read_path_reason = "staged", f"auto: KvikIO could not read {first} ({why})"
         self.model, self.source, self.dtype = model, source, dtype
         sizes = FileSizes(source.files.size)
-        pre = layout_group("embedding", model.pre_names(), source, sizes)
+        pre = layout_group(PRE, model.pre_names(), source, sizes)
         layers = [layout_group(f"layer {i}", model.layer_names(i), source, sizes) for i in range(model.n_layers)]
-        post = layout_group("final norm and head", model.post_names(), source, sizes)
+        post = layout_group(POST, model.post_names(), source, sizes)
         unique = {t.name: t for t in (*pre.tensors, *post.tensors)}
         resident_bytes = held_bytes(list(unique.values()), dtype)
-        self.plan = plan_budget(
-            pre,
-            layers,
-            post,
-            budget,
-            resident_bytes=resident_bytes,
-            prefetch=prefetch,
-            layer_resident_bytes=[held_bytes(g.tensors, dtype, g.nbytes) for g in layers] if pin_layers else None,
-        )
+        one: dict[str, GroupLayout] = {}  # each tensor's own layout (the tensor grain's unit of placement)
+        if self.read_path == "cpu":
+            one = {n: layout_group(n, [n], source, sizes) for n in dict.fromkeys(model.expected_shapes())}
+
+            def staged(stages: list[list[str]]) -> list[list[GroupLayout]]:
+                return [[one[n] for n in st] for st in stages]
+
+            for i in range(model.n_layers):
+                if [n for st in model.layer_stages(i) for n in st] != model.layer_names(i):
+                    raise InferenceError(f"layer {i}: the model's layer_stages do not list its layer_names in order")
+            self.plan = plan_tensors(
+                staged([model.pre_names()]),
+                [staged(model.layer_stages(i)) for i in range(model.n_layers)],
+                staged([model.post_names()]),
+                budget,
+                edge_bytes=resident_bytes,
+                held={n: held_bytes(g.tensors, dtype, g.nbytes) for n, g in one.items()},
+                prefetch=prefetch,
+                pin=pin_layers,
+            )
+        else:
+            self.plan = plan_layers(
+                pre,
+                layers,
+                post,
+                budget,
+                resident_bytes=resident_bytes,
+                prefetch=prefetch,
+                layer_resident_bytes=[held_bytes(g.tensors, dtype, g.nbytes) for g in layers] if pin_layers else None,
+            )
         self.handle = source.files.reader(aio_config or READ_CONFIG)
         self.resident: dict[str, torch.Tensor] = {}
         self.resident_stats = ReadStats()
-        if self.plan.resident:
+        if self.plan.resident or self.plan.pinned_tensors:
             t0 = time.perf_counter()
             rest = [n for n in model.post_names() if n not in model.pre_names()]  # a tied head is the embedding
-            for g in (pre, layout_group(post.label, rest, source, sizes), *(layers[i] for i in self.plan.pinned)):
+            batches = [pre, layout_group(post.label, rest, source, sizes)]
+            if self.plan.grain == "layer":
+                batches += [layers[i] for i in self.plan.pinned]
+            else:  # resident layer tensors, read a layer's worth at a time
+                chosen = set(self.plan.pinned_tensors)
+                for i in range(model.n_layers):
+                    mine = [one[n] for n in model.layer_names(i) if n in chosen]
+                    if mine:
+                        batches.append(join_layouts(f"layer {i}", mine))
+            for g in batches:
                 buf = AlignedBuffer(g.nbytes)
                 load_group(self.handle, g, buf)
                 self.resident_stats.bytes_read += g.read_bytes
@@ -339,13 +462,18 @@ class Executor:
                 self.resident.update({n: t.to(self.device) for n, t in views.items()})
                 del buf, views
             self.resident_stats.read_seconds = time.perf_counter() - t0
-        self._streams_pre = not self.plan.resident
-        self._pinned = set(self.plan.pinned)
+        # the groups a pass visits, in order, and where each one's streamed units start in ``plan.units``
+        self._labels = [PRE, *(g.label for g in layers), POST]
+        self._streamed_at: dict[str, tuple[int, int]] = {}
+        for u, gi in enumerate(self.plan.unit_group):
+            label = self.plan.streamed[gi].label
+            start, count = self._streamed_at.get(label, (u, 0))
+            self._streamed_at[label] = (start, count + 1)
         self.lane = Lane(self.device)
-        self._ring: _Ring | DeviceRing | None = None
+        self._ring: _Ring | _Arena | DeviceRing | None = None
         if self.plan.streamed and self.read_path == "cpu":
-            readers = 1 if source.files.remote else LOCAL_READERS  # an object store's client: one thread
-            self._ring = _Ring(self.plan.streamed, self.plan.slots, self.plan.slot_bytes, self.handle, readers)
+            readers = 1 if source.files.remote else ARENA_READERS  # an object store's client: one thread
+            self._ring = _Arena(self.plan.units, self.plan.arena_bytes, self.handle, readers, dtype)
         elif self.plan.streamed:
             reader = KvikioReader(kvikio) if self.read_path == "gds" else None
             self._ring = DeviceRing(
@@ -375,17 +503,27 @@ class Executor:
     def stats(self) -> ReadStats:
         return self._ring.stats if self._ring is not None else ReadStats()
 
-    def _groups(self) -> Generator[dict[str, torch.Tensor], None, None]:
-        """Each streamed group's tensors in order; the buffer goes back to the ring when the next is asked for."""
+    @contextmanager
+    def _weights(self, label: str) -> Iterator[Mapping[str, torch.Tensor]]:
+        """Group ``label``'s weights while it computes: the resident ones, or its streamed units from the ring
+        (handed back when the group is done)."""
+        where = self._streamed_at.get(label)
         ring = self._ring
-        for g in self.plan.streamed:
-            assert ring is not None
-            buf = ring.take(self._index)
-            self._index = (self._index + 1) % len(self.plan.streamed)
-            try:
-                yield ring.views(buf, g, self.dtype)  # type: ignore[arg-type]
-            finally:
-                ring.release(buf)  # type: ignore[arg-type]
+        if where is None:
+            yield self.resident
+            return
+        first, count = where
+        if isinstance(ring, _Arena):
+            w = _StagedWeights(ring, first, self.plan.units[first : first + count], self.resident, label)
+            yield w
+            w.finish()  # not on an error: the executor refuses further passes, and later parts may never come
+            return
+        assert ring is not None
+        buf = ring.take(first)
+        try:
+            yield ring.views(buf, self.plan.units[first], self.dtype)  # type: ignore[arg-type]
+        finally:
+            ring.release(buf)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, step: Step) -> torch.Tensor:
@@ -394,19 +532,17 @@ class Executor:
         A pass that fails leaves the ring mid-cycle: later passes are refused, naming the first error."""
         if self._failed is not None:
             raise InferenceError(f"the executor stopped after an earlier error: {self._failed}")
-        groups = self._groups()
         try:
-            w = next(groups) if self._streams_pre else self.resident
-            h = self.model.embed(w, step).to(self.dtype)
+            with self._weights(PRE) as w:
+                h = self.model.embed(w, step).to(self.dtype)
             for i in range(self.model.n_layers):
-                h = self.model.layer(i, self.resident if i in self._pinned else next(groups), h, step)
-            w = next(groups) if self._streams_pre else self.resident
-            return self.model.head(w, h)
+                with self._weights(self._labels[i + 1]) as w:
+                    h = self.model.layer(i, w, h, step)
+            with self._weights(POST) as w:
+                return self.model.head(w, h)
         except BaseException as exc:
             self._failed = f"{type(exc).__name__}: {exc}"
             raise
-        finally:
-            groups.close()
 
     def close(self) -> None:
         if self._ring is not None:

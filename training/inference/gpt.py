@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from training.inference.model import Step, StreamModel, apply_rope, attend
+from training.inference.model import Step, StreamModel, apply_rope, attend, cut_before
 from training.models.gpt import GPTConfig, expected_param_shapes
 
 
@@ -31,6 +31,10 @@ class StreamGPT(StreamModel):
 
     def post_names(self) -> list[str]:
         return ["ln_f.weight", "ln_f.bias", "embed.weight" if self.cfg.tied_embeddings else "head.weight"]
+
+    def layer_stages(self, i: int) -> list[list[str]]:
+        """[ln1, qkv], [proj, ln2], [fc1], [fc2] (biases with their weights), the order :meth:`layer` reads them."""
+        return cut_before(self.layer_names(i), [".attn.proj.weight", ".mlp.fc1.weight", ".mlp.fc2.weight"])
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)

@@ -12,7 +12,7 @@ pieces (a UCP checkpoint saved sharded) gets a region of its own, each run read 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from training.inference.sources import TensorSource, WeightSource
@@ -115,3 +115,16 @@ def _place_span(g: GroupLayout, span: list[TensorSource], sizes: FileSizes) -> N
     for t in span:
         g.tensors.append(Placed(t.name, t.dtype, t.shape, at + t.runs[0].offset - lo, t.nbytes))
     g.nbytes = at + round_up(hi) - lo
+
+
+def join_layouts(label: str, layouts: Sequence[GroupLayout]) -> GroupLayout:
+    """One layout holding ``layouts`` one after another, each at its own page-aligned offset (their reads
+    and tensor places shifted there): a part or a resident batch made of single tensors' layouts."""
+    g = GroupLayout(label, [n for lay in layouts for n in lay.names])
+    for lay in layouts:
+        at = g.nbytes
+        for file, reads in lay.reads.items():
+            g.reads.setdefault(file, []).extend((off, at + b, n) for off, b, n in reads)
+        g.tensors.extend(replace(t, at=at + t.at) for t in lay.tensors)
+        g.nbytes = at + lay.nbytes
+    return g

@@ -17,7 +17,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from training.inference.errors import ModelConfigError
 from training.inference.files import LOCAL, Files
-from training.inference.model import Step, StreamModel, apply_rope, attend
+from training.inference.model import Step, StreamModel, apply_rope, attend, cut_before
+
+LATER_PROJECTIONS = (
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 class LlamaArgs(BaseModel):
@@ -123,6 +132,11 @@ class Llama(StreamModel):
 
     def post_names(self) -> list[str]:
         return ["model.norm.weight", "model.embed_tokens.weight" if self.tied else "lm_head.weight"]
+
+    def layer_stages(self, i: int) -> list[list[str]]:
+        """[input norm, q], [k], [v], [o, post-attention norm], [gate], [up], [down] (biases with their
+        weights): :meth:`layer` reads them in this order and each projection's weight once."""
+        return cut_before(self.layer_names(i), [f".{n}.weight" for n in LATER_PROJECTIONS])
 
     def _layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         a, p = self.args, f"model.layers.{i}."

@@ -27,6 +27,7 @@ class InferMetrics(BaseModel):
     prefetch_depth: int
     pinned_layers: int = 0  # whole layers kept resident (in resident_bytes)
     streamed_layers: int = 0  # groups read every pass (layers, plus embedding and head when not resident)
+    pinned_tensors: int = 0  # layer tensors kept resident one by one (cpu path; in resident_bytes)
     kv_cache_bytes: int  # the whole KV cache of the largest batch
     kv_offloaded: bool = False  # a batch's KV cache exceeded its budget and lived on disk
     kv_resident_bytes: int = 0  # memory holding K/V: the whole cache, or the layer buffers when offloaded

@@ -69,6 +69,14 @@ class StreamModel(abc.ABC):
     @abc.abstractmethod
     def post_names(self) -> list[str]: ...
 
+    def layer_stages(self, i: int) -> list[list[str]]:
+        """Layer ``i``'s weights (``layer_names``, in that order) cut into *stages*, in the order
+        :meth:`layer` reads them: once it reads a weight of a later stage it is done with every weight
+        of the earlier ones (the executor then reuses their memory for weights read ahead). Default: one
+        stage, the whole layer. A model cutting finer must read each weight through the mapping it is
+        given, not keep a tensor across stages."""
+        return [self.layer_names(i)]
+
     @abc.abstractmethod
     def expected_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
@@ -94,6 +102,16 @@ class StreamModel(abc.ABC):
                 raise ModelConfigError(
                     f"{where}: tensor {name!r} has shape {list(got)}, the model config implies {list(shape)}"
                 )
+
+
+def cut_before(names: list[str], cuts: list[str]) -> list[list[str]]:
+    """``names`` split into runs, a new one starting at each name ending with one of ``cuts``."""
+    out: list[list[str]] = []
+    for n in names:
+        if not out or any(n.endswith(c) for c in cuts):
+            out.append([])
+        out[-1].append(n)
+    return out
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:

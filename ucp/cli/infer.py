@@ -65,7 +65,12 @@ def infer_cmd(
     ] = "512MiB",
     prefetch: Annotated[
         Optional[int],
-        typer.Option("--prefetch", min=0, help="Layers read ahead of compute (default: what the budget allows)."),
+        typer.Option(
+            "--prefetch",
+            min=0,
+            help="Read-ahead: the ring holds PREFETCH + 1 of the largest streamed parts (cpu path) or layers "
+            "(staged/gds); 0: no overlap (default: what the budget allows).",
+        ),
     ] = None,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0: greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k likeliest (0: all).")] = 0,
@@ -85,7 +90,8 @@ def infer_cmd(
         bool,
         typer.Option(
             "--pin-layers/--no-pin-layers",
-            help="Keep whole layers resident in the budget beyond a two-buffer ring (fewer bytes read per token).",
+            help="Keep layer weights resident in the budget beyond the ring: single tensors, largest first (cpu "
+            "path), whole layers (staged/gds); fewer bytes read per token.",
         ),
     ] = True,
     kv_budget: Annotated[

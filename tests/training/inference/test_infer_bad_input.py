@@ -96,20 +96,23 @@ def test_missing_config(hf: object, tmp_path: Path) -> None:
         load_model(open_weights(path))
 
 
-def test_budget_below_the_largest_layer_names_it_and_the_budget_needed(hf: object, tmp_path: Path) -> None:
+def test_budget_below_the_largest_part_names_it_and_the_budget_needed(hf: object, tmp_path: Path) -> None:
     path = save_hf(hf, tmp_path / "hf")
     model, source = load_model(open_weights(path))
-    with pytest.raises(BudgetError) as err:
-        Executor(model, source, 50_000)
+    with pytest.raises(BudgetError) as err:  # the tensor grain: everything streams, one part at a time
+        Executor(model, source, 30_000)
     msg = str(err.value)
-    assert "memory budget 48.8 KiB is too small" in msg, msg
-    assert "layer 2 needs a buffer of 128 KiB (largest tensor 'model.layers.2.mlp.down_proj.weight', 24 KiB)" in msg, (
-        msg
-    )
+    assert "memory budget 29.3 KiB is too small" in msg, msg
+    assert "final norm and head needs a buffer of 40 KiB (largest tensor 'lm_head.weight', 32 KiB)" in msg, msg
     needed = int(msg.rsplit("(", 1)[1].split(" bytes")[0])
     Executor(model, source, needed).close()  # exactly the budget named suffices
     with pytest.raises(BudgetError):
         Executor(model, source, needed - 1)
+    with pytest.raises(BudgetError) as err:  # the layer grain (device paths): a whole layer's buffer
+        Executor(model, source, 50_000, read_path="staged")
+    assert "layer 2 needs a buffer of 128 KiB (largest tensor 'model.layers.2.mlp.down_proj.weight', 24 KiB)" in str(
+        err.value
+    )
 
 
 def test_unreadable_tokenizer(hf: object, tmp_path: Path) -> None:

@@ -81,15 +81,17 @@ def test_device_read_paths_on_a_cpu_device_match_the_cpu_path(
     if path == "gds":  # on a CPU the choice refuses gds: take it anyway, KvikIO stood in
         monkeypatch.setattr(executor_mod, "choose_read_path", lambda device, asked, caps: asked)
     kv_budget = 2 * 2 * 4096 if kv else None  # offloaded, through DeviceKV
-    base, base_sampled, base_stats, _, plan = run(weights, "cpu", budget, kv_budget, tmp_path)
-    got, sampled, stats, staging, _ = run(weights, path, budget, kv_budget, tmp_path)
+    base, base_sampled, base_stats, _, base_plan = run(weights, "cpu", budget, kv_budget, tmp_path)
+    got, sampled, stats, staging, plan = run(weights, path, budget, kv_budget, tmp_path)
+    assert (base_plan.grain, plan.grain) == ("tensor", "layer")  # the finer grain is the cpu path's
     assert plan.streamed and (len(plan.streamed) == 5) == (budget < 1 << 20)
     assert got.tokens == base.tokens and sampled == base_sampled
     for a, b in zip(got.logits, base.logits):
         assert torch.equal(a, b)
     assert got.kv.offloaded == kv and (got.kv.bytes_read > 0) == kv
     passes = 2 * NEW * len(plan.streamed)  # two generations of NEW passes (the reader may be ahead by the ring)
-    assert passes <= stats.groups_read <= passes + plan.slots and passes <= base_stats.groups_read
+    assert passes <= stats.groups_read <= passes + plan.slots
+    assert 2 * NEW * len(base_plan.units) <= base_stats.groups_read
     assert staging == (0 if path == "gds" else 2 * plan.slot_bytes)
 
 
@@ -109,7 +111,7 @@ def test_metrics_name_device_and_read_path(weights: Path) -> None:
     assert (plain.metrics.device, plain.metrics.read_path, plain.metrics.staging_bytes) == ("cpu", "cpu", 0)
     assert (staged.metrics.device, staged.metrics.read_path) == ("cpu", "staged")
     assert (plain.metrics.read_path_reason, staged.metrics.read_path_reason) == ("auto on cpu", "asked for")
-    assert staged.metrics.staging_bytes == 2 * plain.metrics.ring_bytes // (plain.metrics.prefetch_depth + 1)
+    assert staged.metrics.staging_bytes == 2 * staged.metrics.ring_bytes // (staged.metrics.prefetch_depth + 1)
     assert staged.metrics.pinned_bytes == (staged.metrics.staging_bytes if torch.cuda.is_available() else 0)
     out = CliRunner().invoke(
         app,

@@ -1,6 +1,7 @@
-"""The executor: how the budget is spent (resident groups, ring buffers, prefetch depth), byte-exact
-loads of tensors in unaligned and many-piece runs, reads bypassing the page cache under O_DIRECT,
-continuous prefetch across passes, and a read failure surfacing in the compute thread."""
+"""The executor: how the budget is spent (resident groups and tensors, the ring, prefetch depth) at the
+tensor grain (the cpu path) and the layer grain (the device paths, run here as ``staged`` on the CPU),
+byte-exact loads of tensors in unaligned and many-piece runs, reads bypassing the page cache under
+O_DIRECT, continuous prefetch across passes, and a read failure surfacing in the compute thread."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def executor(path: Path, budget: int, **kw: object) -> Executor:
         (LAYER, None, False, 1),  # exactly one buffer: no overlap, still runs
     ],
 )
-def test_budget_plan(weights: Path, budget: int, prefetch: int | None, resident: bool, slots: int) -> None:
-    with executor(weights, budget, prefetch=prefetch) as ex:
+def test_layer_grain_budget_plan(weights: Path, budget: int, prefetch: int | None, resident: bool, slots: int) -> None:
+    with executor(weights, budget, prefetch=prefetch, read_path="staged") as ex:
+        assert ex.plan.grain == "layer"
         p = ex.plan
         assert bool(p.resident) == resident and p.slots == slots and p.prefetch == slots - 1
         assert p.resident_bytes + p.ring_bytes <= budget
@@ -75,10 +77,10 @@ SIZES = [A, A, L]
         (EDGES + A + L - 1, 0, [], 1),
     ],
 )
-def test_budget_pins_whole_layers_beyond_the_ring(
+def test_layer_grain_pins_whole_layers_beyond_the_ring(
     weights: Path, budget: int, prefetch: int | None, pinned: list[int], slots: int
 ) -> None:
-    with executor(weights, budget, prefetch=prefetch, pin_layers=True) as ex:
+    with executor(weights, budget, prefetch=prefetch, pin_layers=True, read_path="staged") as ex:
         p = ex.plan
         assert p.pinned == pinned and p.slots == slots and p.slot_bytes == L
         assert p.resident == ["embedding", "final norm and head", *(f"layer {i}" for i in pinned)]
@@ -93,12 +95,65 @@ def test_budget_pins_whole_layers_beyond_the_ring(
         assert generate(ex, [[1, 2, 3]], 3).tokens == got
 
 
+# the tiny model at the tensor grain: parts [norm, q] [k] [v] [o, norm] [gate] [up] [down] per layer, each
+# page-rounded (a tensor at an unaligned file offset spans one page more)
+PART = 28672  # the largest part of a layer: gate, up or down (24 KiB of fp32)
+PASS = 483328  # every layer part of a pass
+ALL_PART = 4096 + 36864  # the largest part when everything streams: final norm and head (32 KiB)
+
+
+@pytest.mark.parametrize(
+    "budget, prefetch, resident, ring",
+    [
+        (1 << 20, None, True, PASS),  # plenty: edges resident, the ring holds a whole pass's parts
+        (EDGES + 2 * PART, None, True, 2 * PART),  # edges + two of the largest part: one read ahead
+        (EDGES + 3 * PART + 4095, None, True, 3 * PART),  # more: a bigger ring (page-rounded)
+        (1 << 20, 0, True, PART),  # --prefetch 0: one part at a time, no overlap
+        (EDGES + 2 * PART - 1, None, False, (EDGES + 2 * PART - 1) // 4096 * 4096),  # everything streams
+        (ALL_PART, None, False, ALL_PART),  # exactly the largest part: no overlap, still runs
+    ],
+)
+def test_tensor_grain_budget_plan(weights: Path, budget: int, prefetch: int | None, resident: bool, ring: int) -> None:
+    with executor(weights, budget, prefetch=prefetch) as ex:
+        p = ex.plan
+        assert p.grain == "tensor" and bool(p.resident) == resident and p.ring_bytes == ring
+        assert p.resident_bytes + p.ring_bytes <= budget and p.resident_bytes == (EDGES if resident else 0)
+        assert len(p.units) == 3 * 7 + (0 if resident else 2)
+        assert p.streamed_bytes_per_pass == sum(u.read_bytes for u in p.units)
+        got = generate(ex, [[1, 2, 3]], 3)
+        n, reads = len(p.units), ex.stats.groups_read
+        assert reads >= 3 * n and ex.stats.bytes_read == sum(p.units[i % n].read_bytes for i in range(reads))
+    with executor(weights, 1 << 20, read_path="staged") as ex:
+        assert generate(ex, [[1, 2, 3]], 3).tokens == got.tokens
+
+
+def test_tensor_grain_pins_tensors_beside_the_ring_and_streams_the_rest(weights: Path) -> None:
+    budget = EDGES + 2 * PART + 3 * PART + 20000  # --prefetch 1: a ring of two parts, room for about 3.7 more
+    with executor(weights, budget, prefetch=1, pin_layers=True) as ex:
+        p = ex.plan
+        assert p.ring_bytes == 2 * PART and p.resident_bytes + p.ring_bytes <= budget and p.pinned == []
+        pinned = set(p.pinned_tensors)
+        assert len(pinned) >= 3 and all(n in ex.resident for n in pinned)
+        held = {t.name: t.nbytes for u in p.units for t in u.tensors}  # streamed: not resident, each once a pass
+        assert not pinned & set(held) and len(pinned) + len(held) == 3 * 9
+        left = budget - p.resident_bytes - p.ring_bytes
+        assert left < 4096  # no streamed tensor (each at least a page) fits in what is left
+        assert p.streamed_bytes_per_pass < PASS - 3 * PART  # fewer bytes a pass than with only the edges resident
+        got = generate(ex, [[1, 2, 3]], 3, keep_logits=True)
+        assert ex.stats.bytes_read == sum(p.units[i % len(p.units)].read_bytes for i in range(ex.stats.groups_read))
+    with executor(weights, 1 << 20, read_path="staged") as ex:
+        want = generate(ex, [[1, 2, 3]], 3, keep_logits=True)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits):
+        assert torch.equal(a, b)
+
+
 def test_reads_continue_into_the_next_pass(weights: Path) -> None:
     with executor(weights, 1 << 20) as ex:
-        generate(ex, [[1, 2, 3]], 4)  # 4 passes of 3 layers
-        assert ex.stats.groups_read >= 12
-        layers = ex.plan.streamed
-        assert ex.stats.bytes_read == sum(layers[i % 3].read_bytes for i in range(ex.stats.groups_read))
+        generate(ex, [[1, 2, 3]], 4)  # 4 passes of 3 layers of 7 parts
+        units = ex.plan.units
+        assert ex.stats.groups_read >= 4 * len(units) == 4 * 21
+        assert ex.stats.bytes_read == sum(units[i % 21].read_bytes for i in range(ex.stats.groups_read))
         assert 0.0 <= ex.stats.hidden_fraction <= 1.0
 
 

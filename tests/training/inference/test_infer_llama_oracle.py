@@ -58,7 +58,7 @@ def test_ucp_checkpoint_matches_transformers(tmp_path: Path, tied: bool) -> None
 def test_small_budget_streams_embedding_and_head_too(tmp_path: Path) -> None:
     hf = tiny_llama()
     path = save_hf(hf, tmp_path / "hf")
-    with streamed(path, 200_000) as ex:  # less than embedding + head + two layers: everything streams
+    with streamed(path, 100_000) as ex:  # less than embedding + head + two of the largest part: everything streams
         assert ex.plan.resident == [] and ex.plan.resident_bytes == 0
         assert len(ex.plan.streamed) == 3 + 2
-    check_against_hf(hf, path, 200_000)
+    check_against_hf(hf, path, 100_000)

@@ -84,7 +84,10 @@ def test_text_prompts_through_tokenizer_json(model_dir: tuple[object, Path], tmp
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--memory-budget", "40KiB"], "error: memory budget 40 KiB is too small: layer 2 needs a buffer of 128 KiB"),
+        (
+            ["--memory-budget", "30KiB"],
+            "error: memory budget 30 KiB is too small: final norm and head needs a buffer of 40 KiB",
+        ),
         (["--memory-budget", "12M"], "ambiguous"),
         (["--prompts-file", "x.txt"], "give --prompt (repeatable) or --prompts-file, not both"),
         (["--top-p", "0"], "--top-p must be > 0"),
