@@ -335,6 +335,8 @@ def start_streamed_process(
 
     def submit() -> None:
         try:
+            if writer.pool.closed:  # closed without waiting while the producer's copy was being made
+                raise RuntimeError("the asynchronous saver was closed before the streamed state was ready")
             assert job.plan is not None
             pieces = []
             for spec, shard, at in zip(job.plan.pieces, shards, places):

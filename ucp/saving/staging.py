@@ -299,6 +299,11 @@ class StagingPool:
         self.created_bytes = 0  # bytes of the arenas made (a save of StreamedShards makes a compact one)
         self.on_drop: list = []  # callbacks(arena) run before an arena is closed (the writer process unmaps it)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the saver is closed)."""
+        return self._closed
+
     def acquire(self, nbytes: int, timeout: float | None = None) -> Arena:
         with self._cond:
             if not self._cond.wait_for(lambda: self._closed or self._out < self.max_arenas, timeout):

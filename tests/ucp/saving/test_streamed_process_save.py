@@ -146,3 +146,16 @@ def test_a_writer_killed_mid_save_leaves_the_last_checkpoint_loadable(tmp_path: 
         assert m.latest() == 1
     loaded = ucp.load(ucp.CheckpointManager(root).path(1))
     assert torch.equal(loaded["big"], plain["big"]) and torch.equal(loaded["box"], plain["box"])
+
+
+def test_a_saver_closed_before_the_sources_are_ready_fails_the_save(tmp_path: Path) -> None:
+    ready: Future[None] = Future()
+    _, streamed = state(tmp_path, ready)
+    saver = ucp.AsyncSaver(mode="process")
+    handle = saver.save(streamed, tmp_path / "async")
+    saver.close(wait=False)
+    ready.set_result(None)
+    with pytest.raises(RuntimeError, match="closed before the streamed state was ready"):
+        handle.result(timeout=30)
+    assert saver.writer_pid is None  # no writer process started for it
+    assert not (tmp_path / "async").exists()
