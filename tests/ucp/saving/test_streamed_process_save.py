@@ -95,7 +95,7 @@ def test_the_writer_waits_for_the_sources_to_be_ready(tmp_path: Path) -> None:
     with ucp.AsyncSaver(mode="process") as saver:
         handle = saver.save(streamed, tmp_path / "async")
         with pytest.raises(TimeoutError):
-            handle.result(timeout=1.0)
+            handle.result(timeout=0.3)
         ready.set_result(None)
         handle.result()
     assert torch.equal(ucp.load(tmp_path / "async")["big"], plain["big"])
