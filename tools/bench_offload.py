@@ -9,6 +9,8 @@ against DeepSpeed ZeRO with the same offload configuration, and fio on the same 
 Methods: ``memory`` (no offload), ``cpu`` (offload_optimizer cpu), ``nvme`` (offload_optimizer nvme,
 pipelined; the budget beyond the pool's pipeline slots keeps sub-groups resident), ``nvme-swapall`` (``nvme``
 with ``keep_resident`` off: every sub-group swapped, the whole budget in slots, as before residency),
+``nvme-swapall-4k`` (``nvme-swapall`` with the slots on ordinary 4 KiB pages, not transparent huge pages: the
+tier as it was before both; the three apart show what fewer bytes and what less kernel time each gave),
 ``nvme-serial`` (pipeline_read and pipeline_write off), ``nvme-param`` (``nvme`` and, at ZeRO-3,
 offload_param nvme: the parameters on NVMe too, ``--param-buffer-count`` × ``--param-buffer-size`` elements of
 pool, ``--max-in-cpu``), ``deepspeed-nvme`` and ``deepspeed-nvme-param`` (DeepSpeed's
@@ -53,7 +55,7 @@ if str(REPO) not in sys.path:
 from aio.sizes import SIZE_HELP, format_size, parse_size  # noqa: E402
 from ucp.bench.report import cpu_model, source_commit  # noqa: E402
 
-OURS = ("memory", "cpu", "nvme", "nvme-swapall", "nvme-serial", "nvme-param")
+OURS = ("memory", "cpu", "nvme", "nvme-swapall", "nvme-swapall-4k", "nvme-serial", "nvme-param")
 METHODS = (*OURS, "deepspeed-nvme", "deepspeed-nvme-param")
 PEER = REPO / "tools" / "peers" / "deepspeed_offload.py"
 # The run both engines train (tests/training/test_deepspeed_parity.py): DeepSpeed's AdamW over one group.
@@ -189,8 +191,14 @@ def run_worker(method: str, args: argparse.Namespace) -> int:
     from training import Engine
     from training.offload import OffloadConfig
 
+    if method == "nvme-swapall-4k":  # the slots on ordinary pages (this process only)
+        import training.offload.store
+
+        training.offload.store.HUGE_PAGES = False
     offload = OffloadConfig.from_deepspeed(
-        ds_offload(method, args, args.nvme_path), swap_budget=args.swap_budget, keep_resident=method != "nvme-swapall"
+        ds_offload(method, args, args.nvme_path),
+        swap_budget=args.swap_budget,
+        keep_resident=not method.startswith("nvme-swapall"),
     )
     engine = Engine(args.model, offload=offload, **engine_options(args))
     # DeepSpeed's single AdamW group decays every parameter: give our no-decay group the same decay.
@@ -578,11 +586,9 @@ def targets(
         out.append(
             f"* NVMe whole step ≤ 1.25 × our CPU-offload step ({step['cpu']:.3f} s): {ratio:.2f}×, {verdict(ratio <= 1.25)}"
         )
-    if "nvme-swapall" in step and "cpu" in step:
-        out.append(
-            f"  (every sub-group swapped, `nvme-swapall`: {step['nvme-swapall']:.3f} s, "
-            f"{step['nvme-swapall'] / step['cpu']:.2f}× the CPU tier)"
-        )
+    for m, what in (("nvme-swapall", "every sub-group swapped"), ("nvme-swapall-4k", "and on 4 KiB pages")):
+        if m in step and "cpu" in step:
+            out.append(f"  ({what}, `{m}`: {step[m]:.3f} s, {step[m] / step['cpu']:.2f}× the CPU tier)")
     return out
 
 
