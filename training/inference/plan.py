@@ -209,12 +209,13 @@ def spread(n: int) -> list[int]:
 
 
 def _pick_tensors(layers: Sequence[Stages], size: Mapping[str, int], room: int) -> set[str]:
-    """Layer tensors to keep resident in ``room`` bytes: largest first, equal sizes spread over the depth."""
+    """Layer tensors to keep resident in ``room`` bytes: largest first; among equal sizes, one of a kind per
+    layer at a time, the layers in :func:`spread` order (each layer's streamed bytes stay alike)."""
     rank = {layer: r for r, layer in enumerate(spread(len(layers)))}
     cands = [
         (size[t.label], i, pos, t.label) for i, g in enumerate(layers) for pos, t in enumerate(t for s in g for t in s)
     ]
-    cands.sort(key=lambda c: (-c[0], rank[c[1]], c[2]))
+    cands.sort(key=lambda c: (-c[0], c[2], rank[c[1]]))
     chosen: set[str] = set()
     for nbytes, _, _, name in cands:
         if nbytes <= room:
