@@ -1,6 +1,7 @@
 """Where compute runs and how streamed weights reach it: the ``cpu``, ``staged`` and ``gds`` read paths.
 
-* ``cpu``: the executor's host ring (:class:`~training.inference.executor._Ring`); compute views it.
+* ``cpu``: the executor's host arena (:class:`~training.inference.executor._Arena`, the tensor grain); compute
+  views it.
 * ``staged``: a reader thread fills page-aligned host buffers (pinned when CUDA is present) with
   O_DIRECT reads, then copies each into a ring of *device* buffers ``non_blocking`` on a dedicated
   copy stream, recording an event per copy; compute waits on that event (on its own stream, not the

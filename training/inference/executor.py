@@ -25,7 +25,6 @@ pinned with the rest.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from contextlib import contextmanager
@@ -54,8 +53,7 @@ from training.inference.sources import TensorSource, WeightSource
 from ucp.format.dtypes import itemsize, torch_dtype
 
 READ_CONFIG = AioConfig(block_size=4 << 20, queue_depth=32)  # few staging blocks: aligned spans read direct
-LOCAL_READERS = 2  # reader threads of the layer ring on local files: the next group's reads overlap the last's tail
-ARENA_READERS = 4  # reader threads of the tensor-grain ring on local files: several parts in flight at once
+ARENA_READERS = 4  # reader threads of the arena on local files: several parts in flight, the queue full across parts
 
 
 @dataclass
@@ -80,97 +78,6 @@ def tensor_views(
 ) -> dict[str, torch.Tensor]:
     """Tensors viewing ``buf`` from byte ``base`` (no copy when already in ``dtype`` and element-aligned)."""
     return placed_views(placed, dtype, lambda p: torch.frombuffer(buf.view(p.nbytes, base + p.at), dtype=torch.uint8))
-
-
-class _Ring:
-    """Buffers cycling between reader threads (fill) and the compute thread (uses, then releases).
-
-    ``readers`` threads each take a free buffer and the next group in order, so while compute waits
-    for group ``i`` the read of ``i + 1`` is already in flight in the buffer compute just released: the
-    disk's queue stays full across group boundaries instead of draining at the end of every group (one
-    reader waits for a group's last request before it submits the next group's first). Groups are
-    handed to compute in order whichever read finishes first."""
-
-    def __init__(
-        self, groups: list[GroupLayout], slots: int, slot_bytes: int, handle: RangeReader, readers: int = 2
-    ) -> None:
-        self.groups, self.handle, self.stats = groups, handle, ReadStats()
-        self._free: queue.Queue[AlignedBuffer | None] = queue.Queue()
-        self._done: dict[int, tuple[AlignedBuffer, BaseException | None]] = {}
-        self._cond = threading.Condition()
-        self.buffers = [AlignedBuffer(slot_bytes, pin=None) for _ in range(slots)]
-        self._stop = False
-        self._next = 0  # the next group (counted over passes) a reader takes
-        self._taken = 0  # the next group compute takes
-        self._active, self._busy_since = 0, 0.0  # readers inside a read; when the first began
-        for b in self.buffers:
-            self._free.put(b)
-        self._threads = [
-            threading.Thread(target=self._run, name=f"ucp-infer-reader-{n}", daemon=True)
-            for n in range(max(1, min(readers, slots)))
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _run(self) -> None:
-        while True:
-            buf = self._free.get()
-            with self._cond:
-                if buf is None or self._stop:
-                    return
-                i, self._next = self._next, self._next + 1
-                if self._active == 0:
-                    self._busy_since = time.perf_counter()
-                self._active += 1
-            g = self.groups[i % len(self.groups)]
-            error: BaseException | None = None
-            try:
-                load_group(self.handle, g, buf)
-            except BaseException as exc:  # noqa: BLE001 - handed to the compute thread
-                error = exc
-            with self._cond:
-                self._active -= 1
-                if self._active == 0:  # read time is wall time with a read in flight, not the sum of reads
-                    self.stats.read_seconds += time.perf_counter() - self._busy_since
-                if error is None:
-                    self.stats.bytes_read += g.read_bytes
-                    self.stats.groups_read += 1
-                self._done[i] = (buf, error)
-                self._cond.notify_all()
-            if error is not None:
-                return
-
-    def take(self, index: int) -> AlignedBuffer:
-        t0 = time.perf_counter()
-        with self._cond:
-            while self._taken not in self._done:
-                self._cond.wait()
-            buf, exc = self._done.pop(self._taken)
-            got = self._taken % len(self.groups)
-            self._taken += 1
-            if self._active:  # reads overlapping without a pause: count the busy time so far
-                now = time.perf_counter()
-                self.stats.read_seconds += now - self._busy_since
-                self._busy_since = now
-        self.stats.wait_seconds += time.perf_counter() - t0
-        if exc is not None:
-            raise exc
-        assert got == index, f"ring out of order: got group {got}, wanted {index}"
-        return buf
-
-    def views(self, buf: AlignedBuffer, g: GroupLayout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return tensor_views(buf, g.tensors, dtype)
-
-    def release(self, buf: AlignedBuffer) -> None:
-        self._free.put(buf)
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-        for _ in self._threads:
-            self._free.put(None)
-        for t in self._threads:
-            t.join()
 
 
 class _Arena:
@@ -470,7 +377,7 @@ class Executor:
             start, count = self._streamed_at.get(label, (u, 0))
             self._streamed_at[label] = (start, count + 1)
         self.lane = Lane(self.device)
-        self._ring: _Ring | _Arena | DeviceRing | None = None
+        self._ring: _Arena | DeviceRing | None = None
         if self.plan.streamed and self.read_path == "cpu":
             readers = 1 if source.files.remote else ARENA_READERS  # an object store's client: one thread
             self._ring = _Arena(self.plan.units, self.plan.arena_bytes, self.handle, readers, dtype)
@@ -521,9 +428,9 @@ class Executor:
         assert ring is not None
         buf = ring.take(first)
         try:
-            yield ring.views(buf, self.plan.units[first], self.dtype)  # type: ignore[arg-type]
+            yield ring.views(buf, self.plan.units[first], self.dtype)
         finally:
-            ring.release(buf)  # type: ignore[arg-type]
+            ring.release(buf)
 
     @torch.inference_mode()
     def forward(self, step: Step) -> torch.Tensor:
