@@ -358,7 +358,7 @@ def tier_figures(engine: Any) -> dict[str, Any]:
     if offload is None:
         return {}
     shape = offload.describe()
-    keep = ("device", "subgroups", "slots", "host_bytes", "pinned_bytes", "budget")
+    keep = ("device", "subgroups", "slots", "resident", "swapped_bytes", "host_bytes", "pinned_bytes", "budget")
     return {"offload": {"state_bytes": 12 * sum(offload.sizes), **{k: shape[k] for k in keep if k in shape}}}
 
 
