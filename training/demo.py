@@ -308,6 +308,7 @@ def offload_leg(cfg: DemoConfig, work: Path, reference: dict[int, float], say: S
         cfg.swap_budget,
         "--sub-group-size",
         str(cfg.sub_group_size),
+        "--no-keep-resident",  # the whole state streams through the pool each step (the leg shows the swap traffic)
         "--sync-save",
     ]
     run_cfg = cfg.model_copy(update={"total_steps": steps, "save_every": steps})

@@ -156,6 +156,11 @@ def parse_args(argv: Sequence[str] | None = None, world: int | None = None) -> a
     p.add_argument("--nvme-path", default=None, help="directory the nvme tiers swap to (a fresh one is made inside)")
     p.add_argument("--sub-group-size", type=positive_int, default=None, help="elements per offloaded sub-group")
     p.add_argument("--swap-budget", default=None, help=f"most bytes of the nvme tier's buffer pool ({SIZE_HELP})")
+    p.add_argument(
+        "--no-keep-resident",
+        action="store_true",
+        help="swap every optimizer sub-group (by default the budget beyond two pool slots keeps some resident)",
+    )
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
@@ -221,6 +226,8 @@ def offload_config(args: argparse.Namespace) -> Any:
         update["sub_group_size"] = args.sub_group_size
     if args.swap_budget is not None:
         update["swap_budget"] = args.swap_budget
+    if getattr(args, "no_keep_resident", False):
+        update["keep_resident"] = False
     data = {**config.model_dump(exclude_unset=True), **update}
     data["aio"] = config.aio
     return OffloadConfig.model_validate(data)
