@@ -1,6 +1,6 @@
 """Set-up shared by the offload tests (tests/training/offload/): the GPT engine under an offload config, the
-in-memory reference run that saves a checkpoint part way, a small tmpfs for full or read-only swap dirs, and the
-peak-RSS probe of the streamed checkpoint tests."""
+in-memory reference run that saves a checkpoint part way, the optimizer state of a tier (or of memory), a small
+tmpfs for full or read-only swap dirs, and the peak-RSS probe of the streamed checkpoint tests."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 
 import ucp
 from training import Engine
@@ -33,6 +34,16 @@ def train_saving_at(e: Engine, root: Path, steps: int, split: int) -> tuple[list
         if s + 1 == split:
             e.save(ucp.CheckpointManager(root))
     return losses, Path(ucp.CheckpointManager(root).path(split))
+
+
+def optimizer_state(e: Engine) -> list[tuple[torch.Tensor, ...]]:
+    """Each group's fp32 master, exp_avg and exp_avg_sq of ``e``'s partition: gathered from the offload tier
+    (read, checked, left as it was), or the optimizer's own tensors when nothing is offloaded."""
+    off = e.optimizer.offload
+    if off is None:
+        opt = e.optimizer
+        return [(opt.master[g], opt.exp_avg[g], opt.exp_avg_sq[g]) for g in range(len(opt.plans))]
+    return [off.gather_group(g) for g in range(len(e.optimizer.plans))]
 
 
 def scribble(path: Path, offset: int, n: int = 16) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from offload_helpers import optimizer_state as tier
 from offload_worker import weights_digest
 
 import ucp
@@ -37,14 +38,6 @@ def config(path: Path | None, budget: int | None | str = "default", **optimizer:
 
 def build(path: Path | None, **kw: Any) -> Engine:
     return Engine(MODEL, offload=config(path, **kw), **OPTIONS)
-
-
-def tier(e: Engine) -> list[tuple[torch.Tensor, ...]]:
-    off = e.optimizer.offload
-    if off is None:  # in memory: the optimizer's own partitions
-        opt = e.optimizer
-        return [(opt.master[g], opt.exp_avg[g], opt.exp_avg_sq[g]) for g in range(len(opt.plans))]
-    return [off.gather_group(g) for g in range(len(e.optimizer.plans))]
 
 
 @pytest.fixture(scope="module")
