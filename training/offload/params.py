@@ -50,11 +50,11 @@ from aio.buffers import AlignedBuffer, round_down, round_up
 from aio.engines import Engine, create_engine
 from aio.errors import AioError, is_no_space
 from aio.files import open_file, preallocate
+from aio.transfer import transfer
 from ucp.store.file_ranges import FileRange
 
 from .config import OffloadConfig
 from .errors import OffloadError
-from .store import transfer
 from .swapdir import SwapDir
 
 if TYPE_CHECKING:

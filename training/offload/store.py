@@ -19,7 +19,6 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +32,7 @@ from aio.engines import Engine, create_engine
 from aio.errors import AioError, is_no_space
 from aio.files import open_file, preallocate
 from aio.sizes import format_size
+from aio.transfer import transfer
 
 from .errors import OffloadError
 from .swapdir import SwapDir
@@ -391,31 +391,3 @@ class NvmeStore:
         with self._cond:
             self._free.clear()
         self.resident.clear()
-
-
-def transfer(
-    engine: Engine, path: Path, view: memoryview, *, write: bool, block: int, direct: bool, offset: int = 0
-) -> tuple[BaseException | None, bool, int]:
-    """Move ``view`` to (``write``) or from the file at ``path``, from byte ``offset``, in requests of at most
-    ``block`` bytes all in flight at once through ``engine``, every one waited for (a buffer must not be reused
-    while the device may touch it). Returns the first request's error, whether every request moved all its
-    bytes (a read past the end of a truncated file comes back short) and the file's size. Raises
-    :class:`AioError` when the file cannot be opened. Shared by the optimizer tier and the parameter tier
-    (training.offload.params)."""
-    with open_file(path, "r+" if write else "r", direct=direct) as f:
-        submit = engine.submit_write if write else engine.submit_read
-        futures = [(off, submit(f, offset + off, view[off : off + block])) for off in range(0, view.nbytes, block)]
-        error = _wait(futures)
-        size = os.fstat(f.fd).st_size
-    whole = error is not None or all(fut.result() == min(block, view.nbytes - off) for off, fut in futures)
-    return error, whole, size
-
-
-def _wait(futures: list[tuple[int, Future]]) -> BaseException | None:
-    """Wait for every request (a buffer must not be reused while the device may write it); the first error."""
-    error: BaseException | None = None
-    for _, fut in futures:
-        exc = fut.exception()
-        if exc is not None and error is None:
-            error = exc
-    return error

@@ -11,9 +11,7 @@ order, not block order). A mismatch, a short file or a failed read names the fil
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
-from concurrent.futures import Future
 from typing import Iterator, Sequence
 
 import crc32c
@@ -23,7 +21,7 @@ from aio.buffers import AlignedBuffer
 from aio.config import AioConfig
 from aio.engines import Engine, create_engine
 from aio.errors import AioError
-from aio.files import open_file
+from aio.transfer import transfer
 from ucp.errors import CorruptCheckpointError, StorageError
 
 
@@ -115,26 +113,13 @@ class RangeReader:
         direct = self.config.use_direct and r.alignment > 0 and (r.offset | r.length) % r.alignment == 0
         where = f"{r.path} ({r.what})"
         try:
-            with open_file(r.path, "r", direct=direct) as f:
-                futures: list[tuple[int, Future[int]]] = [
-                    (off, self._engine.submit_read(f, r.offset + off, view[off : off + block]))
-                    for off in range(0, r.length, block)
-                ]
-                error: BaseException | None = None
-                got = 0
-                for off, fut in futures:  # every request waited for: the buffer is reused afterwards
-                    exc = fut.exception()
-                    if exc is not None:
-                        error = error or exc
-                    elif fut.result() == min(block, r.length - off):
-                        got += fut.result()
-                size = os.fstat(f.fd).st_size
+            error, whole, size = transfer(self._engine, r.path, view, write=False, block=block, direct=direct, offset=r.offset)  # fmt: skip
         except AioError as exc:
             raise StorageError(f"cannot open {where} to save it: {exc}") from exc
         if error is not None:
             why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             raise StorageError(f"reading {where} to save it failed: {why}") from error
-        if got != r.length:
+        if not whole:
             raise CorruptCheckpointError(
                 f"{where} is truncated: {size} bytes, the save needs bytes [{r.offset}, {r.offset + r.length})"
             )
