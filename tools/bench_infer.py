@@ -17,7 +17,8 @@ otherwise the files are evicted) and each method runs in a fresh process:
   when ``accelerate`` is installed (it is not a dependency; the row says so when absent). Its row
   reports the weight bytes it kept resident (``max_memory``'s share, the rest on disk);
 * ``ucp-acc``: ucp with the same resident weight bytes as the last ``accelerate`` run of that dtype, plus
-  its two-buffer ring (budget = accelerate's resident bytes + ucp's ring): whole layers pinned.
+  its ring (budget = accelerate's resident bytes + ucp's ring): on the CPU path the tensor-grain arena, single
+  layer tensors pinned in the rest (docs/inference.md).
 
 ``--dtypes fp32,bf16`` runs ucp, mmap, accelerate and ucp-acc on the weights in each dtype (bf16: the
 same model cast and saved again, computed in bf16). Each run is in a fresh memory cgroup (v1 or v2)

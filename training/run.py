@@ -226,7 +226,7 @@ def offload_config(args: argparse.Namespace) -> Any:
         update["sub_group_size"] = args.sub_group_size
     if args.swap_budget is not None:
         update["swap_budget"] = args.swap_budget
-    if getattr(args, "no_keep_resident", False):
+    if args.no_keep_resident:
         update["keep_resident"] = False
     data = {**config.model_dump(exclude_unset=True), **update}
     data["aio"] = config.aio

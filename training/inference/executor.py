@@ -94,14 +94,13 @@ class _Arena:
         parts: list[GroupLayout],
         nbytes: int,
         handle: RangeReader,
-        readers: int = 4,
+        readers: int = ARENA_READERS,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if max(p.nbytes for p in parts) > nbytes:
             raise ValueError(f"a ring of {nbytes} bytes cannot hold a part of {max(p.nbytes for p in parts)}")
         self.parts, self.handle, self.nbytes, self.dtype, self.stats = parts, handle, nbytes, dtype, ReadStats()
         self.buffer = AlignedBuffer(nbytes, pin=None)
-        self.buffers = [self.buffer]
         self._cond = threading.Condition()
         self._stop = False
         self._next = 0  # the next part (counted over passes) a reader places
@@ -154,6 +153,12 @@ class _Arena:
                 self._cond.notify_all()
             if error is not None:
                 return
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes of the arena (none on the CPU path: it is made with ``pin=None``, pinned only where a
+        GPU exists)."""
+        return self.buffer.capacity if self.buffer.pinned else 0
 
     def take(self, index: int) -> dict[str, torch.Tensor]:
         """Views of part ``index`` (of a pass), the next in order, once it is read."""
@@ -348,7 +353,7 @@ class Executor:
         self.handle = source.files.reader(aio_config or READ_CONFIG)
         self.resident: dict[str, torch.Tensor] = {}
         self.resident_stats = ReadStats()
-        if self.plan.resident or self.plan.pinned_tensors:
+        if self.plan.resident:
             t0 = time.perf_counter()
             rest = [n for n in model.post_names() if n not in model.pre_names()]  # a tied head is the embedding
             batches = [pre, layout_group(post.label, rest, source, sizes)]
@@ -391,15 +396,12 @@ class Executor:
                 handle=None if reader is not None else self.handle,
                 kvikio=reader,
             )
-        self._index = 0
         self._failed: str | None = None
 
     @property
     def pinned_bytes(self) -> int:
         """Host memory pinned for the weights' ring (the staged path's staging buffers, or the CPU ring's)."""
-        if isinstance(self._ring, DeviceRing):
-            return self._ring.pinned_bytes
-        return sum(b.capacity for b in self._ring.buffers if b.pinned) if self._ring is not None else 0
+        return self._ring.pinned_bytes if self._ring is not None else 0
 
     @property
     def staging_bytes(self) -> int:

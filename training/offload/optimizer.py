@@ -583,7 +583,7 @@ class OptimizerOffload:
             t2 = time.perf_counter()
             p.waits["compute" if block else "early_compute"] += t2 - t1
             p.early += not block
-            if rec.resident or not self._swapped:
+            if self.store.is_resident(sg):
                 continue
             p.inflight -= 1
             p.moved["bytes_read"] += rec.nbytes

@@ -66,8 +66,6 @@ class RangeReader:
         self._own: list[AlignedBuffer] = []
         self._free: list[AlignedBuffer] = []
         self._cache: OrderedDict[tuple[str, int, int], AlignedBuffer] = OrderedDict()
-        self.bytes_read = 0
-        self.buffer_bytes = 0  # bytes of the buffers it made
 
     def __enter__(self) -> RangeReader:
         return self
@@ -91,7 +89,6 @@ class RangeReader:
         elif len(self._own) < self._buffers:
             buf = AlignedBuffer(self.block_bytes)
             self._own.append(buf)
-            self.buffer_bytes += buf.nbytes
         else:
             buf = self._cache.popitem(last=False)[1]
         if r.length > buf.nbytes:
@@ -129,7 +126,6 @@ class RangeReader:
                 f"{where} is corrupt: bytes [{r.offset}, {r.offset + r.length}) have CRC-32C {crc:#010x}, "
                 f"written as {r.crc32c:#010x} (changed before the save read it)"
             )
-        self.bytes_read += r.length
 
     def close(self) -> None:
         """Free the buffers and the engine; idempotent."""
