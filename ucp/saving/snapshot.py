@@ -118,16 +118,12 @@ def write_views(plan: SavePlan, leaves: Sequence[Leaf]) -> list[PieceBytes]:
 
 def streams(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
     """Whether the plan writes a :class:`StreamedShard` (its bytes are pulled while the file is written)."""
-    return any(isinstance(leaf_part(leaves[p.leaf], p.part), StreamedShard) for p in plan.pieces)
+    return any(s is not None for s in streamed_sources(plan, leaves))
 
 
 def sourced(plan: SavePlan, leaves: Sequence[Leaf]) -> bool:
     """Whether every :class:`StreamedShard` the plan writes has a ``source`` (files a writer process reads)."""
-    for p in plan.pieces:
-        value = leaf_part(leaves[p.leaf], p.part)
-        if isinstance(value, StreamedShard) and value.source is None:
-            return False
-    return True
+    return all(s.source is not None for s in streamed_sources(plan, leaves) if s is not None)
 
 
 def streamed_sources(plan: SavePlan, leaves: Sequence[Leaf]) -> list[StreamedShard | None]:
