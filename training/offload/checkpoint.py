@@ -47,13 +47,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-import crc32c
 import torch
 
 from aio.buffers import AlignedBuffer
 from aio.config import AioConfig
 from aio.engines import Engine, create_engine
-from aio.errors import is_no_space
 from reshard.box import Box, FlatRange, flat_range_to_boxes
 from ucp.errors import LayoutMismatchError
 from ucp.format.manifest import Manifest
@@ -65,8 +63,8 @@ from ucp.store.file_ranges import FileRange
 from ucp.store.reader import read_manifest
 from ucp.store.storage import Storage, as_aio_config, open_storage
 
-from .errors import OffloadError
-from .store import FP32, PARTS, NvmeStore, Record, SubGroup
+from .errors import OffloadError, os_reason
+from .store import FP32, PARTS, NvmeStore, Record, SubGroup, part_crcs
 from .swapdir import MIN_ALIGNMENT
 
 if TYPE_CHECKING:
@@ -237,7 +235,7 @@ class TierCopy:
             try:
                 self.bytes_copied += copy_file(src, dst)
             except OSError as exc:
-                why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+                why = os_reason(exc)
                 raise OffloadError(
                     f"copying swap file {src} of {sg.describe()} to {dst} for a checkpoint failed: {why}"
                 ) from exc
@@ -246,13 +244,12 @@ class TierCopy:
         """Write resident ``sg``'s record to ``dst`` as its swap file would hold it, its CRCs noted."""
         rec = self.store.resident[sg.index]
         view = rec.buf.view(rec.nbytes)
-        stride = rec.nbytes // len(PARTS)
-        self._crcs[sg.index] = tuple(crc32c.crc32c(view[k * stride : (k + 1) * stride]) for k in range(len(PARTS)))
+        self._crcs[sg.index] = part_crcs(view)
         try:
             with open(dst, "wb") as f:
                 f.write(view)
         except OSError as exc:
-            why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+            why = os_reason(exc)
             raise OffloadError(f"writing resident {sg.describe()} to {dst} for a checkpoint failed: {why}") from exc
         self.bytes_copied += rec.nbytes
 

@@ -54,7 +54,7 @@ from aio.transfer import transfer
 from ucp.store.file_ranges import FileRange
 
 from .config import OffloadConfig
-from .errors import OffloadError
+from .errors import OffloadError, os_reason
 from .swapdir import SwapDir
 
 if TYPE_CHECKING:
@@ -575,7 +575,7 @@ class ParamCopy:
             try:
                 self._copy_file(src, dst)
             except OSError as exc:
-                why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+                why = os_reason(exc)
                 part = off.partitions[k].describe()
                 raise OffloadError(
                     f"copying swap file {src} of {part} to {dst} for a checkpoint failed: {why}"
@@ -595,7 +595,7 @@ class ParamCopy:
             with open(path, "wb") as f:
                 f.write(data)
         except OSError as exc:
-            why = "the device is full" if is_no_space(exc) else exc.strerror or str(exc)
+            why = os_reason(exc)
             part = self.offload.partitions[k].describe()
             raise OffloadError(f"writing {part} (kept in memory) to {path} for a checkpoint failed: {why}") from exc
         self._resident_crcs[k] = [crc32c.crc32c(data[a : a + step]) for a in range(0, data.nbytes, step)]

@@ -87,6 +87,12 @@ class Record:
         )
 
 
+def part_crcs(view: memoryview) -> tuple[int, ...]:
+    """The CRC-32C of each of a record's :data:`PARTS`, each checksummed alone (a checkpoint reads one part)."""
+    stride = view.nbytes // len(PARTS)
+    return tuple(crc32c.crc32c(view[k * stride : (k + 1) * stride]) for k in range(len(PARTS)))
+
+
 class HostStore:
     """The CPU tier: every record resident in host memory (pinned where a GPU exists and ``pin``)."""
 
@@ -287,8 +293,7 @@ class NvmeStore:
             return
         t0 = time.perf_counter()
         view = rec.buf.view(rec.nbytes)
-        stride = rec.nbytes // len(PARTS)  # each part checksummed alone: a checkpoint reads one (read_part)
-        self._crc[sg.index] = tuple(crc32c.crc32c(view[k * stride : (k + 1) * stride]) for k in range(len(PARTS)))
+        self._crc[sg.index] = part_crcs(view)
         try:
             error = transfer(
                 self._engine, self._paths[sg.index], view, write=True, block=self.block, direct=self.aio.use_direct
