@@ -8,6 +8,7 @@
 * ``training.checkpoint`` — every rank's state as ucp pieces of the global tensors (the seam);
 * ``training.compat``   — does a checkpoint fit an engine (model tensors and config, data seed)?
 * ``training.engine``   — ``Engine``: one call per optimizer step; ``python -m training.run``: the CLI.
+* ``training.saving``   — how either engine's save reads offloaded state, and its asynchronous saves in flight;
 * ``training.entry``  — ``initialize``: DeepSpeed's entry point for any module: ``initialize(model, config=ds_config)``
   returns a ``ModuleEngine`` (``training.module_engine``; config: ``training.ds_config``).
 

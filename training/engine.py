@@ -42,12 +42,12 @@ from .layout import gpt_layout, gpt_shapes
 from .mesh import ParallelMesh, build_mesh
 from .models.gpt import PRESETS, GPTConfig, batch_for_step
 from .offload import OffloadConfig
-from .offload.checkpoint import STATE_KEYS, Span, TierCopy, TierReader, load_tier, streamed_params, streamed_sections
+from .offload.checkpoint import STATE_KEYS, Span, TierReader, load_tier, streamed_params, streamed_sections
 from .offload.checkpoint import layout as offloaded_layout
 from .offload.params import ParamCopy
-from .offload.store import NvmeStore
 from .parallel.gpt import build_stage
 from .parallel.pipeline import SCHEDULES
+from .saving import InFlightSaves
 from .zero import DynamicLossScaler, LossScaleConfig, ZeroOptimizer
 
 log = logging.getLogger(__name__)
@@ -189,11 +189,8 @@ class Engine:
             offload=cfg.offload,
         )
         self.step = 0  # optimizer steps completed (the next train_step's step number)
-        self._snapshot: ucp.SaveHandle | None = None  # an asynchronous checkpoint whose copy may be running
-        self._tier_copies: list[TierCopy | ParamCopy] = []  # ... and the copies of the tiers' swap files it streams
-        self._streaming: list[ucp.SaveHandle] = []  # asynchronous saves that may still read such a copy
+        self._saves = InFlightSaves(self.optimizer)  # how a checkpoint is saved, and the asynchronous ones running
         self.last_stats: dict[str, Any] = {}
-        self.last_checkpoint_io: dict[str, int] = {}  # offload on: what the last streamed save read from the tier
         self._spans: dict[str, list[Span]] = {}  # offload on, during a load: the optimizer states' pieces
         self._loaded_casts: list[torch.Tensor | None] | None = None  # ... and the masters' casts it made
         self._weights_written = False  # ... or, offload_param nvme, that it wrote them to the parameter tier
@@ -202,10 +199,14 @@ class Engine:
         """Release what outlives a step: the optimizer's offload tier (its swap directory is removed).
         Idempotent; also done at interpreter exit. Waits for asynchronous saves still streaming a copy of the
         tier's swap files (it lies in the swap directory)."""
-        streaming, self._streaming = self._streaming, []
-        for handle in streaming:
-            handle.exception()  # a failure is the save's to report (result(), the manager's wait())
+        self._saves.close()  # a failure is the save's to report (result(), the manager's wait())
         self.optimizer.close()
+
+    @property
+    def last_checkpoint_io(self) -> dict[str, int]:
+        """Offload on: what the last synchronous save read from the optimizer's tier (``bytes_read``,
+        ``buffer_bytes``); empty after any other save."""
+        return self._saves.last_io
 
     # -- training ------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -395,75 +396,16 @@ class Engine:
             "model": self.cfg.model.model_dump(mode="json"),
             **layout_metadata(self.layout, self.shapes),
         }
+        step = self.step if step is None else step
+
+        def write(state: dict[str, Any]) -> ucp.Manifest | ucp.SaveHandle:
+            return manager.save(state, step, metadata=metadata, mesh=self.mesh.as_dict())
+
+        def state(streamed: TierReader | None, params: bool | ParamCopy) -> dict[str, Any]:
+            return self.state_dict_for_checkpoint(streamed, stream_params=params)
+
         self.wait_snapshot()
-        offload = self.optimizer.offload
-        params = self.optimizer.param_tier
-        self.last_checkpoint_io = {}
-        try:
-            if offload is not None and manager.saver is None:  # streamed from the tier, never all in memory
-                if params is not None:  # ... and so are the parameters, from theirs
-                    params.quiesce()
-                with TierReader(offload) as reader:
-                    result = manager.save(
-                        self.state_dict_for_checkpoint(reader, stream_params=params is not None),
-                        self.step if step is None else step,
-                        metadata=metadata,
-                        mesh=self.mesh.as_dict(),
-                    )
-                self.last_checkpoint_io = {"bytes_read": reader.bytes_read, "buffer_bytes": reader.buffer_bytes}
-            elif params is not None and manager.saver is None:  # the optimizer in memory, the parameters streamed
-                params.quiesce()
-                result = manager.save(
-                    self.state_dict_for_checkpoint(stream_params=True),
-                    self.step if step is None else step,
-                    metadata=metadata,
-                    mesh=self.mesh.as_dict(),
-                )
-            elif self._streams_async(manager):
-                # asynchronous, still streamed: the writer (thread or process) reads a copy of the swap files
-                # (TierCopy, ParamCopy), made behind the next forward and backward; the tiers are not written before
-                # it is (wait_snapshot). Such a save takes no staging arena of the state's size, so the saver's
-                # max_in_flight bounds them here (and the copies on the swap device with them): the oldest is
-                # waited for.
-                self._streaming = [h for h in self._streaming if not h.done()]
-                assert manager.saver is not None
-                while len(self._streaming) >= manager.saver.options.max_in_flight:
-                    self._streaming.pop(0).exception()  # its failure is the save's to report
-                copies: list[TierCopy | ParamCopy] = []
-                streamer: TierReader | None = None
-                try:
-                    if offload is not None and isinstance(offload.store, NvmeStore):
-                        copies.append(copy := TierCopy(offload))
-                        streamer = TierReader(offload, copy=copy)
-                    files = manager.saver.mode != "thread"  # a writer process reads files only (ParamCopy.ranges)
-                    param_copy = ParamCopy(params, files=files) if params is not None else None
-                    if param_copy is not None:
-                        copies.append(param_copy)
-                    result = manager.save(
-                        self.state_dict_for_checkpoint(streamer, stream_params=param_copy or False),
-                        self.step if step is None else step,
-                        metadata=metadata,
-                        mesh=self.mesh.as_dict(),
-                    )
-                except BaseException:
-                    _finish_streaming(streamer, copies, None)
-                    raise
-                assert isinstance(result, ucp.SaveHandle)
-                self._tier_copies = copies
-                self._streaming = [h for h in self._streaming if not h.done()] + [result]
-                result.add_done_callback(partial(_finish_streaming, streamer, copies))
-            else:  # nothing offloaded to NVMe: the state is in memory, staged as any
-                result = manager.save(
-                    self.state_dict_for_checkpoint(),
-                    self.step if step is None else step,
-                    metadata=metadata,
-                    mesh=self.mesh.as_dict(),
-                )
-        finally:
-            self.optimizer.drop_staged()  # offloaded state staged for the save (the save holds what it needs)
-        if isinstance(result, ucp.SaveHandle):
-            self._snapshot = result
-        return result
+        return self._saves.save(state, write, manager.saver)
 
     def prepare_checkpoints(self, manager: ucp.CheckpointManager) -> int:
         """Allocate an asynchronous manager's staging now, so the first checkpoint does not pay for it
@@ -471,30 +413,18 @@ class Engine:
         synchronous manager, which stages nothing: offloaded state is not read from its tier for it)."""
         if manager.saver is None:
             return 0
-        if self._streams_async(manager):
+        if self._saves.streams_async(manager.saver):
             return 0  # its saves stream the tiers and copy the rest: no staging to allocate
         try:
             return manager.prepare(self.state_dict_for_checkpoint())
         finally:
             self.optimizer.drop_staged()
 
-    def _streams_async(self, manager: ucp.CheckpointManager) -> bool:
-        """Whether an asynchronous save through ``manager`` streams copies of the swap files (an NVMe tier, of the
-        optimizer's states or of the parameters): its writer thread reads them through the copies' readers, a
-        writer process reads the files itself (the StreamedShards' sources)."""
-        offload = self.optimizer.offload
-        nvme = offload is not None and isinstance(offload.store, NvmeStore)
-        return (nvme or self.optimizer.param_tier is not None) and manager.saver is not None
-
     def wait_snapshot(self) -> None:
         """Wait for the copy of the last asynchronous checkpoint (it may still run in the background:
-        ``CheckpointManager(snapshot="background")``); the engine calls it before changing its state."""
-        if self._snapshot is not None:
-            self._snapshot.wait_snapshot()
-            self._snapshot = None
-        copies, self._tier_copies = self._tier_copies, []
-        for copy in copies:  # the offload tiers may be rewritten once their copies for the save are made
-            copy.wait()
+        ``CheckpointManager(snapshot="background")``) and for the copies of the swap files it streams; the engine
+        calls it before changing its state."""
+        self._saves.wait_snapshot()
 
     def load(self, source: ucp.CheckpointManager | str | os.PathLike[str], step: int | None = None) -> int:
         """Resume from a checkpoint, whatever mesh and ZeRO stage wrote it; returns the step to train next.
@@ -627,16 +557,6 @@ class Engine:
 
 
 FAILED = -1  # the step a rank reports when it could not load (steps are >= 0)
-
-
-def _finish_streaming(
-    reader: TierReader | None, copies: list[TierCopy | ParamCopy], _handle: ucp.SaveHandle | None
-) -> None:
-    """An asynchronous save that streamed copies of the offload tiers is done: free its buffers, remove the copies."""
-    if reader is not None:
-        reader.close()
-    for copy in copies:
-        copy.close()
 
 
 def _describe(source: ucp.CheckpointManager | str | os.PathLike[str]) -> str:
