@@ -3,7 +3,8 @@
 Top-level keys read: ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps`` (any two give the third, as in DeepSpeed), ``optimizer`` (type ``Adam`` or
 ``AdamW``; params ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adam_w_mode``), ``bf16`` / ``fp16``
-(``enabled`` and fp16's loss-scale keys), ``gradient_clipping``, ``zero_optimization`` and ``aio``. The
+(``enabled`` and fp16's loss-scale keys), ``gradient_clipping``, ``checkpoint`` (``writer.decoupled``: decoupled
+saves; the rest: :data:`CHECKPOINT_IGNORED`, :data:`CHECKPOINT_UNSUPPORTED`), ``zero_optimization`` and ``aio``. The
 last two go to :meth:`training.offload.OffloadConfig.from_deepspeed`, which owns the policy for their
 keys. The same policy holds here: :data:`IGNORED_KEYS` only tune DeepSpeed's internals or its logging
 and are logged as ignored; :data:`UNSUPPORTED_KEYS` change what DeepSpeed computes and are accepted at
@@ -39,7 +40,6 @@ IGNORED_KEYS: dict[str, str] = {
     "comms_logger": "DeepSpeed's communication logger",
     "zero_allow_untested_optimizer": "the optimizer is always UCP's own Adam(W)",
     "zero_force_ds_cpu_optimizer": "the optimizer is always UCP's own Adam(W)",
-    "checkpoint": "a DeepSpeed checkpoint-engine setting (checkpoints here are UCP's)",
 }
 
 # Keys that change what DeepSpeed computes; accepted only at DeepSpeed's default (the value here).
@@ -58,6 +58,20 @@ FP16_IGNORED: dict[str, str] = {
     "hysteresis": "the scale halves at the first overflow",
     "consecutive_hysteresis": "the scale halves at the first overflow",
 }
+_OWN_WRITER = "it tunes DeepSpeed's own checkpoint writer (checkpoints here are written by UCP's)"
+CHECKPOINT_IGNORED: dict[str, str] = {
+    "tag_validation": "the ranks' tags are always compared: a checkpoint is one directory, so different tags are an error",
+    "checkpoint_serialization": _OWN_WRITER,
+    "load_universal": "every UCP checkpoint loads at any world size, ZeRO stage and offload setting",
+    "parallel_write": "every rank writes its own part of a UCP checkpoint already",
+}
+WRITER_IGNORED: dict[str, str] = {
+    k: _OWN_WRITER
+    for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier")
+}
+# Keys of ``checkpoint`` that change where or what DeepSpeed writes; accepted only at DeepSpeed's default.
+CHECKPOINT_UNSUPPORTED: dict[str, Any] = {"use_node_local_storage": False}
+
 OPTIMIZER_IGNORED: dict[str, str] = {"torch_adam": "the update is always kernels.adam (torch.optim's arithmetic)"}
 OPTIMIZER_FIXED: dict[str, Any] = {"amsgrad": False, "bias_correction": True}
 
@@ -77,6 +91,11 @@ class DeepSpeedConfig(BaseModel):
     clip: float | None = Field(None, gt=0, description="gradient_clipping (0 in DeepSpeed: none)")
     zero_stage: int = Field(0, ge=0, le=3)
     offload: OffloadConfig = OffloadConfig()
+    decoupled_save: bool = Field(
+        False,
+        description="checkpoint.writer.decoupled: save_checkpoint returns once the state is snapshotted; the "
+        "checkpoint is written and committed in the background (ModuleEngine.save_checkpoint)",
+    )
 
     @classmethod
     def load(
@@ -120,6 +139,8 @@ class DeepSpeedConfig(BaseModel):
                 if not isinstance(value, (int, float)) or value < 0:
                     raise ValueError(f"gradient_clipping={value!r}: a number >= 0 (0: no clipping)")
                 fields["clip"] = float(value) if value > 0 else None
+            elif key == "checkpoint":
+                fields.update(_checkpoint(value))
             elif key in ("zero_optimization", "aio"):
                 pass  # below, through OffloadConfig.from_deepspeed
             elif key in IGNORED_KEYS:
@@ -192,6 +213,46 @@ def _loss_scale(section: dict[str, Any]) -> LossScaleConfig:
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"fp16: {exc}") from None
+
+
+def _checkpoint(section: Any) -> dict[str, Any]:
+    """``{"writer": {"decoupled": bool, ...}, ...}``: decoupled saves; the keys that tune DeepSpeed's own writer
+    are logged as ignored; any other key is an error naming it."""
+    if not isinstance(section, dict):
+        raise ValueError(f"checkpoint must be a JSON object, got {type(section).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in section.items():
+        if k == "writer":
+            out.update(_writer(v))
+        elif k in CHECKPOINT_IGNORED:
+            log.info("checkpoint.%s=%r ignored: %s", k, v, CHECKPOINT_IGNORED[k])
+        elif k in CHECKPOINT_UNSUPPORTED:
+            if v != CHECKPOINT_UNSUPPORTED[k]:
+                raise ValueError(
+                    f"checkpoint.{k}={v!r} is not supported (only DeepSpeed's default {CHECKPOINT_UNSUPPORTED[k]!r}: "
+                    "the ranks save into one shared directory)"
+                )
+        else:
+            raise ValueError(f"checkpoint.{k}: unknown key (see docs/deepspeed-config.md for the keys read)")
+    return out
+
+
+def _writer(section: Any) -> dict[str, Any]:
+    if section is None:  # DeepSpeed's default: no writer section
+        return {}
+    if not isinstance(section, dict):
+        raise ValueError(f"checkpoint.writer must be a JSON object, got {type(section).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in section.items():
+        if k == "decoupled":
+            if not isinstance(v, bool):
+                raise ValueError(f"checkpoint.writer.decoupled={v!r}: true or false")
+            out["decoupled_save"] = v
+        elif k in WRITER_IGNORED:
+            log.info("checkpoint.writer.%s=%r ignored: %s", k, v, WRITER_IGNORED[k])
+        else:
+            raise ValueError(f"checkpoint.writer.{k}: unknown key (see docs/deepspeed-config.md for the keys read)")
+    return out
 
 
 def _optimizer(section: Any) -> dict[str, Any]:

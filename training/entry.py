@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import ucp
+
 from .comm import Comm
 from .ds_config import DeepSpeedConfig
 from .module_engine import ModuleEngine
@@ -28,6 +30,7 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: Callable[[int], float] | None = None,
     swap_budget: int | str | None = None,
+    saver: ucp.AsyncSaver | None = None,
 ) -> ModuleEngine:
     """Wrap ``model`` in a :class:`ModuleEngine` configured by a DeepSpeed config (a dict or a JSON file).
 
@@ -35,7 +38,10 @@ def initialize(
     a torchrun world (``WORLD_SIZE`` > 1) not yet initialised is initialised here (gloo on CPU, nccl
     with CUDA), as ``deepspeed.initialize`` does. ``model_parameters``: DeepSpeed's argument; only
     the model's own trainable parameters are accepted (one group). ``swap_budget``: UCP's byte budget
-    of the NVMe offload tier's buffer pool. Every rank starts from rank 0's weights.
+    of the NVMe offload tier's buffer pool. ``saver``: UCP's :class:`ucp.AsyncSaver` for decoupled checkpoints
+    (the config's ``checkpoint.writer.decoupled``; e.g. ``ucp.AsyncSaver(mode="process", max_in_flight=2)``);
+    default: the engine's own, thread mode, one save in flight.
+    Every rank starts from rank 0's weights.
     """
     if config is not None and config_params is not None:
         raise TypeError("give config or config_params, not both")
@@ -48,7 +54,7 @@ def initialize(
     cfg = DeepSpeedConfig.load(source, world_size=world.size, **overrides)
     if model_parameters is not None:
         _check_parameters(model, model_parameters)
-    return ModuleEngine(model, cfg, lr_scheduler=lr_scheduler, dp=world)
+    return ModuleEngine(model, cfg, lr_scheduler=lr_scheduler, dp=world, saver=saver)
 
 
 def _init_distributed() -> None:

@@ -8,6 +8,7 @@
         engine.backward(loss)
         engine.step()                        # an optimizer step at each gradient-accumulation boundary
     engine.save_checkpoint("ckpt")           # ckpt/global_step<N>/ (a UCP checkpoint) and ckpt/latest
+    engine.close()                           # waits for decoupled saves still being written
 
 The parameters, fp32 masters and Adam moments are owned by a :class:`training.zero.ZeroOptimizer`
 (``for_module``: plain data parallelism over the world, one parameter group, weight decay on every
@@ -16,14 +17,22 @@ checkpoints of the *global* tensors under the module's own parameter names (``mo
 compute-dtype weights, so ``ucp export --format hf`` of a Hugging Face model's checkpoint loads with
 ``from_pretrained``; ``optimizer``: fp32 masters and moments), so they resume at any world size, ZeRO
 stage and offload setting. docs/deepspeed-config.md maps DeepSpeed's names to these.
+
+Decoupled saves (the config's ``checkpoint.writer.decoupled``, or ``decoupled=True`` on a save): the save returns
+once the state is snapshotted and an :class:`ucp.AsyncSaver` writes and commits it while training goes on;
+``latest`` names the tag once it is committed. Offloaded state is read as :class:`training.saving.InFlightSaves`
+says (streamed from copies of NVMe swap files), as :class:`training.Engine` reads it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
+import threading
+import zlib
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -39,6 +48,8 @@ from .comm import Comm
 from .ds_config import DeepSpeedConfig
 from .offload.checkpoint import Span, TierReader, load_tier, streamed_params, streamed_sections
 from .offload.checkpoint import layout as offloaded_layout
+from .offload.params import ParamCopy
+from .saving import InFlightSaves
 from .zero import DynamicLossScaler, ZeroOptimizer
 from .zero.optimizer import STATE_KEYS
 
@@ -54,6 +65,9 @@ class ModuleEngine:
     ``lr_scheduler(step) -> lr``: the learning rate of optimizer step ``step`` (0-based); default: the
     config's constant ``lr``. The module's parameters become views of ZeRO's flat buffers (at ZeRO-3,
     empty outside the forward and backward of the module holding them), in the config's precision.
+    ``saver``: the :class:`ucp.AsyncSaver` of decoupled saves (its ``mode``, ``max_in_flight``, ``snapshot``;
+    shared, not closed by :meth:`close`); default: the engine's own, made at the first decoupled save
+    (thread mode, one save in flight) and closed by :meth:`close`.
     """
 
     def __init__(
@@ -63,6 +77,7 @@ class ModuleEngine:
         *,
         lr_scheduler: Callable[[int], float] | None = None,
         dp: Comm | None = None,
+        saver: ucp.AsyncSaver | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -83,6 +98,12 @@ class ModuleEngine:
         self.skipped_steps = 0
         self.micro_steps = 0  # step() calls (micro-batches)
         self.last_stats: dict[str, Any] = {}
+        self._saver, self._own_saver = saver, saver is None
+        self._saves = InFlightSaves(self.optimizer)  # how a save reads offloaded state; the copies it waits for
+        self._decoupled: list[_Decoupled] = []  # decoupled saves not yet reported, oldest first (alike on every rank)
+        self._latest_lock = threading.Lock()  # ``latest`` is written by the writer that committed the tag
+        self._saves_begun = 0  # save_checkpoint calls, numbering them: ``latest`` never goes back to an older one
+        self._latest_written = 0  # ... the one it names
 
     # -- DeepSpeedEngine's accessors -----------------------------------------------------------
     @property
@@ -160,11 +181,16 @@ class ModuleEngine:
         return loss
 
     def step(self) -> None:
-        """End a micro-batch; at a gradient-accumulation boundary run the optimizer step (DeepSpeedEngine.step)."""
+        """End a micro-batch; at a gradient-accumulation boundary run the optimizer step (DeepSpeedEngine.step).
+
+        At a boundary it first waits for a decoupled save's snapshot (and its copies of NVMe swap files) to be
+        taken, since the step changes the weights; once the step is applied it raises the failure of a decoupled
+        save that has failed meanwhile (on every rank: the ranks agree on it), so the training state is whole."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
+        self._saves.wait_snapshot()  # a decoupled save's copy must be done before the weights change
         try:
             self.last_stats = self.optimizer.step(lr=self._lr(self.global_steps))
         except BaseException:
@@ -172,13 +198,24 @@ class ModuleEngine:
             raise
         self.global_steps += 1
         self.skipped_steps += int(bool(self.last_stats["skipped"]))
+        if self._decoupled:
+            self._settle(wait_beyond=None)
 
     def zero_grad(self) -> None:
         """Nothing to do: the step clears ZeRO's gradient buffers (kept for DeepSpeed scripts that call it)."""
 
     def close(self) -> None:
-        """Release the optimizer offload tier (its swap directory is removed); idempotent."""
-        self.optimizer.close()
+        """Wait for the decoupled saves in flight, then release the optimizer offload tier (its swap directory is
+        removed) and the engine's own saver; idempotent. Raises the first failure among those saves (after
+        releasing everything)."""
+        try:
+            self.wait_checkpoints()
+        finally:
+            self._saves.close()
+            self.optimizer.close()
+            if self._own_saver and self._saver is not None:
+                self._saver.close()
+                self._saver = None
 
     destroy = close
 
@@ -193,13 +230,13 @@ class ModuleEngine:
         }
 
     def state_dict_for_checkpoint(
-        self, client_state: Any = None, streamed: TierReader | None = None, *, stream_params: bool = False
+        self, client_state: Any = None, streamed: TierReader | None = None, *, stream_params: bool | ParamCopy = False
     ) -> dict[str, Any]:
         """``{"model": {name: piece}, "optimizer": {fp32_master, exp_avg, exp_avg_sq: {name: piece}, adam_step,
         loss_scale, hparams}, "global_steps", "skipped_steps", "micro_steps", "client_state"}``; pieces view live
         storage (offloaded state is staged from its tier, or with ``streamed`` read from it by that reader while
         the save writes it: training.offload.checkpoint; ``stream_params``: the parameters on NVMe likewise, from
-        their swap files)."""
+        their swap files, or from that copy of them: a decoupled save)."""
         tier = self.optimizer.param_tier if stream_params else None
         if streamed is None and tier is None:
             nested = build_targets(self.optimizer.buffers(), self.shapes).nested()
@@ -210,7 +247,8 @@ class ModuleEngine:
             if streamed is not None:
                 nested |= streamed_sections({k: found[k] for k in STATE_KEYS}, streamed)
             if tier is not None:
-                nested["model"] = streamed_params(found["model"], tier)
+                source = stream_params if isinstance(stream_params, ParamCopy) else None
+                nested["model"] = streamed_params(found["model"], tier, source)
         optim: dict[str, Any] = {k: nested.get(k, {}) for k in STATE_KEYS}
         optim |= self.optimizer.scalars()
         a = self.config.adam
@@ -231,10 +269,18 @@ class ModuleEngine:
             "client_state": client_state,
         }
 
-    def save(self, path: str | os.PathLike[str], client_state: Any = None) -> ucp.Manifest:
+    def save(
+        self, path: str | os.PathLike[str], client_state: Any = None, *, decoupled: bool | None = None
+    ) -> ucp.Manifest | ucp.SaveHandle:
         """Write a UCP checkpoint directory at ``path`` (atomically); ``client_state``: any value ucp saves
         (dicts, numbers, strings, tensors), returned by :meth:`load`. Gradients of an unfinished
-        accumulation are not saved."""
+        accumulation are not saved.
+
+        ``decoupled`` (default: the config's ``checkpoint.writer.decoupled``): return a :class:`ucp.SaveHandle`
+        once the state is snapshotted, the checkpoint written and committed in the background (at most the
+        saver's ``max_in_flight`` at once: beyond that this waits for the oldest, and raises its failure). A
+        synchronous save first waits for the decoupled saves in flight (raising the first failure among them)."""
+        decoupled = self.config.decoupled_save if decoupled is None else decoupled
         metadata = {
             "engine": "training.ModuleEngine",
             "zero_stage": self.config.zero_stage,
@@ -243,17 +289,61 @@ class ModuleEngine:
             **layout_metadata(self.optimizer.layout, self.shapes),
             **hf_metadata(self.module),
         }
-        offload, params = self.optimizer.offload, self.optimizer.param_tier
-        if params is not None:
-            params.quiesce()  # the parameters on NVMe are streamed from their swap files
-        with TierReader(offload) if offload is not None else contextlib.nullcontext() as reader:
-            return ucp.save(  # offloaded state streamed from its tier (never all in memory)
-                self.state_dict_for_checkpoint(client_state, reader, stream_params=params is not None),
-                path,
-                step=self.global_steps,
-                metadata=metadata,
-                mesh={"dp": self.dp.size},
-            )
+        options: dict[str, Any] = {"step": self.global_steps, "metadata": metadata, "mesh": {"dp": self.dp.size}}
+        saver = self._async_saver() if decoupled else None
+        if saver is not None:
+            self._settle(wait_beyond=saver.options.max_in_flight - 1)
+        else:
+            self.wait_checkpoints()
+
+        def write(state: dict[str, Any]) -> ucp.Manifest | ucp.SaveHandle:
+            return ucp.save(state, path, **options) if saver is None else saver.save(state, path, **options)
+
+        def state(streamed: TierReader | None, params: bool | ParamCopy) -> dict[str, Any]:
+            return self.state_dict_for_checkpoint(client_state, streamed, stream_params=params)
+
+        result = self._saves.save(state, write, saver)  # offloaded state streamed from its tier (never all in memory)
+        if isinstance(result, ucp.SaveHandle):
+            self._decoupled.append(_Decoupled(result, os.fspath(path)))
+        return result
+
+    def wait_checkpoints(self) -> None:
+        """Wait for every decoupled save in flight; raises the first failure among them (every rank does)."""
+        self._settle(wait_beyond=0)
+
+    def _async_saver(self) -> ucp.AsyncSaver:
+        if self._saver is None:
+            self._saver = ucp.AsyncSaver()
+        return self._saver
+
+    def _settle(self, *, wait_beyond: int | None) -> None:
+        """Report the decoupled saves that are over, oldest first: forget the committed ones, raise the first
+        failure (naming the checkpoint). ``wait_beyond``: first wait for the oldest while more than that many are
+        in flight (None: wait for none). The ranks agree on each save's outcome (one small all-reduce), so every
+        rank forgets or raises the same ones at the same call, and none is left waiting in a collective."""
+        while self._decoupled:
+            oldest = self._decoupled[0]
+            if wait_beyond is not None and len(self._decoupled) > wait_beyond:
+                oldest.handle.exception()
+            done = oldest.handle.done()
+            error = oldest.handle.exception() if done else None
+            flags = torch.tensor([0.0 if done else 1.0, 0.0 if error is None else 1.0], device=self.device)
+            self.dp.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            running, failed = (bool(v) for v in flags.tolist())
+            if running and not failed:
+                return
+            self._decoupled.pop(0)
+            if not failed and oldest.point_latest is not None:
+                oldest.point_latest()
+            if failed:
+                if error is not None:
+                    raise ucp.CheckpointError(
+                        f"the decoupled save of checkpoint {oldest.path} failed: {error}", file=oldest.path
+                    ) from error
+                raise ucp.CheckpointError(
+                    f"the decoupled save of checkpoint {oldest.path} failed on another rank (see its error)",
+                    file=oldest.path,
+                )
 
     def load(self, path: str | os.PathLike[str], *, load_module_only: bool = False) -> Any:
         """Resume from the checkpoint directory at ``path``, whatever world size, ZeRO stage or offload
@@ -261,8 +351,10 @@ class ModuleEngine:
         from them; moments and counters stay this engine's).
 
         Each rank reads only the regions it holds. A rank that fails makes every rank raise (naming the
-        failing rank's error on that rank), so none is left waiting in a collective.
+        failing rank's error on that rank), so none is left waiting in a collective. A decoupled save's snapshot
+        is taken first (decoupled saves in flight go on).
         """
+        self._saves.wait_snapshot()
         self.optimizer.reset()
         offload, params = self.optimizer.offload, self.optimizer.param_tier
         # parameters on NVMe: not load targets (staged whole) but the loaded masters' casts, streamed in below
@@ -341,23 +433,64 @@ class ModuleEngine:
         tag: str | None = None,
         client_state: Any = None,
         save_latest: bool = True,
+        *,
+        decoupled: bool | None = None,
     ) -> bool:
         """DeepSpeed's layout: checkpoint ``save_dir/tag`` (default tag ``global_step<N>``) and, with
-        ``save_latest``, the tag written to ``save_dir/latest``. Returns True."""
+        ``save_latest``, the tag written to ``save_dir/latest``. Returns True. Every rank must give the same tag.
+
+        ``decoupled`` (default: the config's ``checkpoint.writer.decoupled``): return once the state is
+        snapshotted (:meth:`save`); ``latest`` names the tag once the checkpoint is committed (rank 0's writer
+        moves it), never before, and never back to an older tag. A decoupled save that fails leaves the previous
+        checkpoint and ``latest`` as they were, and raises (naming the checkpoint) at the next wait point: the next
+        :meth:`save_checkpoint` (or :meth:`save`), the next optimizer :meth:`step` (once it is applied),
+        :meth:`wait_checkpoints` or :meth:`close`."""
         tag = tag or f"global_step{self.global_steps}"
         if not tag or "/" in tag or tag in (".", ".."):
             raise ValueError(f"checkpoint tag {tag!r}: a single directory name")
         root = Path(save_dir)
         if self.dp.index == 0:
             root.mkdir(parents=True, exist_ok=True)
-        self._barrier()
-        self.save(root / tag, client_state=client_state)
+        self._agree_on_tag(tag)  # ... and rank 0 made the directory
+        self._saves_begun += 1
+        begun = self._saves_begun
+        result = self.save(root / tag, client_state=client_state, decoupled=decoupled)
+        if isinstance(result, ucp.SaveHandle):
+            if save_latest and self.dp.index == 0:
+                self._decoupled[-1].point_latest = partial(self._point_latest, root, tag, begun, result)
+                result.add_done_callback(partial(self._point_latest, root, tag, begun))
+            return True
         if save_latest and self.dp.index == 0:
-            tmp = root / f".{LATEST}.tmp"
-            tmp.write_text(tag)
-            os.replace(tmp, root / LATEST)
+            self._point_latest(root, tag, begun, None)
         self._barrier()
         return True
+
+    def _agree_on_tag(self, tag: str) -> None:
+        """Every rank saves the same tag (a checkpoint is one directory): one all-reduce, a barrier too."""
+        crc = zlib.crc32(tag.encode())
+        seen = torch.tensor([crc, -crc], dtype=torch.int64, device=self.device)
+        self.dp.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+        if int(seen[0]) != crc or -int(seen[1]) != crc:
+            raise ValueError(f"save_checkpoint: the ranks gave different tags (this rank: {tag!r}); give them all one")
+
+    def _point_latest(self, root: Path, tag: str, begun: int, handle: ucp.SaveHandle | None) -> None:
+        """Rank 0, once save_checkpoint number ``begun`` committed ``root/tag`` (``handle``: it was decoupled, and
+        this runs on the writer that committed it): ``root/latest`` names the tag, unless a later one is named."""
+        if handle is not None and handle.exception() is not None:
+            return  # not committed: latest stays as it was
+        with self._latest_lock:
+            if begun <= self._latest_written:
+                return
+            try:
+                tmp = root / f".{LATEST}.tmp"
+                tmp.write_text(tag)
+                os.replace(tmp, root / LATEST)
+            except OSError as exc:
+                if handle is None:
+                    raise
+                log.warning("%s is saved, but %s could not name it: %s", root / tag, root / LATEST, exc)
+                return
+            self._latest_written = begun
 
     def load_checkpoint(
         self,
@@ -383,6 +516,17 @@ class ModuleEngine:
     def _barrier(self) -> None:
         if self.dp.active:
             self.dp.all_reduce(torch.zeros(1, device=self.device))
+
+
+@dataclass
+class _Decoupled:
+    """A decoupled save in flight: its handle, the checkpoint it writes (named by its failure), and (rank 0 of
+    save_checkpoint) what names it in ``latest`` once committed: the writer's done-callback does, and a wait point
+    makes sure it has (the callback may run after a wait for the handle returned)."""
+
+    handle: ucp.SaveHandle
+    path: str
+    point_latest: Callable[[], None] | None = None
 
 
 def hf_metadata(module: nn.Module) -> dict[str, Any]:

@@ -81,8 +81,10 @@ def train_steps(engine: training.ModuleEngine, steps: range, rank: int = 0, worl
 
 
 def run(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
-    """``{"name", "stage", "micro", "gas", "steps": [a, b], "load": dir | null, "save": dir | null, "save_at": k}``."""
-    engine = training.initialize(gpt2(), config=ds_config(sc["stage"], sc["micro"], sc["gas"]))
+    """``{"name", "stage", "micro", "gas", "steps": [a, b], "load": dir | null, "save": dir | null, "save_at": k}``,
+    and optionally the config's ``checkpoint`` section (``{"writer": {"decoupled": true}}``: a decoupled save)."""
+    extra = {"checkpoint": sc["checkpoint"]} if "checkpoint" in sc else {}
+    engine = training.initialize(gpt2(), config=ds_config(sc["stage"], sc["micro"], sc["gas"], **extra))
     try:
         if sc.get("load"):
             engine.load_checkpoint(sc["load"])

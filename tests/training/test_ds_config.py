@@ -1,10 +1,11 @@
 """DeepSpeedConfig: a whole DeepSpeed config read with DeepSpeed's meanings (batch sizes, Adam's adam_w_mode,
-precision, clipping, ZeRO and offload through OffloadConfig), ignored keys logged; and a ModuleEngine
-checkpoint carries a module's persistent buffers."""
+precision, clipping, ZeRO and offload through OffloadConfig, decoupled checkpoints), ignored keys logged; and a
+ModuleEngine checkpoint carries a module's persistent buffers."""
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,38 @@ def test_ignored_keys_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     assert "steps_per_print=5 ignored: DeepSpeed's own progress logging" in text
     assert "wall_clock_breakdown=False ignored" in text
     assert "zero_optimization.overlap_comm=True ignored" in text
+
+
+def test_checkpoint_section_reads_writer_decoupled(caplog: pytest.LogCaptureFixture) -> None:
+    """``checkpoint.writer.decoupled`` turns decoupled saves on; the keys that tune DeepSpeed's own writer are
+    logged as ignored; a key that would change where DeepSpeed writes is refused, an unknown one is an error."""
+    assert DeepSpeedConfig.from_deepspeed({}).decoupled_save is False
+    assert DeepSpeedConfig.from_deepspeed({"checkpoint": {"writer": None}}).decoupled_save is False
+    with caplog.at_level(logging.INFO):
+        cfg = DeepSpeedConfig.from_deepspeed(
+            {
+                "checkpoint": {
+                    "tag_validation": "Fail",
+                    "load_universal": False,
+                    "use_node_local_storage": False,
+                    "writer": {"type": "fast", "decoupled": True, "io_buffer_size": 1e8, "data_parallel": "socket"},
+                }
+            }
+        )
+    assert cfg.decoupled_save is True
+    assert "checkpoint.writer.type='fast' ignored: it tunes DeepSpeed's own checkpoint writer" in caplog.text
+    assert "checkpoint.writer.io_buffer_size=100000000.0 ignored" in caplog.text
+    assert "checkpoint.tag_validation='Fail' ignored: the ranks' tags are always compared" in caplog.text
+    bad = [
+        ({"writer": {"decoupled": "yes"}}, "checkpoint.writer.decoupled='yes': true or false"),
+        ({"writer": {"decoupld": True}}, "checkpoint.writer.decoupld: unknown key"),
+        ({"use_node_local_storage": True}, "checkpoint.use_node_local_storage=True is not supported"),
+        ({"tag_validaton": "Warn"}, "checkpoint.tag_validaton: unknown key"),
+        ([], "checkpoint must be a JSON object"),
+    ]
+    for section, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            DeepSpeedConfig.from_deepspeed({"checkpoint": section})
 
 
 def test_model_parameters_must_be_the_models_own() -> None:

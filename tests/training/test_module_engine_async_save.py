@@ -1,0 +1,255 @@
+"""Decoupled checkpoints of ``training.initialize``'s engine (DeepSpeed's ``checkpoint.writer.decoupled``):
+``save_checkpoint`` returns once the state is snapshotted and training goes on while it is written. With the
+optimizer and the parameters on NVMe (ZeRO-3) the save streams copies of the swap files; in memory (ZeRO-2) a
+writer process writes it. Either way the checkpoint is the synchronous save's of the same step, bit for bit, it
+resumes the uninterrupted run's losses, ``latest`` names the tag only once it is committed, and a save that fails
+raises at the next wait point naming the checkpoint, leaving the previous one loadable."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from module_engine_worker import ds_config, gpt2, train_steps
+from training_helpers import run_world
+
+import training
+import ucp
+from training import saving
+from training.offload import checkpoint as offload_checkpoint
+from ucp.saving.background import execute as execute_mod
+
+WORKER = Path(__file__).parents[1] / "support" / "module_engine_worker.py"
+DECOUPLED = {"writer": {"decoupled": True, "type": "fast", "io_buffer_size": 1 << 20}}
+
+
+def nvme(path: Path, params: bool = True) -> dict[str, Any]:
+    path.mkdir(parents=True, exist_ok=True)
+    zero: dict[str, Any] = {"offload_optimizer": {"device": "nvme", "nvme_path": str(path)}, "sub_group_size": 20_000}
+    if params:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": str(path), "buffer_size": 4096, "buffer_count": 4}
+    return zero
+
+
+def engine(stage: int, zero: dict[str, Any], decoupled: bool, **kw: Any) -> training.ModuleEngine:
+    extra = {"checkpoint": DECOUPLED} if decoupled else {}
+    return training.initialize(gpt2(), config=ds_config(stage, micro=4, gas=1, zero=zero, **extra), **kw)
+
+
+def assert_same_state(a: Any, b: Any, where: str = "") -> None:
+    """Two loaded checkpoints' states: the same keys, every tensor bit-equal, every plain value equal."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+def latest(root: Path) -> str:
+    return (root / "latest").read_text()
+
+
+@pytest.fixture
+def held_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The writer thread's commits wait until the returned event is set (the data file is written before)."""
+    gate = threading.Event()
+    real = execute_mod.committer
+
+    class Held:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def commit(self, report: Any) -> Any:
+            assert gate.wait(120), "the commit was never let go"
+            return self.inner.commit(report)
+
+    monkeypatch.setattr(execute_mod, "committer", lambda storage, job: Held(real(storage, job)))
+    gate.set()
+    return gate
+
+
+@pytest.fixture
+def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The copies of the swap files that saves make (TierCopy, ParamCopy), each slowed down (its first file) so
+    that an optimizer step not waiting for them would begin while they run."""
+    made: list[Any] = []
+
+    def watched(base: type) -> type:
+        class Watched(base):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                made.append(self)
+
+        return Watched
+
+    for name in ("TierCopy", "ParamCopy"):
+        monkeypatch.setattr(saving, name, watched(getattr(saving, name)))
+    real = offload_checkpoint.copy_file
+
+    started: set[Path] = set()
+
+    def slow(src: Path, dst: Path) -> int:
+        if dst.parent not in started:
+            started.add(dst.parent)
+            time.sleep(0.2)
+        return real(src, dst)
+
+    monkeypatch.setattr(offload_checkpoint, "copy_file", slow)
+    return made
+
+
+def steps_after_copies(e: training.ModuleEngine, copies: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every optimizer step of ``e`` checks that the swap files' copies made so far are done (they are read by
+    the save while the step rewrites the originals)."""
+    step = e.optimizer.step
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        assert all(c.copied.done() for c in copies), "an optimizer step began before a save's copy was made"
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(e.optimizer, "step", checked)
+
+
+def test_nvme_zero3_decoupled_save_is_the_sync_save_and_names_latest_once_committed(
+    tmp_path: Path, held_commit: threading.Event, slow_copies: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sync_root, root = tmp_path / "sync", tmp_path / "decoupled"
+    ref = engine(3, nvme(tmp_path / "a"), decoupled=False)
+    try:
+        want = train_steps(ref, range(2))
+        ref.save_checkpoint(sync_root)
+        want += train_steps(ref, range(2, 4))
+    finally:
+        ref.close()
+
+    e = engine(3, nvme(tmp_path / "b"), decoupled=True)
+    steps_after_copies(e, slow_copies, monkeypatch)
+    try:
+        assert e.optimizer.param_tier is not None and e.optimizer.offload is not None
+        got = train_steps(e, range(1))
+        assert e.save_checkpoint(root) is True
+        e.wait_checkpoints()
+        assert latest(root) == "global_step1"
+        got += train_steps(e, range(1, 2))
+        held_commit.clear()
+        e.save_checkpoint(root)  # returns with the commit held: the tag is not committed, latest not moved
+        assert latest(root) == "global_step1" and not (root / "global_step2").exists()
+        got += train_steps(e, range(2, 4))  # the optimizer steps rewrite both tiers under the save
+        assert latest(root) == "global_step1"
+        held_commit.set()
+        e.wait_checkpoints()
+        assert latest(root) == "global_step2"
+        assert len(slow_copies) == 4  # each save copied both tiers' swap files
+    finally:
+        held_commit.set()
+        e.close()
+    assert got == want  # the save did not disturb training
+    assert_same_state(ucp.load(root / "global_step2"), ucp.load(sync_root / "global_step2"))
+    assert [p.name for p in (tmp_path / "b").iterdir()] == []  # the swap directory and its copies are gone
+
+    resumed = engine(3, nvme(tmp_path / "c"), decoupled=True)
+    try:
+        assert resumed.load_checkpoint(root)[0] == str(root / "global_step2")
+        assert train_steps(resumed, range(2, 4)) == want[2:]
+    finally:
+        resumed.close()
+
+
+def test_in_memory_zero2_decoupled_save_through_a_writer_process(tmp_path: Path) -> None:
+    sync_root, root = tmp_path / "sync", tmp_path / "decoupled"
+    ref = engine(2, {}, decoupled=False)
+    want = train_steps(ref, range(2))
+    ref.save_checkpoint(sync_root, client_state={"epoch": 1})
+    want += train_steps(ref, range(2, 4))
+
+    saver = ucp.AsyncSaver(mode="process")
+    try:
+        e = engine(2, {}, decoupled=True, saver=saver)
+        got = train_steps(e, range(2))
+        e.save_checkpoint(root, client_state={"epoch": 1})
+        got += train_steps(e, range(2, 4))
+        e.close()  # waits for the save in flight; the saver is the caller's
+        assert saver.writer_pid is not None
+        assert latest(root) == "global_step2" and got == want
+        assert_same_state(ucp.load(root / "global_step2"), ucp.load(sync_root / "global_step2"))
+
+        resumed = engine(1, {}, decoupled=False)  # another ZeRO stage, synchronous saves
+        assert resumed.load_checkpoint(root) == (str(root / "global_step2"), {"epoch": 1})
+        assert train_steps(resumed, range(2, 4)) == want[2:]
+    finally:
+        saver.close()
+
+
+def test_a_failed_decoupled_save_raises_at_the_next_wait_point_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault: the copy of a swap file the save streams is corrupt on disk, so the writer's CRC check fails."""
+    from training.offload import OffloadError
+    from training.offload import checkpoint as offload_checkpoint
+
+    root = tmp_path / "ckpt"
+    e = engine(2, nvme(tmp_path / "swap", params=False), decoupled=True)
+    try:
+        train_steps(e, range(1))
+        e.save_checkpoint(root)
+        e.wait_checkpoints()
+        assert latest(root) == "global_step1"
+
+        real = offload_checkpoint.copy_file
+
+        def corrupting(src: Path, dst: Path) -> int:
+            n = real(src, dst)
+            with open(dst, "r+b") as f:
+                os.pwrite(f.fileno(), b"\x7f" * 16, 64)
+            return n
+
+        monkeypatch.setattr(offload_checkpoint, "copy_file", corrupting)
+        train_steps(e, range(1, 2))
+        lone = tmp_path / "lone"
+        handle = e.save(lone)
+        assert isinstance(handle, ucp.SaveHandle)
+        assert handle.exception() is not None  # over: the next optimizer step reports it, once applied
+        with pytest.raises(ucp.CheckpointError, match=f"decoupled save of checkpoint {re.escape(str(lone))} failed"):
+            train_steps(e, range(2, 3))
+        assert e.global_steps == 3 and not lone.exists()
+
+        e.save_checkpoint(root)  # one save in flight: the next save waits for it, and raises its failure
+        where = re.escape(str(root / "global_step3"))
+        with pytest.raises(ucp.CheckpointError, match=where) as failed:
+            e.save_checkpoint(root, tag="next")
+        assert isinstance(failed.value.__cause__, OffloadError)
+
+        e.save_checkpoint(root, tag="last")
+        with pytest.raises(ucp.CheckpointError, match=re.escape(str(root / "last"))):
+            e.close()
+    finally:
+        e.close()
+    assert latest(root) == "global_step1"
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["global_step1", "latest"]
+    fresh = engine(1, {}, decoupled=False)
+    assert fresh.load_checkpoint(root)[0] == str(root / "global_step1") and fresh.global_steps == 1
+
+
+def test_two_ranks_decoupled_save_is_the_sync_save(tmp_path: Path) -> None:
+    """A gloo world of 2 ranks at ZeRO-2: a decoupled save_checkpoint (the ranks agree on its tag and, at each
+    step, on whether it is over) writes the synchronous save's checkpoint, and the run's losses are the same."""
+    base = {"stage": 2, "micro": 2, "gas": 1, "steps": [0, 4], "save_at": 2}
+    scenarios = [
+        {**base, "name": "sync", "save": str(tmp_path / "sync")},
+        {**base, "name": "decoupled", "save": str(tmp_path / "decoupled"), "checkpoint": DECOUPLED},
+    ]
+    run_world(2, scenarios, tmp_path / "world", timeout=240, worker=WORKER)
+    losses = {s["name"]: json.loads((tmp_path / "world" / f"{s['name']}.json").read_text()) for s in scenarios}
+    assert losses["decoupled"] == losses["sync"]
+    assert latest(tmp_path / "decoupled") == latest(tmp_path / "sync") == "global_step2"
+    assert_same_state(ucp.load(tmp_path / "decoupled" / "global_step2"), ucp.load(tmp_path / "sync" / "global_step2"))
