@@ -42,16 +42,17 @@ IGNORED_KEYS: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "the optimizer is always UCP's own Adam(W)",
 }
 
-# Keys that change what DeepSpeed computes; accepted only at DeepSpeed's default (the value here).
-UNSUPPORTED_KEYS: dict[str, Any] = {
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-    "sparse_gradients": False,
-    "communication_data_type": None,
-    "seq_parallel_communication_data_type": None,
-    "scheduler": None,
-    "amp": None,
-    "data_types": None,
+_COMPUTES = "it changes what DeepSpeed computes; the engine computes what DeepSpeed's default does"
+# Keys that change what DeepSpeed computes: (DeepSpeed's default, the only value accepted; why, or what to do instead).
+UNSUPPORTED_KEYS: dict[str, tuple[Any, str]] = {
+    "prescale_gradients": (False, _COMPUTES),
+    "gradient_predivide_factor": (1.0, _COMPUTES),
+    "sparse_gradients": (False, _COMPUTES),
+    "communication_data_type": (None, _COMPUTES),
+    "seq_parallel_communication_data_type": (None, _COMPUTES),
+    "scheduler": (None, "pass lr_scheduler= to training.initialize"),
+    "amp": (None, _COMPUTES),
+    "data_types": (None, _COMPUTES),
 }
 
 FP16_IGNORED: dict[str, str] = {
@@ -69,8 +70,10 @@ WRITER_IGNORED: dict[str, str] = {
     k: _OWN_WRITER
     for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier")
 }
-# Keys of ``checkpoint`` that change where or what DeepSpeed writes; accepted only at DeepSpeed's default.
-CHECKPOINT_UNSUPPORTED: dict[str, Any] = {"use_node_local_storage": False}
+# Keys of ``checkpoint`` that change where or what DeepSpeed writes: (DeepSpeed's default, the only value accepted; why).
+CHECKPOINT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "use_node_local_storage": (False, "the ranks save into one shared directory"),
+}
 
 OPTIMIZER_IGNORED: dict[str, str] = {"torch_adam": "the update is always kernels.adam (torch.optim's arithmetic)"}
 OPTIMIZER_FIXED: dict[str, Any] = {"amsgrad": False, "bias_correction": True}
@@ -123,7 +126,7 @@ class DeepSpeedConfig(BaseModel):
             raise ValueError(f"a DeepSpeed config must be a JSON object, got {type(config).__name__}")
         fields: dict[str, Any] = {}
         batch: dict[str, int | None] = {k: None for k in _BATCH_KEYS}
-        for key, value in config.items():
+        for key, value in _read_keys("", config, _TOP_KEYS, IGNORED_KEYS, UNSUPPORTED_KEYS).items():
             if key in _BATCH_KEYS:
                 batch[key] = _positive_int(value, key)
             elif key == "optimizer":
@@ -141,19 +144,7 @@ class DeepSpeedConfig(BaseModel):
                 fields["clip"] = float(value) if value > 0 else None
             elif key == "checkpoint":
                 fields.update(_checkpoint(value))
-            elif key in ("zero_optimization", "aio"):
-                pass  # below, through OffloadConfig.from_deepspeed
-            elif key in IGNORED_KEYS:
-                log.info("%s=%r ignored: %s", key, value, IGNORED_KEYS[key])
-            elif key in UNSUPPORTED_KEYS:
-                if value != UNSUPPORTED_KEYS[key] and value != {} and not _disabled(value):
-                    raise ValueError(
-                        f"{key}={value!r} is not supported (only DeepSpeed's default "
-                        f"{UNSUPPORTED_KEYS[key]!r} is accepted)"
-                        + ("; pass lr_scheduler= to training.initialize" if key == "scheduler" else "")
-                    )
-            else:
-                raise ValueError(f"{key}: unknown key (see docs/deepspeed-config.md for the keys read)")
+            # zero_optimization, aio: below, through OffloadConfig.from_deepspeed
         zero: dict[str, Any] = {k: config[k] for k in ("zero_optimization", "aio") if k in config}
         zero.setdefault("zero_optimization", {})
         offload = OffloadConfig.from_deepspeed(zero, **overrides)
@@ -165,6 +156,17 @@ class DeepSpeedConfig(BaseModel):
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_TOP_KEYS = (
+    *_BATCH_KEYS,
+    "optimizer",
+    "bf16",
+    "bfloat16",
+    "fp16",
+    "gradient_clipping",
+    "checkpoint",
+    "zero_optimization",
+    "aio",
+)
 _FP16_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale", "auto_cast", *FP16_IGNORED)
 
 
@@ -215,26 +217,41 @@ def _loss_scale(section: dict[str, Any]) -> LossScaleConfig:
         raise ValueError(f"fp16: {exc}") from None
 
 
-def _checkpoint(section: Any) -> dict[str, Any]:
-    """``{"writer": {"decoupled": bool, ...}, ...}``: decoupled saves; the keys that tune DeepSpeed's own writer
-    are logged as ignored; any other key is an error naming it."""
-    if not isinstance(section, dict):
-        raise ValueError(f"checkpoint must be a JSON object, got {type(section).__name__}")
-    out: dict[str, Any] = {}
+def _read_keys(
+    where: str,
+    section: dict[str, Any],
+    read: tuple[str, ...],
+    ignored: dict[str, str],
+    unsupported: dict[str, tuple[Any, str]],
+) -> dict[str, Any]:
+    """The keys of ``section`` (named ``where`` + key in errors and logs) that the caller reads (``read``), in order;
+    the others by DeepSpeed's key policy: ``ignored`` ones logged with the reason, ``unsupported`` ones accepted only
+    at DeepSpeed's default (or empty, or disabled), any other an error naming it."""
     for k, v in section.items():
-        if k == "writer":
-            out.update(_writer(v))
-        elif k in CHECKPOINT_IGNORED:
-            log.info("checkpoint.%s=%r ignored: %s", k, v, CHECKPOINT_IGNORED[k])
-        elif k in CHECKPOINT_UNSUPPORTED:
-            if v != CHECKPOINT_UNSUPPORTED[k]:
+        if k in read:
+            continue
+        if k in ignored:
+            log.info("%s%s=%r ignored: %s", where, k, v, ignored[k])
+        elif k in unsupported:
+            default, why = unsupported[k]
+            if v != default and v != {} and not _disabled(v):
                 raise ValueError(
-                    f"checkpoint.{k}={v!r} is not supported (only DeepSpeed's default {CHECKPOINT_UNSUPPORTED[k]!r}: "
-                    "the ranks save into one shared directory)"
+                    f"{where}{k}={v!r} is not supported (only DeepSpeed's default {default!r} is accepted: {why})"
                 )
         else:
-            raise ValueError(f"checkpoint.{k}: unknown key (see docs/deepspeed-config.md for the keys read)")
-    return out
+            raise ValueError(f"{where}{k}: unknown key (see docs/deepspeed-config.md for the keys read)")
+    return {k: v for k, v in section.items() if k in read}
+
+
+def _checkpoint(section: Any) -> dict[str, Any]:
+    """``{"writer": {"decoupled": bool, ...}, ...}`` (None: DeepSpeed's defaults): decoupled saves; the keys that
+    tune DeepSpeed's own writer are logged as ignored; any other key is an error naming it."""
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ValueError(f"checkpoint must be a JSON object, got {type(section).__name__}")
+    read = _read_keys("checkpoint.", section, ("writer",), CHECKPOINT_IGNORED, CHECKPOINT_UNSUPPORTED)
+    return _writer(read.get("writer"))
 
 
 def _writer(section: Any) -> dict[str, Any]:
@@ -243,15 +260,10 @@ def _writer(section: Any) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise ValueError(f"checkpoint.writer must be a JSON object, got {type(section).__name__}")
     out: dict[str, Any] = {}
-    for k, v in section.items():
-        if k == "decoupled":
-            if not isinstance(v, bool):
-                raise ValueError(f"checkpoint.writer.decoupled={v!r}: true or false")
-            out["decoupled_save"] = v
-        elif k in WRITER_IGNORED:
-            log.info("checkpoint.writer.%s=%r ignored: %s", k, v, WRITER_IGNORED[k])
-        else:
-            raise ValueError(f"checkpoint.writer.{k}: unknown key (see docs/deepspeed-config.md for the keys read)")
+    for k, v in _read_keys("checkpoint.writer.", section, ("decoupled",), WRITER_IGNORED, {}).items():
+        if not isinstance(v, bool):
+            raise ValueError(f"checkpoint.writer.{k}={v!r}: true or false")
+        out["decoupled_save"] = v
     return out
 
 

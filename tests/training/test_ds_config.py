@@ -75,6 +75,9 @@ def test_optimizer_precision_clipping_and_zero() -> None:
         DeepSpeedConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}})
     with pytest.raises(ValueError, match="prescale_gradients=True is not supported"):
         DeepSpeedConfig.from_deepspeed({"prescale_gradients": True})
+    with pytest.raises(ValueError, match="scheduler=.* is not supported .*: pass lr_scheduler= to training.initialize"):
+        DeepSpeedConfig.from_deepspeed({"scheduler": {"type": "WarmupLR"}})
+    assert DeepSpeedConfig.from_deepspeed({"scheduler": None, "amp": {"enabled": False}}).dtype == "fp32"
 
 
 def test_ignored_keys_are_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -97,6 +100,7 @@ def test_checkpoint_section_reads_writer_decoupled(caplog: pytest.LogCaptureFixt
     logged as ignored; a key that would change where DeepSpeed writes is refused, an unknown one is an error."""
     assert DeepSpeedConfig.from_deepspeed({}).decoupled_save is False
     assert DeepSpeedConfig.from_deepspeed({"checkpoint": {"writer": None}}).decoupled_save is False
+    assert DeepSpeedConfig.from_deepspeed({"checkpoint": None}).decoupled_save is False  # DeepSpeed's defaults
     with caplog.at_level(logging.INFO):
         cfg = DeepSpeedConfig.from_deepspeed(
             {
@@ -115,7 +119,11 @@ def test_checkpoint_section_reads_writer_decoupled(caplog: pytest.LogCaptureFixt
     bad = [
         ({"writer": {"decoupled": "yes"}}, "checkpoint.writer.decoupled='yes': true or false"),
         ({"writer": {"decoupld": True}}, "checkpoint.writer.decoupld: unknown key"),
-        ({"use_node_local_storage": True}, "checkpoint.use_node_local_storage=True is not supported"),
+        (
+            {"use_node_local_storage": True},
+            "checkpoint.use_node_local_storage=True is not supported (only DeepSpeed's default False is accepted: "
+            "the ranks save into one shared directory)",
+        ),
         ({"tag_validaton": "Warn"}, "checkpoint.tag_validaton: unknown key"),
         ([], "checkpoint must be a JSON object"),
     ]
