@@ -404,8 +404,7 @@ class Engine:
         def state(streamed: TierReader | None, params: bool | ParamCopy) -> dict[str, Any]:
             return self.state_dict_for_checkpoint(streamed, stream_params=params)
 
-        self.wait_snapshot()
-        return self._saves.save(state, write, manager.saver)
+        return self._saves.save(state, write, manager.saver)  # waits for the last save's snapshot first
 
     def prepare_checkpoints(self, manager: ucp.CheckpointManager) -> int:
         """Allocate an asynchronous manager's staging now, so the first checkpoint does not pay for it

@@ -8,7 +8,7 @@
         engine.backward(loss)
         engine.step()                        # an optimizer step at each gradient-accumulation boundary
     engine.save_checkpoint("ckpt")           # ckpt/global_step<N>/ (a UCP checkpoint) and ckpt/latest
-    engine.close()                           # waits for decoupled saves still being written
+    engine.close()                           # waits for decoupled saves still being written (this rank's)
 
 The parameters, fp32 masters and Adam moments are owned by a :class:`training.zero.ZeroOptimizer`
 (``for_module``: plain data parallelism over the world, one parameter group, weight decay on every
@@ -21,7 +21,9 @@ stage and offload setting. docs/deepspeed-config.md maps DeepSpeed's names to th
 Decoupled saves (the config's ``checkpoint.writer.decoupled``, or ``decoupled=True`` on a save): the save returns
 once the state is snapshotted and an :class:`ucp.AsyncSaver` writes and commits it while training goes on;
 ``latest`` names the tag once it is committed. Offloaded state is read as :class:`training.saving.InFlightSaves`
-says (streamed from copies of NVMe swap files), as :class:`training.Engine` reads it.
+says (streamed from copies of NVMe swap files), as :class:`training.Engine` reads it. The ranks agree on each
+decoupled save (that it started, and how it ended) at the calls that report it, so they raise its failure at the
+same call; :meth:`ModuleEngine.close` alone waits without the other ranks.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ LATEST = "latest"  # DeepSpeed's file naming the newest tag in a save_checkpoint
 
 
 class ModuleEngine:
-    """One rank's part of a data-parallel run of ``module``; call every method on every rank (they communicate).
+    """One rank's part of a data-parallel run of ``module``; call every method on every rank (they communicate),
+    but :meth:`close`, which waits for this rank's saves alone.
 
     ``lr_scheduler(step) -> lr``: the learning rate of optimizer step ``step`` (0-based); default: the
     config's constant ``lr``. The module's parameters become views of ZeRO's flat buffers (at ZeRO-3,
@@ -103,7 +106,7 @@ class ModuleEngine:
         self._decoupled: list[_Decoupled] = []  # decoupled saves not yet reported, oldest first (alike on every rank)
         self._latest_lock = threading.Lock()  # ``latest`` is written by the writer that committed the tag
         self._saves_begun = 0  # save_checkpoint calls, numbering them: ``latest`` never goes back to an older one
-        self._latest_written = 0  # ... the one it names
+        self._latest_written: dict[Path, int] = {}  # ... the one each save_dir's ``latest`` names
 
     # -- DeepSpeedEngine's accessors -----------------------------------------------------------
     @property
@@ -185,7 +188,9 @@ class ModuleEngine:
 
         At a boundary it first waits for a decoupled save's snapshot (and its copies of NVMe swap files) to be
         taken, since the step changes the weights; once the step is applied it raises the failure of a decoupled
-        save that has failed meanwhile (on every rank: the ranks agree on it), so the training state is whole."""
+        save that has failed meanwhile, so the training state is whole. While decoupled saves are in flight the
+        ranks agree on that at each boundary (one small all-reduce): call it on every rank, as the step's own
+        gradient reduction requires anyway."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -199,17 +204,22 @@ class ModuleEngine:
         self.global_steps += 1
         self.skipped_steps += int(bool(self.last_stats["skipped"]))
         if self._decoupled:
-            self._settle(wait_beyond=None)
+            self._settle(keep_at_most=None)
 
     def zero_grad(self) -> None:
         """Nothing to do: the step clears ZeRO's gradient buffers (kept for DeepSpeed scripts that call it)."""
 
     def close(self) -> None:
-        """Wait for the decoupled saves in flight, then release the optimizer offload tier (its swap directory is
-        removed) and the engine's own saver; idempotent. Raises the first failure among those saves (after
-        releasing everything)."""
+        """Wait for this rank's decoupled saves in flight, then release the optimizer offload tier (its swap
+        directory is removed) and the engine's own saver; idempotent (a second call does nothing). Raises the first
+        failure among those saves on this rank, naming its checkpoint, after releasing everything.
+
+        Not a collective: a rank unwinding from an error of its own may call it (``finally: engine.close()``)
+        without the others. The ranks' outcomes of a save agree through the saver's commit handshake (rank 0
+        commits only once every rank's part is written), except that a rank may fail waiting for a commit that rank
+        0 made: its error says so (:meth:`wait_checkpoints` tells which, as the ranks compare outcomes there)."""
         try:
-            self.wait_checkpoints()
+            self._wait_here()
         finally:
             self._saves.close()
             self.optimizer.close()
@@ -276,10 +286,12 @@ class ModuleEngine:
         (dicts, numbers, strings, tensors), returned by :meth:`load`. Gradients of an unfinished
         accumulation are not saved.
 
-        ``decoupled`` (default: the config's ``checkpoint.writer.decoupled``): return a :class:`ucp.SaveHandle`
-        once the state is snapshotted, the checkpoint written and committed in the background (at most the
-        saver's ``max_in_flight`` at once: beyond that this waits for the oldest, and raises its failure). A
-        synchronous save first waits for the decoupled saves in flight (raising the first failure among them)."""
+        Call it on every rank. ``decoupled`` (keyword only; default: the config's ``checkpoint.writer.decoupled``):
+        return a :class:`ucp.SaveHandle` once the state is snapshotted, the checkpoint written and committed in the
+        background (at most the saver's ``max_in_flight`` at once: beyond that this waits for the oldest, and raises
+        its failure). A save that fails to start on any rank raises a :class:`ucp.CheckpointError` naming ``path``
+        on every rank. A synchronous save first waits for the decoupled saves in flight (:meth:`wait_checkpoints`).
+        Either way, a decoupled save's failure raised here means this save was not started."""
         decoupled = self.config.decoupled_save if decoupled is None else decoupled
         metadata = {
             "engine": "training.ModuleEngine",
@@ -292,7 +304,7 @@ class ModuleEngine:
         options: dict[str, Any] = {"step": self.global_steps, "metadata": metadata, "mesh": {"dp": self.dp.size}}
         saver = self._async_saver() if decoupled else None
         if saver is not None:
-            self._settle(wait_beyond=saver.options.max_in_flight - 1)
+            self._settle(keep_at_most=saver.options.max_in_flight - 1)
         else:
             self.wait_checkpoints()
 
@@ -302,48 +314,89 @@ class ModuleEngine:
         def state(streamed: TierReader | None, params: bool | ParamCopy) -> dict[str, Any]:
             return self.state_dict_for_checkpoint(client_state, streamed, stream_params=params)
 
-        result = self._saves.save(state, write, saver)  # offloaded state streamed from its tier (never all in memory)
-        if isinstance(result, ucp.SaveHandle):
-            self._decoupled.append(_Decoupled(result, os.fspath(path)))
+        if saver is None:
+            return self._saves.save(state, write, None)  # offloaded state streamed from its tier (never all in memory)
+        error: Exception | None = None
+        try:
+            result = self._saves.save(state, write, saver)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said whether its save started
+            error = exc
+        if self._any_rank(error is not None):  # a handle here but none on another rank: it cannot commit
+            where = (
+                f"failed to start: {error}" if error is not None else "failed to start on another rank (see its error)"
+            )
+            raise ucp.CheckpointError(
+                f"the decoupled save of checkpoint {os.fspath(path)} {where}", file=os.fspath(path)
+            ) from error
+        assert isinstance(result, ucp.SaveHandle)
+        self._decoupled.append(_Decoupled(result, os.fspath(path)))
         return result
 
     def wait_checkpoints(self) -> None:
-        """Wait for every decoupled save in flight; raises the first failure among them (every rank does)."""
-        self._settle(wait_beyond=0)
+        """Wait for every decoupled save in flight; raises the first failure among them, naming its checkpoint.
+        Call it on every rank: the ranks compare each save's outcome (an all-reduce), so every rank raises the
+        same failure."""
+        self._settle(keep_at_most=0)
 
     def _async_saver(self) -> ucp.AsyncSaver:
         if self._saver is None:
             self._saver = ucp.AsyncSaver()
         return self._saver
 
-    def _settle(self, *, wait_beyond: int | None) -> None:
+    def _settle(self, *, keep_at_most: int | None) -> None:
         """Report the decoupled saves that are over, oldest first: forget the committed ones, raise the first
-        failure (naming the checkpoint). ``wait_beyond``: first wait for the oldest while more than that many are
+        failure (naming the checkpoint). ``keep_at_most``: first wait for the oldest until at most that many are
         in flight (None: wait for none). The ranks agree on each save's outcome (one small all-reduce), so every
-        rank forgets or raises the same ones at the same call, and none is left waiting in a collective."""
+        rank forgets or raises the same ones at the same call, and none is left waiting in a collective. A failure
+        is raised once the save is over on every rank, saying whether rank 0 had committed it all the same."""
         while self._decoupled:
             oldest = self._decoupled[0]
-            if wait_beyond is not None and len(self._decoupled) > wait_beyond:
+            if keep_at_most is not None and len(self._decoupled) > keep_at_most:
                 oldest.handle.exception()
-            done = oldest.handle.done()
-            error = oldest.handle.exception() if done else None
-            flags = torch.tensor([0.0 if done else 1.0, 0.0 if error is None else 1.0], device=self.device)
-            self.dp.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            running, failed = (bool(v) for v in flags.tolist())
-            if running and not failed:
+            running, failed, committed = self._outcome(oldest.handle)
+            if running and failed:  # over somewhere: wait for the rest, so rank 0 has committed it or not
+                oldest.handle.exception()
+                running, failed, committed = self._outcome(oldest.handle)
+            if running:
                 return
             self._decoupled.pop(0)
-            if not failed and oldest.point_latest is not None:
+            self._saves.release_done()  # its copies of the swap files are gone once it is reported
+            error = oldest.handle.exception()
+            if error is None and oldest.point_latest is not None:
                 oldest.point_latest()
             if failed:
-                if error is not None:
-                    raise ucp.CheckpointError(
-                        f"the decoupled save of checkpoint {oldest.path} failed: {error}", file=oldest.path
-                    ) from error
-                raise ucp.CheckpointError(
-                    f"the decoupled save of checkpoint {oldest.path} failed on another rank (see its error)",
-                    file=oldest.path,
-                )
+                raise _failure(oldest.path, error, committed=committed)
+
+    def _outcome(self, handle: ucp.SaveHandle) -> tuple[bool, bool, bool]:
+        """(running on some rank, failed on some rank, committed by rank 0) of a decoupled save: one all-reduce."""
+        done = handle.done()
+        error = handle.exception() if done else None
+        committed = done and error is None and self.dp.index == 0
+        flags = torch.tensor([float(not done), float(error is not None), float(committed)], device=self.device)
+        self.dp.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        running, failed, committed = (bool(v) for v in flags.tolist())
+        return running, failed, committed
+
+    def _wait_here(self) -> None:
+        """Wait for this rank's decoupled saves (no collective); raise the first failure among them."""
+        pending, self._decoupled = self._decoupled, []
+        first: ucp.CheckpointError | None = None
+        for d in pending:
+            error = d.handle.exception()
+            if error is None and d.point_latest is not None:
+                d.point_latest()
+            elif error is not None and first is None:
+                # a rank that failed waiting for rank 0's commit cannot tell whether rank 0 made it
+                unsure = self.dp.index != 0 and isinstance(error, ucp.CommitError)
+                first = _failure(d.path, error, committed=None if unsure else False)
+        if first is not None:
+            raise first
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (one all-reduce; every rank must call it)."""
+        t = torch.tensor([float(flag)], device=self.device)
+        self.dp.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
 
     def load(self, path: str | os.PathLike[str], *, load_module_only: bool = False) -> Any:
         """Resume from the checkpoint directory at ``path``, whatever world size, ZeRO stage or offload
@@ -406,12 +459,11 @@ class ModuleEngine:
                     written = True
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
             error = exc
-        failed = torch.tensor([1.0 if error is not None else 0.0], device=self.device)
-        self.dp.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        failed = self._any_rank(error is not None)
         if error is not None:
             self.optimizer.drop_staged()
             raise error
-        if failed.item():
+        if failed:
             self.optimizer.drop_staged()
             raise ucp.CheckpointError(
                 f"another rank could not load its part of checkpoint {os.fspath(path)} (see that rank's error)"
@@ -437,14 +489,18 @@ class ModuleEngine:
         decoupled: bool | None = None,
     ) -> bool:
         """DeepSpeed's layout: checkpoint ``save_dir/tag`` (default tag ``global_step<N>``) and, with
-        ``save_latest``, the tag written to ``save_dir/latest``. Returns True. Every rank must give the same tag.
+        ``save_latest``, the tag written to ``save_dir/latest``. Returns True. Call it on every rank, with the same
+        tag (the ranks compare it: ValueError on every rank otherwise). A rank 0 that cannot write ``latest`` makes
+        every rank raise.
 
-        ``decoupled`` (default: the config's ``checkpoint.writer.decoupled``): return once the state is
-        snapshotted (:meth:`save`); ``latest`` names the tag once the checkpoint is committed (rank 0's writer
-        moves it), never before, and never back to an older tag. A decoupled save that fails leaves the previous
-        checkpoint and ``latest`` as they were, and raises (naming the checkpoint) at the next wait point: the next
-        :meth:`save_checkpoint` (or :meth:`save`), the next optimizer :meth:`step` (once it is applied),
-        :meth:`wait_checkpoints` or :meth:`close`."""
+        ``decoupled`` (keyword only; default: the config's ``checkpoint.writer.decoupled``): return once the state
+        is snapshotted (:meth:`save`); ``latest`` names the tag once rank 0 has committed the checkpoint (rank 0's
+        writer moves it), never before, and never back to an older tag. A decoupled save that fails before rank 0
+        commits it leaves the previous checkpoint and ``latest`` as they were; its failure is raised (naming the
+        checkpoint) at the next wait point: the next :meth:`save_checkpoint` (or :meth:`save`, which then does not
+        start its own save), the next optimizer :meth:`step` (once it is applied), :meth:`wait_checkpoints` or
+        :meth:`close`. A rank can fail after rank 0 committed the save (it gave up waiting for the commit): the
+        checkpoint is then whole and ``latest`` may name it, and the error says so."""
         tag = tag or f"global_step{self.global_steps}"
         if not tag or "/" in tag or tag in (".", ".."):
             raise ValueError(f"checkpoint tag {tag!r}: a single directory name")
@@ -460,9 +516,19 @@ class ModuleEngine:
                 self._decoupled[-1].point_latest = partial(self._point_latest, root, tag, begun, result)
                 result.add_done_callback(partial(self._point_latest, root, tag, begun))
             return True
+        error: OSError | None = None
         if save_latest and self.dp.index == 0:
-            self._point_latest(root, tag, begun, None)
-        self._barrier()
+            try:
+                self._point_latest(root, tag, begun, None)
+            except OSError as exc:
+                error = exc
+        if self._any_rank(error is not None):  # ... and no rank returns before rank 0 wrote latest
+            if error is not None:
+                raise error
+            raise ucp.CheckpointError(
+                f"{root / tag} is saved, but rank 0 could not write {root / LATEST} (see its error)",
+                file=os.fspath(root / LATEST),
+            )
         return True
 
     def _agree_on_tag(self, tag: str) -> None:
@@ -478,8 +544,9 @@ class ModuleEngine:
         this runs on the writer that committed it): ``root/latest`` names the tag, unless a later one is named."""
         if handle is not None and handle.exception() is not None:
             return  # not committed: latest stays as it was
+        key = root.absolute()
         with self._latest_lock:
-            if begun <= self._latest_written:
+            if begun <= self._latest_written.get(key, 0):
                 return
             try:
                 tmp = root / f".{LATEST}.tmp"
@@ -490,7 +557,7 @@ class ModuleEngine:
                     raise
                 log.warning("%s is saved, but %s could not name it: %s", root / tag, root / LATEST, exc)
                 return
-            self._latest_written = begun
+            self._latest_written[key] = begun
 
     def load_checkpoint(
         self,
@@ -513,10 +580,6 @@ class ModuleEngine:
         state = self.load(path, load_module_only=load_module_only or not load_optimizer_states)
         return str(path), state
 
-    def _barrier(self) -> None:
-        if self.dp.active:
-            self.dp.all_reduce(torch.zeros(1, device=self.device))
-
 
 @dataclass
 class _Decoupled:
@@ -527,6 +590,20 @@ class _Decoupled:
     handle: ucp.SaveHandle
     path: str
     point_latest: Callable[[], None] | None = None
+
+
+def _failure(path: str, error: BaseException | None, *, committed: bool | None) -> ucp.CheckpointError:
+    """The error a rank raises for the failed decoupled save of ``path``: ``error`` is this rank's (None: it failed on
+    another rank only); ``committed``: rank 0 had committed it all the same (None: this rank cannot tell)."""
+    where = "failed" if error is not None else "failed on another rank"
+    if committed:
+        where += " after rank 0 had committed it (the checkpoint is whole, and latest may name it)"
+    elif committed is None:
+        where += " (rank 0 may have committed it all the same: this rank failed waiting for the commit)"
+    why = f": {error}" if error is not None else " (see its error)"
+    exc = ucp.CheckpointError(f"the decoupled save of checkpoint {path} {where}{why}", file=path)
+    exc.__cause__ = error
+    return exc
 
 
 def hf_metadata(module: nn.Module) -> dict[str, Any]:

@@ -20,7 +20,7 @@ update armed to run during backward) and :meth:`InFlightSaves.close` before thei
 from __future__ import annotations
 
 import contextlib
-from functools import partial
+import threading
 from typing import Any, Callable
 
 import ucp
@@ -40,13 +40,17 @@ Writer = Callable[[dict[str, Any]], ucp.Manifest | ucp.SaveHandle]
 class InFlightSaves:
     """One engine's checkpoint saves: how each reads the optimizer's state, and the asynchronous ones still reading
     the live state (the snapshot of the last one) or a copy of the swap files (every streamed one until it is done).
-    Not thread-safe: the engine's training thread calls it."""
+    Not thread-safe: the engine's training thread calls it.
+
+    It holds a streamed save's handle only to bound the copies on the swap device and to keep the tiers until the
+    save is done reading them; reporting a save's outcome (and naming it in ``latest``) is the engine's, which tracks
+    every asynchronous save, streamed or not (``ModuleEngine._decoupled``)."""
 
     def __init__(self, optimizer: ZeroOptimizer) -> None:
         self.optimizer = optimizer
         self.snapshot: ucp.SaveHandle | None = None  # the last asynchronous save, whose copy may still run
         self.copies: list[TierCopy | ParamCopy] = []  # ... and the copies of the tiers' swap files it streams
-        self.streaming: list[ucp.SaveHandle] = []  # asynchronous saves that may still read such a copy
+        self.streaming: list[_Streamed] = []  # asynchronous saves that may still read such a copy
         self.last_io: dict[str, int] = {}  # a synchronous save streamed from the optimizer's tier: what it read
 
     def streams_async(self, saver: ucp.AsyncSaver | None) -> bool:
@@ -91,9 +95,11 @@ class InFlightSaves:
         """Asynchronous, still streamed: the writer (thread or process) reads copies of the swap files (TierCopy,
         ParamCopy), made behind the next forward and backward; the tiers are not written before they are."""
         offload, params = self.optimizer.offload, self.optimizer.param_tier
-        self.streaming = [h for h in self.streaming if not h.done()]
+        self.release_done()
         while len(self.streaming) >= saver.options.max_in_flight:
-            self.streaming.pop(0).exception()  # its failure is the save's to report
+            oldest = self.streaming.pop(0)
+            oldest.handle.exception()  # its failure is the save's to report
+            oldest.finish()
         copies: list[TierCopy | ParamCopy] = []
         streamer: TierReader | None = None
         try:
@@ -106,12 +112,13 @@ class InFlightSaves:
                 copies.append(param_copy)
             result = write(state(streamer, param_copy or False))
         except BaseException:
-            finish_streaming(streamer, copies, None)
+            _free(streamer, copies)
             raise
         assert isinstance(result, ucp.SaveHandle)
         self.copies = copies
-        self.streaming = [h for h in self.streaming if not h.done()] + [result]
-        result.add_done_callback(partial(finish_streaming, streamer, copies))
+        streamed = _Streamed(result, streamer, copies)
+        self.streaming.append(streamed)
+        result.add_done_callback(lambda _handle: streamed.finish())
         return result
 
     def wait_snapshot(self) -> None:
@@ -125,17 +132,50 @@ class InFlightSaves:
         for copy in copies:  # the offload tiers may be rewritten once their copies for the save are made
             copy.wait()
 
+    def release_done(self) -> None:
+        """Remove the copies of the streamed saves that are over, now: a caller that waited for a save finds its
+        copies gone (the save's done-callback, which removes them too, may run later on the writer's thread)."""
+        running = []
+        for streamed in self.streaming:
+            if streamed.handle.done():
+                streamed.finish()
+            else:
+                running.append(streamed)
+        self.streaming = running
+
     def close(self) -> None:
         """Wait for the asynchronous saves still streaming a copy of the swap files (it lies in the tier's swap
-        directory, which goes away with the tier); their failures are theirs to report."""
+        directory, which goes away with the tier), and remove their copies; their failures are theirs to report."""
         self.wait_snapshot()
         streaming, self.streaming = self.streaming, []
-        for handle in streaming:
-            handle.exception()
+        for streamed in streaming:
+            streamed.handle.exception()
+            streamed.finish()
 
 
-def finish_streaming(reader: TierReader | None, copies: list[TierCopy | ParamCopy], _handle: Any) -> None:
-    """An asynchronous save that streamed copies of the offload tiers is done: free its buffers, remove the copies."""
+class _Streamed:
+    """An asynchronous save that streams copies of the offload tiers, and what it holds: the reader's buffers and
+    the copies on the swap device."""
+
+    def __init__(self, handle: ucp.SaveHandle, reader: TierReader | None, copies: list[TierCopy | ParamCopy]) -> None:
+        self.handle = handle
+        self._reader = reader
+        self._copies = copies
+        self._lock = threading.Lock()  # the training thread and the writer's done-callback may both finish it
+        self._finished = False
+
+    def finish(self) -> None:
+        """The save is done: free what it holds (:func:`_free`); once, from any thread, returning only once it is
+        freed."""
+        with self._lock:
+            if not self._finished:
+                _free(self._reader, self._copies)
+                self._finished = True
+
+
+def _free(reader: TierReader | None, copies: list[TierCopy | ParamCopy]) -> None:
+    """An asynchronous save that streamed copies of the offload tiers is done (or did not start): free the reader's
+    buffers, remove the copies."""
     if reader is not None:
         reader.close()
     for copy in copies:

@@ -9,15 +9,17 @@ Data is world-independent: step ``s``'s global batch is :func:`global_batch` (``
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
 from world import serve_scenarios
 
 import training
+from training.offload import checkpoint as offload_checkpoint
 
 VOCAB, SEQ, ROWS = 96, 16, 4
 
@@ -80,9 +82,25 @@ def train_steps(engine: training.ModuleEngine, steps: range, rank: int = 0, worl
     return losses
 
 
+def corrupting(copy: Callable[[Path, Path], int]) -> Callable[[Path, Path], int]:
+    """``copy`` (training.offload.checkpoint.copy_file: a swap file's copy for a checkpoint), then 16 bytes of the
+    copy overwritten, so the save that reads it fails its CRC check."""
+
+    def corrupt(src: Path, dst: Path) -> int:
+        n = copy(src, dst)
+        with open(dst, "r+b") as f:
+            os.pwrite(f.fileno(), b"\x7f" * 16, 64)
+        return n
+
+    return corrupt
+
+
 def run(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
     """``{"name", "stage", "micro", "gas", "steps": [a, b], "load": dir | null, "save": dir | null, "save_at": k}``,
-    and optionally the config's ``checkpoint`` section (``{"writer": {"decoupled": true}}``: a decoupled save)."""
+    and optionally the config's ``checkpoint`` section (``{"writer": {"decoupled": true}}``: a decoupled save);
+    ``{"faults": true, ...}``: :func:`faults`."""
+    if sc.get("faults"):
+        return faults(sc, rank, world, out)
     extra = {"checkpoint": sc["checkpoint"]} if "checkpoint" in sc else {}
     engine = training.initialize(gpt2(), config=ds_config(sc["stage"], sc["micro"], sc["gas"], **extra))
     try:
@@ -98,6 +116,59 @@ def run(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
         engine.close()
     if rank == 0:
         (out / f"{sc['name']}.json").write_text(json.dumps(losses))
+
+
+def faults(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
+    """Decoupled saves into ``sc["save"]`` that fail on rank 1 only (ZeRO-2, the optimizer on NVMe under
+    ``sc["nvme"]``, ``sc["micro"]`` rows a rank), then ranks giving different tags, then a save that succeeds, then a
+    synchronous one whose ``latest`` rank 0 cannot write. Writes
+    what this rank saw to ``<name>-rank<rank>.json``: ``{"start": error, "corrupt": [global_steps, call, error],
+    "tags": error, "latest": error}`` (each error as ``[type name, message]``)."""
+    zero = {"offload_optimizer": {"device": "nvme", "nvme_path": sc["nvme"]}, "sub_group_size": 20_000}
+    config = ds_config(2, sc["micro"], 1, zero=zero, checkpoint=sc["checkpoint"])
+    engine = training.initialize(gpt2(), config=config)
+    root, real = Path(sc["save"]), offload_checkpoint.copy_file
+    seen: dict[str, Any] = {}
+    try:
+        train_steps(engine, range(1), rank, world)
+        engine.save_checkpoint(root)
+        engine.wait_checkpoints()
+        # rank 1's state cannot be encoded (the saver holds that error until the ranks meet): rank 0 got a handle
+        try:
+            engine.save_checkpoint(root, tag="unsaveable", client_state={"x": {1, 2}} if rank == 1 else None)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            seen["start"] = [type(exc).__name__, str(exc)]
+        # rank 1's copy of its swap files is corrupt: its writer fails, rank 0 gives the commit up
+        if rank == 1:
+            setattr(offload_checkpoint, "copy_file", corrupting(real))  # noqa: B010 - mypy refuses a plain assignment of the stand-in
+        engine.save_checkpoint(root, tag="corrupt")
+        call = "step"
+        try:
+            for s in range(1, 4):
+                train_steps(engine, range(s, s + 1), rank, world)
+                offload_checkpoint.copy_file = real  # the step waited for the copy
+            call = "wait_checkpoints"
+            engine.wait_checkpoints()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            seen["corrupt"] = [engine.global_steps, call, [type(exc).__name__, str(exc)]]
+        finally:
+            offload_checkpoint.copy_file = real
+        try:
+            engine.save_checkpoint(root, tag=f"rank{rank}")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            seen["tags"] = [type(exc).__name__, str(exc)]
+        engine.save_checkpoint(root, tag="after")
+        engine.wait_checkpoints()
+        # a synchronous save whose latest rank 0 cannot write (a directory is in the way of its temporary file)
+        if rank == 0:
+            (root / ".latest.tmp").mkdir()
+        try:
+            engine.save_checkpoint(root, tag="sync", decoupled=False)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            seen["latest"] = [type(exc).__name__, str(exc)]
+    finally:
+        engine.close()
+    (out / f"{sc['name']}-rank{rank}.json").write_text(json.dumps(seen))
 
 
 if __name__ == "__main__":

@@ -8,21 +8,20 @@ raises at the next wait point naming the checkpoint, leaving the previous one lo
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from module_engine_worker import ds_config, gpt2, train_steps
+from module_engine_worker import corrupting, ds_config, gpt2, train_steps
 from training_helpers import run_world
 
 import training
 import ucp
 from training import saving
+from training.offload import OffloadError
 from training.offload import checkpoint as offload_checkpoint
 from ucp.saving.background import execute as execute_mod
 
@@ -78,33 +77,40 @@ def held_commit(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
-@pytest.fixture
-def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The copies of the swap files that saves make (TierCopy, ParamCopy), each slowed down (its first file) so
-    that an optimizer step not waiting for them would begin while they run."""
-    made: list[Any] = []
+class GatedCopies(list[Any]):
+    """The copies of the swap files that saves make (TierCopy, ParamCopy): each is made only once its ``wait()``
+    is called (what the engine calls before it may rewrite the tiers), so a step that did not wait would find it
+    not made."""
 
-    def watched(base: type) -> type:
-        class Watched(base):
+    def release(self) -> None:
+        """Let every copy be made (before closing an engine whose check failed, so nothing waits on a gate)."""
+        for copy in self:
+            copy.gate.set()
+
+
+@pytest.fixture
+def gated_copies(monkeypatch: pytest.MonkeyPatch) -> GatedCopies:
+    made = GatedCopies()
+
+    def gated(base: type) -> type:
+        class Gated(base):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self.gate = threading.Event()  # before the copy starts, on its own thread
                 super().__init__(*args, **kwargs)
                 made.append(self)
 
-        return Watched
+            def _copy(self) -> None:
+                assert self.gate.wait(60), "nothing waited for this copy"
+                super()._copy()
+
+            def wait(self) -> None:
+                self.gate.set()
+                super().wait()
+
+        return Gated
 
     for name in ("TierCopy", "ParamCopy"):
-        monkeypatch.setattr(saving, name, watched(getattr(saving, name)))
-    real = offload_checkpoint.copy_file
-
-    started: set[Path] = set()
-
-    def slow(src: Path, dst: Path) -> int:
-        if dst.parent not in started:
-            started.add(dst.parent)
-            time.sleep(0.2)
-        return real(src, dst)
-
-    monkeypatch.setattr(offload_checkpoint, "copy_file", slow)
+        monkeypatch.setattr(saving, name, gated(getattr(saving, name)))
     return made
 
 
@@ -120,10 +126,15 @@ def steps_after_copies(e: training.ModuleEngine, copies: list[Any], monkeypatch:
     monkeypatch.setattr(e.optimizer, "step", checked)
 
 
+def copies_left(swap: Path) -> list[str]:
+    """The checkpoint copies (TierCopy's, ParamCopy's ``checkpoint-*`` directories) still in swap directory ``swap``."""
+    return sorted(p.name for p in swap.rglob("checkpoint-*"))
+
+
 def test_nvme_zero3_decoupled_save_is_the_sync_save_and_names_latest_once_committed(
-    tmp_path: Path, held_commit: threading.Event, slow_copies: list[Any], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, held_commit: threading.Event, gated_copies: GatedCopies, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sync_root, root = tmp_path / "sync", tmp_path / "decoupled"
+    sync_root, root, swap = tmp_path / "sync", tmp_path / "decoupled", tmp_path / "b"
     ref = engine(3, nvme(tmp_path / "a"), decoupled=False)
     try:
         want = train_steps(ref, range(2))
@@ -132,26 +143,28 @@ def test_nvme_zero3_decoupled_save_is_the_sync_save_and_names_latest_once_commit
     finally:
         ref.close()
 
-    e = engine(3, nvme(tmp_path / "b"), decoupled=True)
-    steps_after_copies(e, slow_copies, monkeypatch)
+    e = engine(3, nvme(swap), decoupled=True)
+    steps_after_copies(e, gated_copies, monkeypatch)
     try:
         assert e.optimizer.param_tier is not None and e.optimizer.offload is not None
         got = train_steps(e, range(1))
         assert e.save_checkpoint(root) is True
-        e.wait_checkpoints()
-        assert latest(root) == "global_step1"
+        assert len(gated_copies) == 2 and copies_left(swap)  # both tiers' swap files, copied once the step waits
         got += train_steps(e, range(1, 2))
+        e.wait_checkpoints()
+        assert latest(root) == "global_step1" and copies_left(swap) == []  # removed once the save is reported
         held_commit.clear()
         e.save_checkpoint(root)  # returns with the commit held: the tag is not committed, latest not moved
         assert latest(root) == "global_step1" and not (root / "global_step2").exists()
         got += train_steps(e, range(2, 4))  # the optimizer steps rewrite both tiers under the save
-        assert latest(root) == "global_step1"
+        assert latest(root) == "global_step1" and len(copies_left(swap)) == 2
         held_commit.set()
         e.wait_checkpoints()
-        assert latest(root) == "global_step2"
-        assert len(slow_copies) == 4  # each save copied both tiers' swap files
+        assert latest(root) == "global_step2" and copies_left(swap) == []
+        assert len(gated_copies) == 4
     finally:
         held_commit.set()
+        gated_copies.release()
         e.close()
     assert got == want  # the save did not disturb training
     assert_same_state(ucp.load(root / "global_step2"), ucp.load(sync_root / "global_step2"))
@@ -168,24 +181,32 @@ def test_nvme_zero3_decoupled_save_is_the_sync_save_and_names_latest_once_commit
 def test_in_memory_zero2_decoupled_save_through_a_writer_process(tmp_path: Path) -> None:
     sync_root, root = tmp_path / "sync", tmp_path / "decoupled"
     ref = engine(2, {}, decoupled=False)
-    want = train_steps(ref, range(2))
-    ref.save_checkpoint(sync_root, client_state={"epoch": 1})
-    want += train_steps(ref, range(2, 4))
+    try:
+        want = train_steps(ref, range(2))
+        ref.save_checkpoint(sync_root, client_state={"epoch": 1})
+        want += train_steps(ref, range(2, 4))
+    finally:
+        ref.close()
 
     saver = ucp.AsyncSaver(mode="process")
     try:
         e = engine(2, {}, decoupled=True, saver=saver)
-        got = train_steps(e, range(2))
-        e.save_checkpoint(root, client_state={"epoch": 1})
-        got += train_steps(e, range(2, 4))
-        e.close()  # waits for the save in flight; the saver is the caller's
+        try:
+            got = train_steps(e, range(2))
+            e.save_checkpoint(root, client_state={"epoch": 1})
+            got += train_steps(e, range(2, 4))
+        finally:
+            e.close()  # waits for the save in flight; the saver is the caller's
         assert saver.writer_pid is not None
         assert latest(root) == "global_step2" and got == want
         assert_same_state(ucp.load(root / "global_step2"), ucp.load(sync_root / "global_step2"))
 
         resumed = engine(1, {}, decoupled=False)  # another ZeRO stage, synchronous saves
-        assert resumed.load_checkpoint(root) == (str(root / "global_step2"), {"epoch": 1})
-        assert train_steps(resumed, range(2, 4)) == want[2:]
+        try:
+            assert resumed.load_checkpoint(root) == (str(root / "global_step2"), {"epoch": 1})
+            assert train_steps(resumed, range(2, 4)) == want[2:]
+        finally:
+            resumed.close()
     finally:
         saver.close()
 
@@ -194,9 +215,6 @@ def test_a_failed_decoupled_save_raises_at_the_next_wait_point_and_keeps_the_pre
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fault: the copy of a swap file the save streams is corrupt on disk, so the writer's CRC check fails."""
-    from training.offload import OffloadError
-    from training.offload import checkpoint as offload_checkpoint
-
     root = tmp_path / "ckpt"
     e = engine(2, nvme(tmp_path / "swap", params=False), decoupled=True)
     try:
@@ -205,15 +223,7 @@ def test_a_failed_decoupled_save_raises_at_the_next_wait_point_and_keeps_the_pre
         e.wait_checkpoints()
         assert latest(root) == "global_step1"
 
-        real = offload_checkpoint.copy_file
-
-        def corrupting(src: Path, dst: Path) -> int:
-            n = real(src, dst)
-            with open(dst, "r+b") as f:
-                os.pwrite(f.fileno(), b"\x7f" * 16, 64)
-            return n
-
-        monkeypatch.setattr(offload_checkpoint, "copy_file", corrupting)
+        monkeypatch.setattr(offload_checkpoint, "copy_file", corrupting(offload_checkpoint.copy_file))
         train_steps(e, range(1, 2))
         lone = tmp_path / "lone"
         handle = e.save(lone)
@@ -237,19 +247,64 @@ def test_a_failed_decoupled_save_raises_at_the_next_wait_point_and_keeps_the_pre
     assert latest(root) == "global_step1"
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["global_step1", "latest"]
     fresh = engine(1, {}, decoupled=False)
-    assert fresh.load_checkpoint(root)[0] == str(root / "global_step1") and fresh.global_steps == 1
+    try:
+        assert fresh.load_checkpoint(root)[0] == str(root / "global_step1") and fresh.global_steps == 1
+    finally:
+        fresh.close()
 
 
-def test_two_ranks_decoupled_save_is_the_sync_save(tmp_path: Path) -> None:
+def test_two_ranks_decoupled_save_is_the_sync_save_and_a_failure_on_one_rank_raises_on_both(tmp_path: Path) -> None:
     """A gloo world of 2 ranks at ZeRO-2: a decoupled save_checkpoint (the ranks agree on its tag and, at each
-    step, on whether it is over) writes the synchronous save's checkpoint, and the run's losses are the same."""
+    step, on whether it is over) writes the synchronous save's checkpoint, and the run's losses are the same.
+
+    Then (module_engine_worker.faults, the optimizer on NVMe) saves that fail on rank 1 only raise a
+    CheckpointError naming the checkpoint on both ranks at the same call: one whose state rank 1 cannot encode
+    (rank 0's saver started it; rank 1's did not), one whose copy of rank 1's swap files is corrupt; different
+    tags raise ValueError on both; none of these leaves a checkpoint or moves latest, and a save after them works.
+    A synchronous save whose latest rank 0 cannot write raises on both ranks (rank 0 its OSError)."""
     base = {"stage": 2, "micro": 2, "gas": 1, "steps": [0, 4], "save_at": 2}
+    faults, swap = tmp_path / "faults", tmp_path / "swap"
+    swap.mkdir()
     scenarios = [
         {**base, "name": "sync", "save": str(tmp_path / "sync")},
         {**base, "name": "decoupled", "save": str(tmp_path / "decoupled"), "checkpoint": DECOUPLED},
+        {
+            "name": "faults",
+            "faults": True,
+            "micro": 2,
+            "save": str(faults),
+            "nvme": str(swap),
+            "checkpoint": DECOUPLED,
+        },
     ]
     run_world(2, scenarios, tmp_path / "world", timeout=240, worker=WORKER)
-    losses = {s["name"]: json.loads((tmp_path / "world" / f"{s['name']}.json").read_text()) for s in scenarios}
+    losses = {s["name"]: json.loads((tmp_path / "world" / f"{s['name']}.json").read_text()) for s in scenarios[:2]}
     assert losses["decoupled"] == losses["sync"]
     assert latest(tmp_path / "decoupled") == latest(tmp_path / "sync") == "global_step2"
     assert_same_state(ucp.load(tmp_path / "decoupled" / "global_step2"), ucp.load(tmp_path / "sync" / "global_step2"))
+
+    seen = [json.loads((tmp_path / "world" / f"faults-rank{r}.json").read_text()) for r in range(2)]
+    start = f"the decoupled save of checkpoint {faults / 'unsaveable'} failed to start"
+    assert seen[0]["start"] == ["CheckpointError", f"{start} on another rank (see its error)"]
+    assert seen[1]["start"][0] == "CheckpointError" and seen[1]["start"][1].startswith(f"{start}: ")
+    assert "builtins.set cannot be saved" in seen[1]["start"][1]
+    # the same call on both ranks (the step after which, or wait_checkpoints), each naming the checkpoint
+    assert seen[0]["corrupt"][:2] == seen[1]["corrupt"][:2]
+    for rank in range(2):
+        kind, message = seen[rank]["corrupt"][2]
+        assert kind == "CheckpointError", message
+        assert message.startswith(f"the decoupled save of checkpoint {faults / 'corrupt'} failed"), message
+        assert "after rank 0 had committed it" not in message
+        assert seen[rank]["tags"] == [
+            "ValueError",
+            f"save_checkpoint: the ranks gave different tags (this rank: 'rank{rank}'); give them all one",
+        ]
+    assert "CRC" in seen[1]["corrupt"][2][1]  # rank 1's own error: its copy did not match
+    assert seen[0]["latest"][0] == "IsADirectoryError" and ".latest.tmp" in seen[0]["latest"][1]
+    assert seen[1]["latest"] == [
+        "CheckpointError",
+        f"{faults / 'sync'} is saved, but rank 0 could not write {faults / 'latest'} (see its error)",
+    ]
+    assert latest(faults) == "after"
+    names = sorted(p.name for p in faults.iterdir() if not p.name.startswith("."))
+    assert names == ["after", "global_step1", "latest", "sync"]
