@@ -65,6 +65,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -207,6 +208,15 @@ def timed(fn: Callable[[], Any], total: list[float]) -> Callable[[], Any]:
     return wrapper
 
 
+def train_step(engine: Any, args: argparse.Namespace, s: int) -> float:
+    """Step ``s`` of either engine (they share DeepSpeed's calls); returns its loss."""
+    x = batch(s, args)
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach().float())
+
+
 def ucp_engine(args: argparse.Namespace, way: str, nvme_path: Path) -> Driver:
     import training
 
@@ -217,18 +227,11 @@ def ucp_engine(args: argparse.Namespace, way: str, nvme_path: Path) -> Driver:
     # the step's wait for a decoupled save's snapshot (and its copies of swap files) before it changes the weights
     engine._saves.wait_snapshot = timed(engine._saves.wait_snapshot, waited)
 
-    def step(s: int) -> float:
-        x = batch(s, args)
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss.detach().float())
-
     def save(root: Path) -> Any:
         engine.save_checkpoint(root)
         return engine._decoupled[-1].handle if engine._decoupled else None  # a decoupled save in flight
 
-    return Driver(step, save, lambda: waited[0], engine.close, params)
+    return Driver(partial(train_step, engine, args), save, lambda: waited[0], engine.close, params)
 
 
 def ds_engine(args: argparse.Namespace, way: str, nvme_path: Path) -> Driver:
@@ -257,13 +260,6 @@ def ds_engine(args: argparse.Namespace, way: str, nvme_path: Path) -> Driver:
     # the step's commit of the decoupled save before it (the writer process's whole write)
     commit = engine._commit_decoupled_checkpoint = timed(engine._commit_decoupled_checkpoint, waited)
 
-    def step(s: int) -> float:
-        x = batch(s, args)
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss.detach().float())
-
     def close() -> None:
         if decoupled:
             commit()  # the last save: committed and named in `latest`, as the next step would have
@@ -272,7 +268,7 @@ def ds_engine(args: argparse.Namespace, way: str, nvme_path: Path) -> Driver:
     def save(root: Path) -> None:
         engine.save_checkpoint(str(root))
 
-    return Driver(step, save, lambda: waited[0], close, params)
+    return Driver(partial(train_step, engine, args), save, lambda: waited[0], close, params)
 
 
 def run_way(args: argparse.Namespace) -> dict[str, Any]:
