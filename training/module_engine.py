@@ -189,7 +189,7 @@ class ModuleEngine:
         At a boundary it first waits for a decoupled save's snapshot (and its copies of NVMe swap files) to be
         taken, since the step changes the weights; once the step is applied it raises the failure of a decoupled
         save that has failed meanwhile, so the training state is whole. While decoupled saves are in flight the
-        ranks agree on that at each boundary (one small all-reduce): call it on every rank, as the step's own
+        ranks agree on that at each boundary (one or two small all-reduces per save reported): call it on every rank, as the step's own
         gradient reduction requires anyway."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -308,8 +308,16 @@ class ModuleEngine:
         else:
             self.wait_checkpoints()
 
+        reached = False  # whether this rank got as far as its saver (the ranks agree on that before they enter it)
+
         def write(state: dict[str, Any]) -> ucp.Manifest | ucp.SaveHandle:
-            return ucp.save(state, path, **options) if saver is None else saver.save(state, path, **options)
+            nonlocal reached
+            if saver is None:
+                return ucp.save(state, path, **options)
+            reached = True
+            if self._any_rank(False):  # another rank failed before its saver: none enters its collectives
+                raise _StartedElsewhere()
+            return saver.save(state, path, **options)
 
         def state(streamed: TierReader | None, params: bool | ParamCopy) -> dict[str, Any]:
             return self.state_dict_for_checkpoint(client_state, streamed, stream_params=params)
@@ -321,13 +329,14 @@ class ModuleEngine:
             result = self._saves.save(state, write, saver)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said whether its save started
             error = exc
+        if error is not None and not reached:  # failed making its copies or state: meet the others before their saver
+            self._any_rank(True)
         if self._any_rank(error is not None):  # a handle here but none on another rank: it cannot commit
-            where = (
-                f"failed to start: {error}" if error is not None else "failed to start on another rank (see its error)"
-            )
+            mine = error is not None and not isinstance(error, _StartedElsewhere)
+            where = f"failed to start: {error}" if mine else "failed to start on another rank (see its error)"
             raise ucp.CheckpointError(
                 f"the decoupled save of checkpoint {os.fspath(path)} {where}", file=os.fspath(path)
-            ) from error
+            ) from (error if mine else None)
         assert isinstance(result, ucp.SaveHandle)
         self._decoupled.append(_Decoupled(result, os.fspath(path)))
         return result
@@ -579,6 +588,10 @@ class ModuleEngine:
         path = root / tag
         state = self.load(path, load_module_only=load_module_only or not load_optimizer_states)
         return str(path), state
+
+
+class _StartedElsewhere(Exception):
+    """A decoupled save not started here because another rank failed before it reached its saver."""
 
 
 @dataclass

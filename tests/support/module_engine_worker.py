@@ -19,6 +19,7 @@ import transformers
 from world import serve_scenarios
 
 import training
+from training import saving
 from training.offload import checkpoint as offload_checkpoint
 
 VOCAB, SEQ, ROWS = 96, 16, 4
@@ -122,12 +123,16 @@ def faults(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
     """Decoupled saves into ``sc["save"]`` that fail on rank 1 only (ZeRO-2, the optimizer on NVMe under
     ``sc["nvme"]``, ``sc["micro"]`` rows a rank), then ranks giving different tags, then a save that succeeds, then a
     synchronous one whose ``latest`` rank 0 cannot write. Writes
-    what this rank saw to ``<name>-rank<rank>.json``: ``{"start": error, "corrupt": [global_steps, call, error],
+    what this rank saw to ``<name>-rank<rank>.json``: ``{"start": error, "early": error, "corrupt": [global_steps, call, error],
     "tags": error, "latest": error}`` (each error as ``[type name, message]``)."""
     zero = {"offload_optimizer": {"device": "nvme", "nvme_path": sc["nvme"]}, "sub_group_size": 20_000}
     config = ds_config(2, sc["micro"], 1, zero=zero, checkpoint=sc["checkpoint"])
     engine = training.initialize(gpt2(), config=config)
-    root, real = Path(sc["save"]), offload_checkpoint.copy_file
+    root, real, real_copy = Path(sc["save"]), offload_checkpoint.copy_file, saving.TierCopy
+
+    def no_room(*_args: Any) -> Any:
+        raise OSError(28, "no room for the copy")
+
     seen: dict[str, Any] = {}
     try:
         train_steps(engine, range(1), rank, world)
@@ -138,6 +143,15 @@ def faults(sc: dict[str, Any], rank: int, world: int, out: Path) -> None:
             engine.save_checkpoint(root, tag="unsaveable", client_state={"x": {1, 2}} if rank == 1 else None)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             seen["start"] = [type(exc).__name__, str(exc)]
+        # rank 1 cannot make its copy of the swap files, before it reaches its saver: rank 0 must not enter it alone
+        if rank == 1:
+            setattr(saving, "TierCopy", no_room)  # noqa: B010 - mypy refuses a plain assignment of the stand-in
+        try:
+            engine.save_checkpoint(root, tag="uncopied")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            seen["early"] = [type(exc).__name__, str(exc)]
+        finally:
+            setattr(saving, "TierCopy", real_copy)  # noqa: B010 - as above
         # rank 1's copy of its swap files is corrupt: its writer fails, rank 0 gives the commit up
         if rank == 1:
             setattr(offload_checkpoint, "copy_file", corrupting(real))  # noqa: B010 - mypy refuses a plain assignment of the stand-in

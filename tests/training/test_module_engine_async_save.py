@@ -288,6 +288,10 @@ def test_two_ranks_decoupled_save_is_the_sync_save_and_a_failure_on_one_rank_rai
     assert seen[0]["start"] == ["CheckpointError", f"{start} on another rank (see its error)"]
     assert seen[1]["start"][0] == "CheckpointError" and seen[1]["start"][1].startswith(f"{start}: ")
     assert "builtins.set cannot be saved" in seen[1]["start"][1]
+    # rank 1 failed before its saver: rank 0 did not enter the saver's collectives alone (no hang), both raise
+    early = f"the decoupled save of checkpoint {faults / 'uncopied'} failed to start"
+    assert seen[0]["early"] == ["CheckpointError", f"{early} on another rank (see its error)"]
+    assert seen[1]["early"] == ["CheckpointError", f"{early}: [Errno 28] no room for the copy"]
     # the same call on both ranks (the step after which, or wait_checkpoints), each naming the checkpoint
     assert seen[0]["corrupt"][:2] == seen[1]["corrupt"][:2]
     for rank in range(2):
