@@ -144,7 +144,8 @@ class DeepSpeedConfig(BaseModel):
                 fields["clip"] = float(value) if value > 0 else None
             elif key == "checkpoint":
                 fields.update(_checkpoint(value))
-            # zero_optimization, aio: below, through OffloadConfig.from_deepspeed
+            else:  # zero_optimization, aio: below, through OffloadConfig.from_deepspeed (a key of _TOP_KEYS: a branch)
+                assert key in ("zero_optimization", "aio"), f"{key}: in _TOP_KEYS but read nowhere"
         zero: dict[str, Any] = {k: config[k] for k in ("zero_optimization", "aio") if k in config}
         zero.setdefault("zero_optimization", {})
         offload = OffloadConfig.from_deepspeed(zero, **overrides)
