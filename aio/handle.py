@@ -189,9 +189,9 @@ class AioHandle:
     def _read_all(self, f: OpenFile, ranges: list[tuple[int, memoryview]]) -> None:
         """Read checked ``(offset, view)`` ranges of ``f``, all in flight together; raise the first error.
 
-        The ranges become few large aligned requests (:mod:`aio.scatter`). If a submit fails, the
-        requests already in flight are waited for before raising: they write into the caller's
-        memory, which the caller may reuse or free once we return.
+        The ranges become few large aligned requests (:mod:`aio.scatter`). Whatever ends the call early (a
+        failed submit, a Ctrl-C), the requests already in flight are waited for before raising: they write
+        into the caller's memory, which the caller may reuse or free once we return.
         """
         align = self.config.alignment if f.direct else 1
         requests = plan_reads(
@@ -200,28 +200,32 @@ class AioHandle:
         futures: list[Future] = []
         try:
             for req in requests:
-                futures.append(self._submit_request(f, req))
+                self._submit_request(f, req, futures)
+            _wait_all(futures)
         except BaseException:
+            # Whatever was raised (a failed submit, a read error, a Ctrl-C landing anywhere in between, even
+            # between two waits), nothing may still write into the caller's memory once we raise.
             _settle(futures)
             raise
-        try:
-            _wait_all(futures)
         finally:  # an error raised from here must not keep the caller's buffers referenced by this frame
             futures, requests, ranges = [], [], []
 
-    def _submit_request(self, f: OpenFile, req: ReadRequest) -> Future:
-        """Submit one planned read; its future raises if the file ends before the wanted bytes. A request
-        with staged segments holds a staging block until it completes and its bytes are copied out."""
+    def _submit_request(self, f: OpenFile, req: ReadRequest, into: list[Future]) -> None:
+        """Submit one planned read and append its future to ``into`` inside the guarded block, so a Ctrl-C landing
+        after the submit finds the read either here (waited for) or in ``into`` (the caller waits for it); the
+        future raises if the file ends before the wanted bytes. A request with staged segments holds a staging
+        block until it completes and its bytes are copied out."""
         if not req.staged:
             inner: Future = Future()
             expected = _expect(inner, req.need, f, req.offset)
             try:
                 self._submit_vector(f, req.offset, req.buffers(None), inner)
+                into.append(expected)
             except BaseException as exc:  # e.g. a Ctrl-C: a read the engine took still writes into dest
                 if not _never_taken(inner, exc):
                     _settle([expected])  # ... so wait for it, as the caller may reuse dest once we raise
                 raise
-            return expected
+            return
         block: AlignedBuffer | None = None
         result: Future = Future()
         inner = Future()
@@ -249,11 +253,12 @@ class AioHandle:
             _take(self.pool, keep)
             assert block is not None
             self._submit_vector(f, req.offset, req.buffers(block.view(req.staged)), inner)
+            into.append(result)
         except BaseException as exc:  # e.g. a Ctrl-C: if the engine took the read, it copies into dest when done
-            if not _never_taken(inner, exc):
-                _settle([result])  # ... so wait for that, as the caller may reuse dest once we raise
+            _never_taken(inner, exc)  # completes ``inner`` if the engine never took the read
+            if block is not None:  # ``done`` completes ``result`` once ``inner`` is done, after copying into dest:
+                _settle([result])  # wait for that even when ``inner`` is done already (its callbacks may still run)
             raise
-        return result
 
     def _submit_vector(self, f: OpenFile, offset: int, buffers: list[memoryview], future: Future) -> None:
         if len(buffers) == 1:
