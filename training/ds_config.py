@@ -247,25 +247,25 @@ def _read_keys(
 def _checkpoint(section: Any) -> dict[str, Any]:
     """``{"writer": {"decoupled": bool, ...}, ...}`` (None: DeepSpeed's defaults): decoupled saves; the keys that
     tune DeepSpeed's own writer are logged as ignored; any other key is an error naming it."""
-    if section is None:
+    if not _object_or_none("checkpoint", section):
         return {}
-    if not isinstance(section, dict):
-        raise ValueError(f"checkpoint must be a JSON object, got {type(section).__name__}")
     read = _read_keys("checkpoint.", section, ("writer",), CHECKPOINT_IGNORED, CHECKPOINT_UNSUPPORTED)
-    return _writer(read.get("writer"))
-
-
-def _writer(section: Any) -> dict[str, Any]:
-    if section is None:  # DeepSpeed's default: no writer section
+    writer: Any = read.get("writer")
+    if not _object_or_none("checkpoint.writer", writer):  # DeepSpeed's default: no writer section
         return {}
-    if not isinstance(section, dict):
-        raise ValueError(f"checkpoint.writer must be a JSON object, got {type(section).__name__}")
-    out: dict[str, Any] = {}
-    for k, v in _read_keys("checkpoint.writer.", section, ("decoupled",), WRITER_IGNORED, {}).items():
-        if not isinstance(v, bool):
-            raise ValueError(f"checkpoint.writer.{k}={v!r}: true or false")
-        out["decoupled_save"] = v
-    return out
+    read = _read_keys("checkpoint.writer.", writer, ("decoupled",), WRITER_IGNORED, {})
+    if "decoupled" not in read:
+        return {}
+    if not isinstance(read["decoupled"], bool):
+        raise ValueError(f"checkpoint.writer.decoupled={read['decoupled']!r}: true or false")
+    return {"decoupled_save": read["decoupled"]}
+
+
+def _object_or_none(where: str, section: Any) -> bool:
+    """Whether ``section`` is a JSON object (None: absent, DeepSpeed's defaults); anything else is an error."""
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(section).__name__}")
+    return section is not None
 
 
 def _optimizer(section: Any) -> dict[str, Any]:

@@ -189,8 +189,8 @@ class ModuleEngine:
         At a boundary it first waits for a decoupled save's snapshot (and its copies of NVMe swap files) to be
         taken, since the step changes the weights; once the step is applied it raises the failure of a decoupled
         save that has failed meanwhile, so the training state is whole. While decoupled saves are in flight the
-        ranks agree on that at each boundary (one or two small all-reduces per save reported): call it on every rank, as the step's own
-        gradient reduction requires anyway."""
+        ranks agree on that at each boundary (one or two small all-reduces per save reported): call it on every
+        rank, as the step's own gradient reduction requires anyway."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -381,9 +381,7 @@ class ModuleEngine:
         done = handle.done()
         error = handle.exception() if done else None
         committed = done and error is None and self.dp.index == 0
-        flags = torch.tensor([float(not done), float(error is not None), float(committed)], device=self.device)
-        self.dp.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        running, failed, committed = (bool(v) for v in flags.tolist())
+        running, failed, committed = (bool(v) for v in self._rank_max([not done, error is not None, committed]))
         return running, failed, committed
 
     def _wait_here(self) -> None:
@@ -403,9 +401,14 @@ class ModuleEngine:
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank (one all-reduce; every rank must call it)."""
-        t = torch.tensor([float(flag)], device=self.device)
+        return bool(self._rank_max([flag])[0])
+
+    def _rank_max(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks (one all-reduce; every rank must call it). float64: exact for any
+        32-bit integer."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.dp.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item())
+        return [float(v) for v in t.tolist()]
 
     def load(self, path: str | os.PathLike[str], *, load_module_only: bool = False) -> Any:
         """Resume from the checkpoint directory at ``path``, whatever world size, ZeRO stage or offload
@@ -543,9 +546,8 @@ class ModuleEngine:
     def _agree_on_tag(self, tag: str) -> None:
         """Every rank saves the same tag (a checkpoint is one directory): one all-reduce, a barrier too."""
         crc = zlib.crc32(tag.encode())
-        seen = torch.tensor([crc, -crc], dtype=torch.int64, device=self.device)
-        self.dp.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-        if int(seen[0]) != crc or -int(seen[1]) != crc:
+        high, low = self._rank_max([crc, -crc])
+        if high != crc or -low != crc:
             raise ValueError(f"save_checkpoint: the ranks gave different tags (this rank: {tag!r}); give them all one")
 
     def _point_latest(self, root: Path, tag: str, begun: int, handle: ucp.SaveHandle | None) -> None:
