@@ -315,8 +315,18 @@ def clean_leftovers(root: str | os.PathLike[str], *, keep: set[str] = frozenset(
                 continue
             remove_path(path)  # a symlinked entry: the link goes, its target stays
             removed.append(name)
-        elif LATEST_TMP_RE.match(name) and _remove_unlocked(path):
-            removed.append(name)
+    temps = [name for name in names if LATEST_TMP_RE.match(name)]
+    if temps:
+        # Only while no write_latest holds root's lock: one that does may be between creating its temp file and
+        # locking it, where the file's own lock does not yet say it is being written.
+        idle = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(idle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            removed += [name for name in temps if _remove_unlocked(os.path.join(root, name))]
+        except BlockingIOError:
+            pass  # a pointer is being written: its leftovers go at a later cleaning
+        finally:
+            os.close(idle)
     return removed
 
 
